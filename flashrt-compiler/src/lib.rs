@@ -1,0 +1,2 @@
+//! flashrt-compiler (placeholder, being written).
+pub use flashrt_ir as ir;

@@ -1,0 +1,306 @@
+//! The model IR: what a model *is*, independent of how it was written down.
+//!
+//! Every front-end (TOML, `#[flashrt::model]`, Hugging Face `config.json`) produces a
+//! [`ModelIr`]; two descriptions of the same model yield equal IR (and equal hashes). The
+//! layer stack is fully expanded: `layers[i]` is decoder layer `i` of the checkpoint.
+
+use serde::{Deserialize, Serialize};
+use std::hash::{Hash, Hasher};
+
+/// An `f64` that is `Eq + Hash` by its bit pattern (the IR never holds NaN).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct F64(pub f64);
+
+impl Eq for F64 {}
+impl Hash for F64 {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // +0.0 and -0.0 compare equal; hash them alike.
+        let v = if self.0 == 0.0 { 0.0f64 } else { self.0 };
+        v.to_bits().hash(state);
+    }
+}
+
+impl F64 {
+    pub fn get(self) -> f64 {
+        self.0
+    }
+}
+
+/// Element type of a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    Bf16,
+    F16,
+    I32,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::Bf16 | DType::F16 => 2,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+            DType::I32 => "i32",
+        }
+    }
+    pub fn parse(s: &str) -> Option<DType> {
+        Some(match s {
+            "f32" | "float32" | "fp32" => DType::F32,
+            "bf16" | "bfloat16" => DType::Bf16,
+            "f16" | "float16" | "fp16" => DType::F16,
+            _ => return None,
+        })
+    }
+}
+
+/// Whether a stored RMSNorm weight is the scale itself (`w`) or an offset from one (`1 + w`,
+/// "zero-centred", Qwen3.5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormWeight {
+    Plain,
+    OnePlus,
+}
+
+/// RMSNorm convention used by every norm of the model that is not explicitly different.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct NormIr {
+    pub eps: F64,
+    pub weight: NormWeight,
+}
+
+/// Order of normalisation and SiLU gating in a gated RMSNorm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GateOrder {
+    /// `w * rmsnorm(x) * silu(z)` (Gated DeltaNet's output norm).
+    NormThenGate,
+    /// `w * rmsnorm(x * silu(z))` (Mamba2's grouped output norm).
+    GateThenNorm,
+}
+
+/// Which checkpoint naming convention weights follow (the Hugging Face `model_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightNaming {
+    /// `qwen3_5_text`: `model.layers.N.{linear_attn,self_attn,mlp}.*`.
+    Qwen35,
+    /// `lfm2`: `model.layers.N.{conv,self_attn,feed_forward}.*`, final norm `model.embedding_norm`.
+    Lfm2,
+    /// `nemotron_h`: `backbone.layers.N.mixer.*`, final norm `backbone.norm_f`.
+    NemotronH,
+}
+
+impl WeightNaming {
+    pub fn hf_model_type(self) -> &'static str {
+        match self {
+            WeightNaming::Qwen35 => "qwen3_5_text",
+            WeightNaming::Lfm2 => "lfm2",
+            WeightNaming::NemotronH => "nemotron_h",
+        }
+    }
+    pub fn from_hf_model_type(s: &str) -> Option<Self> {
+        Some(match s {
+            "qwen3_5_text" | "qwen3_5" | "qwen3_next" => WeightNaming::Qwen35,
+            "lfm2" => WeightNaming::Lfm2,
+            "nemotron_h" => WeightNaming::NemotronH,
+            _ => return None,
+        })
+    }
+}
+
+/// Rotary position embedding on the first `rotary_dims` dims of each head (rotate-half
+/// convention; the remaining dims pass through).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RopeIr {
+    pub theta: F64,
+    pub rotary_dims: usize,
+}
+
+/// Full causal softmax attention with grouped KV heads.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct AttentionIr {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Per-head RMSNorm of q and k (model norm convention) before RoPE.
+    pub qk_norm: bool,
+    /// `None`: no positional encoding (Nemotron-H).
+    pub rope: Option<RopeIr>,
+    /// Qwen3.5: `q_proj` emits `[query | gate]` per head; output is `o * sigmoid(gate)`.
+    pub output_gate: bool,
+}
+
+/// Gated DeltaNet (Qwen3.5 `linear_attention`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GatedDeltaNetIr {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    /// Depthwise causal conv kernel width over the qkv channels.
+    pub conv: usize,
+    pub norm_order: GateOrder,
+}
+
+impl GatedDeltaNetIr {
+    pub fn qkv_channels(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+}
+
+/// LFM2 gated short convolution block: `out_proj(C * conv(B * x))`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ShortConvIr {
+    pub conv: usize,
+    pub bias: bool,
+}
+
+/// Mamba2 selective state-space mixer (Nemotron-H).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Mamba2Ir {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub groups: usize,
+    pub state: usize,
+    pub conv: usize,
+    /// Chunk length of the chunked scan (a kernel tiling choice; the math is the recurrence).
+    pub chunk: usize,
+    pub conv_bias: bool,
+    /// Lower clamp of `dt` after softplus, applied on every path (`None`: no clamp).
+    pub dt_min: Option<F64>,
+    pub norm_order: GateOrder,
+}
+
+impl Mamba2Ir {
+    pub fn inner(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    pub fn conv_channels(&self) -> usize {
+        self.inner() + 2 * self.groups * self.state
+    }
+}
+
+/// A token mixer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MixerIr {
+    Attention(AttentionIr),
+    GatedDeltanet(GatedDeltaNetIr),
+    ShortConv(ShortConvIr),
+    Mamba2(Mamba2Ir),
+}
+
+impl MixerIr {
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            MixerIr::Attention(_) => "attention",
+            MixerIr::GatedDeltanet(_) => "gated_deltanet",
+            MixerIr::ShortConv(_) => "short_conv",
+            MixerIr::Mamba2(_) => "mamba2",
+        }
+    }
+}
+
+/// Channel mixer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MlpIr {
+    /// `down(silu(gate x) * up x)`.
+    Swiglu { intermediate: usize },
+    /// `down(relu(up x)^2)`.
+    Relu2 { intermediate: usize },
+}
+
+impl MlpIr {
+    pub fn intermediate(&self) -> usize {
+        match *self {
+            MlpIr::Swiglu { intermediate } | MlpIr::Relu2 { intermediate } => intermediate,
+        }
+    }
+}
+
+/// One decoder layer: `x += mixer(norm(x))` then `x += mlp(norm(x))`; either part may be
+/// absent (Nemotron-H blocks hold exactly one), never both.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LayerIr {
+    /// The user's name for this layer kind (`[kinds.<name>]`).
+    pub kind: String,
+    pub mixer: Option<MixerIr>,
+    pub mlp: Option<MlpIr>,
+}
+
+/// Multi-token-prediction head (Qwen3.5/3.6 style): `fc([norm(embed(t)) ; norm(h)])`, then
+/// `layers` decoder layers, a final norm and the shared LM head.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MtpIr {
+    pub layers: Vec<LayerIr>,
+}
+
+/// A whole model.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ModelIr {
+    /// snake_case model name; the generated Rust type is its CamelCase form.
+    pub name: String,
+    pub vocab: usize,
+    pub hidden: usize,
+    /// Weight and activation dtype on accelerators (the CPU backend computes in f32).
+    pub dtype: DType,
+    pub max_seq: usize,
+    /// Prefill chunk sizes, ascending; the decode step is the bucket 1.
+    pub prefill_buckets: Vec<usize>,
+    pub norm: NormIr,
+    /// The LM head reuses the embedding table.
+    pub tied_embeddings: bool,
+    pub layers: Vec<LayerIr>,
+    pub mtp: Option<MtpIr>,
+    pub weights: WeightNaming,
+}
+
+impl ModelIr {
+    /// A stable 64-bit hash of the IR (FNV-1a over its canonical JSON form).
+    pub fn ir_hash(&self) -> u64 {
+        fnv1a(serde_json::to_string(self).expect("IR serialises").as_bytes())
+    }
+
+    /// The generated Rust type name (`qwen36_27b` -> `Qwen3627b`).
+    pub fn type_name(&self) -> String {
+        camel_case(&self.name)
+    }
+}
+
+/// FNV-1a, 64-bit: a stable, dependency-free content hash (identity, not security).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// `snake_case` -> `CamelCase`; digits are kept, separators dropped.
+pub fn camel_case(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut up = true;
+    for c in s.chars() {
+        if c == '_' || c == '-' {
+            up = true;
+        } else if up {
+            out.extend(c.to_uppercase());
+            up = false;
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

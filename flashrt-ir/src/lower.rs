@@ -1,0 +1,528 @@
+//! Lowering: [`ModelIr`] -> [`Layout`] + [`Plan`]s.
+//!
+//! The lowering assumes checked IR (the compiler's `check` stage guarantees divisibility,
+//! non-zero sizes and head-count consistency). It is deterministic: the same IR and target
+//! always give byte-identical layouts and plans, hence the same fingerprint.
+
+use crate::ir::*;
+use crate::layout::*;
+use crate::plan::*;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Ids of the I/O buffers every plan reads or writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct IoIds {
+    /// `[max_rows]` i32 token ids of the chunk.
+    pub tokens: BufferId,
+    /// `[max_rows, vocab]` f32 logits of every row of the chunk.
+    pub logits: BufferId,
+    /// `[1]` i32 absolute position of the chunk's first token.
+    pub pos: BufferId,
+    /// `[1]` i32 number of valid rows.
+    pub len: BufferId,
+}
+
+/// Everything a backend needs to run a model.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Compiled {
+    pub ir: ModelIr,
+    pub layout: Layout,
+    pub io: IoIds,
+    /// One plan per prefill bucket (ascending), then the decode plan.
+    pub plans: Vec<Plan>,
+}
+
+impl Compiled {
+    pub fn plan(&self, phase: Phase) -> Option<&Plan> {
+        self.plans.iter().find(|p| p.phase == phase)
+    }
+    pub fn fingerprint(&self) -> &str {
+        &self.layout.fingerprint
+    }
+}
+
+/// Compile checked IR for a target.
+pub fn compile(ir: &ModelIr, target: Target) -> Compiled {
+    let max_rows = ir.prefill_buckets.iter().copied().max().unwrap_or(1).max(1);
+    let mut cx = Lower {
+        ir,
+        target,
+        max_rows,
+        b: LayoutBuilder::default(),
+        scratch_widths: BTreeMap::new(),
+        ops: Vec::new(),
+    };
+    let io = cx.io();
+    let body = cx.lower_body(io);
+    cx.ops = body;
+    let ops = std::mem::take(&mut cx.ops);
+    // Scratch buffers are created last so their widths are the maxima over every use.
+    let scratch_ids = cx.materialise_scratch();
+    let ops = ops.into_iter().map(|op| resolve(op, &scratch_ids)).collect::<Vec<_>>();
+    let layout = cx.b.finish(&ir.name, target, max_rows, ir.max_seq, ir.ir_hash());
+    let mut phases: Vec<Phase> = ir
+        .prefill_buckets
+        .iter()
+        .map(|&bucket| Phase::Prefill { bucket })
+        .collect();
+    phases.push(Phase::Decode);
+    let plans = phases
+        .into_iter()
+        .map(|phase| Plan { phase, ops: ops.clone() })
+        .collect();
+    Compiled { ir: ir.clone(), layout, io, plans }
+}
+
+/// Scratch buffers are referred to by a placeholder id (`u32::MAX - slot`) until their widths
+/// are known; `resolve` swaps in the real ids.
+const SCRATCH_BASE: u32 = u32::MAX - 4096;
+
+struct Lower<'a> {
+    ir: &'a ModelIr,
+    target: Target,
+    max_rows: usize,
+    b: LayoutBuilder,
+    /// scratch name -> (slot, width)
+    scratch_widths: BTreeMap<&'static str, (u32, usize)>,
+    ops: Vec<Op>,
+}
+
+impl<'a> Lower<'a> {
+    fn io(&mut self) -> IoIds {
+        let r = self.max_rows;
+        let tokens = self.b.push("io.tokens".into(), Role::Io, DType::I32, vec![r], None, None, None);
+        let logits =
+            self.b.push("io.logits".into(), Role::Io, DType::F32, vec![r, self.ir.vocab], None, None, None);
+        let pos = self.b.push("io.pos".into(), Role::Io, DType::I32, vec![1], None, None, None);
+        let len = self.b.push("io.len".into(), Role::Io, DType::I32, vec![1], None, None, None);
+        IoIds { tokens, logits, pos, len }
+    }
+
+    /// A scratch view of `width` columns; the buffer's width is the max over all requests.
+    fn scratch(&mut self, name: &'static str, width: usize) -> View {
+        let next = self.scratch_widths.len() as u32;
+        let entry = self.scratch_widths.entry(name).or_insert((next, 0));
+        entry.1 = entry.1.max(width);
+        View { buf: BufferId(SCRATCH_BASE + entry.0), col: 0, width, stride: usize::MAX }
+    }
+
+    fn materialise_scratch(&mut self) -> BTreeMap<u32, (BufferId, usize)> {
+        let mut out = BTreeMap::new();
+        let mut entries: Vec<_> = self.scratch_widths.iter().map(|(n, &(s, w))| (s, *n, w)).collect();
+        entries.sort();
+        for (slot, name, width) in entries {
+            let dtype = self.act_dtype();
+            let id = self.b.push(
+                format!("scratch.{name}"),
+                Role::Scratch,
+                dtype,
+                vec![self.max_rows, width],
+                None,
+                None,
+                None,
+            );
+            out.insert(SCRATCH_BASE + slot, (id, width));
+        }
+        out
+    }
+
+    fn act_dtype(&self) -> DType {
+        self.target.dtype
+    }
+
+    fn weight(&mut self, name: String, shape: Vec<usize>, layer: Option<usize>, source: String) -> BufferId {
+        let dtype = self.target.dtype;
+        self.b.push(name, Role::Weight, dtype, shape, layer, None, Some(source))
+    }
+
+    /// Small per-channel parameters (norm scales, A_log, dt_bias, D, biases) stay f32.
+    fn param(&mut self, name: String, shape: Vec<usize>, layer: Option<usize>, source: String) -> BufferId {
+        self.b.push(name, Role::Weight, DType::F32, shape, layer, None, Some(source))
+    }
+
+    fn state(&mut self, layer: usize, kind: StateKind, shape: Vec<usize>) -> BufferId {
+        let dtype = match kind {
+            StateKind::Recurrent => DType::F32,
+            _ => self.target.dtype,
+        };
+        self.b.push(format!("layers.{layer}.{}", kind.name()), Role::State, dtype, shape, Some(layer), Some(kind), None)
+    }
+
+    fn hf(&self, layer: usize, rest: &str) -> String {
+        match self.ir.weights {
+            WeightNaming::Qwen35 | WeightNaming::Lfm2 => format!("model.layers.{layer}.{rest}"),
+            WeightNaming::NemotronH => format!("backbone.layers.{layer}.{rest}"),
+        }
+    }
+
+    fn lower_body(&mut self, io: IoIds) -> Vec<Op> {
+        let ir = self.ir;
+        let h = ir.hidden;
+        let mut ops = Vec::new();
+        let (embed_src, final_src) = match ir.weights {
+            WeightNaming::Qwen35 => ("model.embed_tokens.weight", "model.norm.weight"),
+            WeightNaming::Lfm2 => ("model.embed_tokens.weight", "model.embedding_norm.weight"),
+            WeightNaming::NemotronH => ("backbone.embeddings.weight", "backbone.norm_f.weight"),
+        };
+        let embed = self.weight("embed".into(), vec![ir.vocab, h], None, embed_src.into());
+        let x = self.scratch("x", h);
+        ops.push(Op::Embed { table: embed, out: x });
+        for (i, layer) in ir.layers.iter().enumerate() {
+            self.lower_layer(i, layer, x, &mut ops);
+        }
+        let final_norm = self.param("final_norm".into(), vec![h], None, final_src.into());
+        let hn = self.scratch("h", h);
+        ops.push(Op::RmsNorm {
+            x,
+            weight: Some(final_norm),
+            weight_kind: ir.norm.weight,
+            out: hn,
+            eps: ir.norm.eps,
+            group: h,
+        });
+        let head = if ir.tied_embeddings {
+            embed
+        } else {
+            self.weight("lm_head".into(), vec![ir.vocab, h], None, "lm_head.weight".into())
+        };
+        let logits = View { buf: io.logits, col: 0, width: ir.vocab, stride: ir.vocab };
+        ops.push(Op::Linear { x: hn, w: head, bias: None, out: logits, accumulate: false });
+        ops
+    }
+
+    fn norm_names(&self, layer: &LayerIr) -> (&'static str, &'static str) {
+        let both = layer.mixer.is_some() && layer.mlp.is_some();
+        match self.ir.weights {
+            WeightNaming::Qwen35 => ("input_layernorm", "post_attention_layernorm"),
+            WeightNaming::Lfm2 => ("operator_norm", "ffn_norm"),
+            WeightNaming::NemotronH if both => ("norm", "norm2"),
+            WeightNaming::NemotronH => ("norm", "norm"),
+        }
+    }
+
+    fn pre_norm(&mut self, i: usize, which: &str, x: View, ops: &mut Vec<Op>) -> View {
+        let h = self.ir.hidden;
+        let src = self.hf(i, &format!("{which}.weight"));
+        let w = self.param(format!("layers.{i}.{which}"), vec![h], Some(i), src);
+        let hn = self.scratch("h", h);
+        ops.push(Op::RmsNorm {
+            x,
+            weight: Some(w),
+            weight_kind: self.ir.norm.weight,
+            out: hn,
+            eps: self.ir.norm.eps,
+            group: h,
+        });
+        hn
+    }
+
+    fn lower_layer(&mut self, i: usize, layer: &LayerIr, x: View, ops: &mut Vec<Op>) {
+        let (n1, n2) = self.norm_names(layer);
+        if let Some(mixer) = &layer.mixer {
+            let hn = self.pre_norm(i, n1, x, ops);
+            match mixer {
+                MixerIr::Attention(a) => self.attention(i, a, hn, x, ops),
+                MixerIr::GatedDeltanet(g) => self.gdn(i, g, hn, x, ops),
+                MixerIr::ShortConv(c) => self.short_conv(i, c, hn, x, ops),
+                MixerIr::Mamba2(m) => self.mamba2(i, m, hn, x, ops),
+            }
+        }
+        if let Some(mlp) = &layer.mlp {
+            let which = if layer.mixer.is_some() { n2 } else { n1 };
+            let hn = self.pre_norm(i, which, x, ops);
+            self.mlp(i, mlp, hn, x, ops);
+        }
+    }
+
+    fn linear(&mut self, i: usize, name: &str, src: &str, xin: View, out: View, bias: bool, ops: &mut Vec<Op>, accumulate: bool) {
+        let w = self.weight(format!("layers.{i}.{name}"), vec![out.width, xin.width], Some(i), self.hf(i, &format!("{src}.weight")));
+        let bias = bias.then(|| {
+            let s = self.hf(i, &format!("{src}.bias"));
+            self.param(format!("layers.{i}.{name}_bias"), vec![out.width], Some(i), s)
+        });
+        ops.push(Op::Linear { x: xin, w, bias, out, accumulate });
+    }
+
+    fn attention(&mut self, i: usize, a: &AttentionIr, hn: View, x: View, ops: &mut Vec<Op>) {
+        let naming = self.ir.weights;
+        let (p, o_name, qn, kn) = match naming {
+            WeightNaming::Qwen35 => ("self_attn", "o_proj", "q_norm", "k_norm"),
+            WeightNaming::Lfm2 => ("self_attn", "out_proj", "q_layernorm", "k_layernorm"),
+            WeightNaming::NemotronH => ("mixer", "o_proj", "q_norm", "k_norm"),
+        };
+        let qw = a.q_heads * a.head_dim;
+        let kvw = a.kv_heads * a.head_dim;
+        let q = self.scratch("q", qw);
+        let gate = a.output_gate.then(|| self.scratch("gate", qw));
+        if let Some(gate) = gate {
+            let qg = self.scratch("q_gate", 2 * qw);
+            self.linear(i, "attn.q_proj", &format!("{p}.q_proj"), hn, qg, false, ops, false);
+            ops.push(Op::SplitHeads { x: qg, heads: a.q_heads, outs: vec![q, gate] });
+        } else {
+            self.linear(i, "attn.q_proj", &format!("{p}.q_proj"), hn, q, false, ops, false);
+        }
+        let k = self.scratch("k", kvw);
+        let v = self.scratch("v", kvw);
+        self.linear(i, "attn.k_proj", &format!("{p}.k_proj"), hn, k, false, ops, false);
+        self.linear(i, "attn.v_proj", &format!("{p}.v_proj"), hn, v, false, ops, false);
+        if a.qk_norm {
+            for (t, nm) in [(q, qn), (k, kn)] {
+                let src = self.hf(i, &format!("{p}.{nm}.weight"));
+                let w = self.param(format!("layers.{i}.attn.{nm}"), vec![a.head_dim], Some(i), src);
+                ops.push(Op::RmsNorm {
+                    x: t,
+                    weight: Some(w),
+                    weight_kind: self.ir.norm.weight,
+                    out: t,
+                    eps: self.ir.norm.eps,
+                    group: a.head_dim,
+                });
+            }
+        }
+        if let Some(rope) = &a.rope {
+            ops.push(Op::Rope { x: q, heads: a.q_heads, head_dim: a.head_dim, rotary_dims: rope.rotary_dims, theta: rope.theta });
+            ops.push(Op::Rope { x: k, heads: a.kv_heads, head_dim: a.head_dim, rotary_dims: rope.rotary_dims, theta: rope.theta });
+        }
+        let shape = vec![self.ir.max_seq, a.kv_heads, a.head_dim];
+        let cache_k = self.state(i, StateKind::Key, shape.clone());
+        let cache_v = self.state(i, StateKind::Value, shape);
+        let o = self.scratch("mix", qw);
+        ops.push(Op::Attention {
+            q,
+            k,
+            v,
+            cache_k,
+            cache_v,
+            out: o,
+            q_heads: a.q_heads,
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+            scale: F64((a.head_dim as f64).powf(-0.5)),
+        });
+        if let Some(gate) = gate {
+            ops.push(Op::Mul { gate, act: Act::Sigmoid, x: o, out: o });
+        }
+        self.linear(i, "attn.o_proj", &format!("{p}.{o_name}"), o, x, false, ops, true);
+    }
+
+    fn gdn(&mut self, i: usize, g: &GatedDeltaNetIr, hn: View, x: View, ops: &mut Vec<Op>) {
+        let c = g.qkv_channels();
+        let vw = g.value_heads * g.value_dim;
+        let raw = self.scratch("proj", c);
+        let z = self.scratch("z", vw);
+        let bv = self.scratch("b", g.value_heads);
+        let av = self.scratch("a", g.value_heads);
+        self.linear(i, "gdn.in_proj_qkv", "linear_attn.in_proj_qkv", hn, raw, false, ops, false);
+        self.linear(i, "gdn.in_proj_z", "linear_attn.in_proj_z", hn, z, false, ops, false);
+        self.linear(i, "gdn.in_proj_b", "linear_attn.in_proj_b", hn, bv, false, ops, false);
+        self.linear(i, "gdn.in_proj_a", "linear_attn.in_proj_a", hn, av, false, ops, false);
+        let conv_w = self.param(format!("layers.{i}.gdn.conv1d"), vec![c, g.conv], Some(i), self.hf(i, "linear_attn.conv1d.weight"));
+        let conv_state = self.state(i, StateKind::Conv, vec![g.conv - 1, c]);
+        let qkv = self.scratch("conv", c);
+        ops.push(Op::CausalConv1d { x: raw, weight: conv_w, bias: None, state: conv_state, out: qkv, act: Act::Silu, kernel: g.conv });
+        let a_log = self.param(format!("layers.{i}.gdn.A_log"), vec![g.value_heads], Some(i), self.hf(i, "linear_attn.A_log"));
+        let dt_bias = self.param(format!("layers.{i}.gdn.dt_bias"), vec![g.value_heads], Some(i), self.hf(i, "linear_attn.dt_bias"));
+        let state = self.state(i, StateKind::Recurrent, vec![g.value_heads, g.key_dim, g.value_dim]);
+        let o = self.scratch("mix", vw);
+        ops.push(Op::GatedDeltaNet {
+            qkv,
+            a: av,
+            b: bv,
+            a_log,
+            dt_bias,
+            state,
+            out: o,
+            key_heads: g.key_heads,
+            value_heads: g.value_heads,
+            key_dim: g.key_dim,
+            value_dim: g.value_dim,
+        });
+        let nw = self.param(format!("layers.{i}.gdn.norm"), vec![g.value_dim], Some(i), self.hf(i, "linear_attn.norm.weight"));
+        let gated = self.scratch("gated", vw);
+        ops.push(Op::GatedRmsNorm {
+            x: o,
+            gate: z,
+            weight: nw,
+            shared_weight: true,
+            out: gated,
+            eps: self.ir.norm.eps,
+            group: g.value_dim,
+            order: g.norm_order,
+        });
+        self.linear(i, "gdn.out_proj", "linear_attn.out_proj", gated, x, false, ops, true);
+    }
+
+    fn short_conv(&mut self, i: usize, c: &ShortConvIr, hn: View, x: View, ops: &mut Vec<Op>) {
+        let h = self.ir.hidden;
+        let bcx = self.scratch("proj", 3 * h);
+        self.linear(i, "conv.in_proj", "conv.in_proj", hn, bcx, c.bias, ops, false);
+        let bpart = View { width: h, ..bcx };
+        let cpart = View { col: h, width: h, ..bcx };
+        let xpart = View { col: 2 * h, width: h, ..bcx };
+        let bx = self.scratch("z", h);
+        ops.push(Op::Mul { gate: bpart, act: Act::Identity, x: xpart, out: bx });
+        let w = self.param(format!("layers.{i}.conv.conv"), vec![h, c.conv], Some(i), self.hf(i, "conv.conv.weight"));
+        let bias = c.bias.then(|| {
+            let s = self.hf(i, "conv.conv.bias");
+            self.param(format!("layers.{i}.conv.conv_bias"), vec![h], Some(i), s)
+        });
+        let state = self.state(i, StateKind::Conv, vec![c.conv - 1, h]);
+        let y = self.scratch("conv", h);
+        ops.push(Op::CausalConv1d { x: bx, weight: w, bias, state, out: y, act: Act::Identity, kernel: c.conv });
+        ops.push(Op::Mul { gate: cpart, act: Act::Identity, x: y, out: y });
+        self.linear(i, "conv.out_proj", "conv.out_proj", y, x, c.bias, ops, true);
+    }
+
+    fn mamba2(&mut self, i: usize, m: &Mamba2Ir, hn: View, x: View, ops: &mut Vec<Op>) {
+        let inner = m.inner();
+        let cd = m.conv_channels();
+        let total = inner + cd + m.heads;
+        let proj = self.scratch("proj", total);
+        self.linear(i, "mamba.in_proj", "mixer.in_proj", hn, proj, false, ops, false);
+        let z = View { width: inner, ..proj };
+        let xbc_raw = View { col: inner, width: cd, ..proj };
+        let dt = View { col: inner + cd, width: m.heads, ..proj };
+        let w = self.param(format!("layers.{i}.mamba.conv1d"), vec![cd, m.conv], Some(i), self.hf(i, "mixer.conv1d.weight"));
+        let bias = m.conv_bias.then(|| {
+            let s = self.hf(i, "mixer.conv1d.bias");
+            self.param(format!("layers.{i}.mamba.conv1d_bias"), vec![cd], Some(i), s)
+        });
+        let conv_state = self.state(i, StateKind::Conv, vec![m.conv - 1, cd]);
+        let xbc = self.scratch("conv", cd);
+        ops.push(Op::CausalConv1d { x: xbc_raw, weight: w, bias, state: conv_state, out: xbc, act: Act::Silu, kernel: m.conv });
+        let a_log = self.param(format!("layers.{i}.mamba.A_log"), vec![m.heads], Some(i), self.hf(i, "mixer.A_log"));
+        let d = self.param(format!("layers.{i}.mamba.D"), vec![m.heads], Some(i), self.hf(i, "mixer.D"));
+        let dt_bias = self.param(format!("layers.{i}.mamba.dt_bias"), vec![m.heads], Some(i), self.hf(i, "mixer.dt_bias"));
+        let state = self.state(i, StateKind::Recurrent, vec![m.heads, m.head_dim, m.state]);
+        let y = self.scratch("mix", inner);
+        ops.push(Op::Mamba2Scan {
+            xbc,
+            dt,
+            a_log,
+            d,
+            dt_bias,
+            state,
+            out: y,
+            heads: m.heads,
+            head_dim: m.head_dim,
+            groups: m.groups,
+            state_size: m.state,
+            dt_min: m.dt_min,
+        });
+        let nw = self.param(format!("layers.{i}.mamba.norm"), vec![inner], Some(i), self.hf(i, "mixer.norm.weight"));
+        let gated = self.scratch("gated", inner);
+        ops.push(Op::GatedRmsNorm {
+            x: y,
+            gate: z,
+            weight: nw,
+            shared_weight: false,
+            out: gated,
+            eps: self.ir.norm.eps,
+            group: inner / m.groups,
+            order: m.norm_order,
+        });
+        self.linear(i, "mamba.out_proj", "mixer.out_proj", gated, x, false, ops, true);
+    }
+
+    fn mlp(&mut self, i: usize, mlp: &MlpIr, hn: View, x: View, ops: &mut Vec<Op>) {
+        let inter = mlp.intermediate();
+        let naming = self.ir.weights;
+        match mlp {
+            MlpIr::Swiglu { .. } => {
+                let (gate_n, up_n, down_n) = match naming {
+                    WeightNaming::Lfm2 => ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2"),
+                    WeightNaming::NemotronH => ("mixer.gate_proj", "mixer.up_proj", "mixer.down_proj"),
+                    WeightNaming::Qwen35 => ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+                };
+                let g = self.scratch("mlp_gate", inter);
+                let u = self.scratch("mlp_up", inter);
+                self.linear(i, "mlp.gate_proj", gate_n, hn, g, false, ops, false);
+                self.linear(i, "mlp.up_proj", up_n, hn, u, false, ops, false);
+                ops.push(Op::Mul { gate: g, act: Act::Silu, x: u, out: u });
+                self.linear(i, "mlp.down_proj", down_n, u, x, false, ops, true);
+            }
+            MlpIr::Relu2 { .. } => {
+                let (up_n, down_n) = match naming {
+                    WeightNaming::NemotronH => ("mixer.up_proj", "mixer.down_proj"),
+                    _ => ("mlp.up_proj", "mlp.down_proj"),
+                };
+                let u = self.scratch("mlp_up", inter);
+                self.linear(i, "mlp.up_proj", up_n, hn, u, false, ops, false);
+                ops.push(Op::Unary { x: u, act: Act::Relu2, out: u });
+                self.linear(i, "mlp.down_proj", down_n, u, x, false, ops, true);
+            }
+        }
+    }
+}
+
+fn fix(v: View, ids: &BTreeMap<u32, (BufferId, usize)>) -> View {
+    match ids.get(&v.buf.0) {
+        Some(&(id, width)) => View { buf: id, stride: width, ..v },
+        None => v,
+    }
+}
+
+fn resolve(op: Op, ids: &BTreeMap<u32, (BufferId, usize)>) -> Op {
+    let f = |v: View| fix(v, ids);
+    match op {
+        Op::Embed { table, out } => Op::Embed { table, out: f(out) },
+        Op::RmsNorm { x, weight, weight_kind, out, eps, group } => {
+            Op::RmsNorm { x: f(x), weight, weight_kind, out: f(out), eps, group }
+        }
+        Op::Linear { x, w, bias, out, accumulate } => Op::Linear { x: f(x), w, bias, out: f(out), accumulate },
+        Op::Mul { gate, act, x, out } => Op::Mul { gate: f(gate), act, x: f(x), out: f(out) },
+        Op::Unary { x, act, out } => Op::Unary { x: f(x), act, out: f(out) },
+        Op::SplitHeads { x, heads, outs } => Op::SplitHeads { x: f(x), heads, outs: outs.into_iter().map(f).collect() },
+        Op::Rope { x, heads, head_dim, rotary_dims, theta } => Op::Rope { x: f(x), heads, head_dim, rotary_dims, theta },
+        Op::Attention { q, k, v, cache_k, cache_v, out, q_heads, kv_heads, head_dim, scale } => Op::Attention {
+            q: f(q),
+            k: f(k),
+            v: f(v),
+            cache_k,
+            cache_v,
+            out: f(out),
+            q_heads,
+            kv_heads,
+            head_dim,
+            scale,
+        },
+        Op::CausalConv1d { x, weight, bias, state, out, act, kernel } => {
+            Op::CausalConv1d { x: f(x), weight, bias, state, out: f(out), act, kernel }
+        }
+        Op::GatedDeltaNet { qkv, a, b, a_log, dt_bias, state, out, key_heads, value_heads, key_dim, value_dim } => {
+            Op::GatedDeltaNet {
+                qkv: f(qkv),
+                a: f(a),
+                b: f(b),
+                a_log,
+                dt_bias,
+                state,
+                out: f(out),
+                key_heads,
+                value_heads,
+                key_dim,
+                value_dim,
+            }
+        }
+        Op::GatedRmsNorm { x, gate, weight, shared_weight, out, eps, group, order } => {
+            Op::GatedRmsNorm { x: f(x), gate: f(gate), weight, shared_weight, out: f(out), eps, group, order }
+        }
+        Op::Mamba2Scan { xbc, dt, a_log, d, dt_bias, state, out, heads, head_dim, groups, state_size, dt_min } => {
+            Op::Mamba2Scan {
+                xbc: f(xbc),
+                dt: f(dt),
+                a_log,
+                d,
+                dt_bias,
+                state,
+                out: f(out),
+                heads,
+                head_dim,
+                groups,
+                state_size,
+                dt_min,
+            }
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! flashrt-macros (placeholder, being written).

@@ -1,0 +1,2 @@
+//! flashrt-runtime (placeholder, being written).
+pub use flashrt_ir as ir;

@@ -1,0 +1,2 @@
+//! flashrt facade (placeholder, being written).
+pub use flashrt_ir as ir;
