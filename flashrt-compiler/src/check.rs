@@ -1,0 +1,355 @@
+//! Spec AST -> [`ModelIr`]: the semantic half of checking.
+//!
+//! [`check`] validates what the structural stage cannot see (names, cross references,
+//! head-count divisibility, rotary dims, bucket order, layer counts), reporting every
+//! problem at the token it concerns. Only when the whole description is clean does it
+//! build the IR, so `build` may assume every field is present and consistent; the
+//! lowering in `flashrt_ir::lower` relies on the same guarantees.
+
+use crate::spec::*;
+use crate::value::{Errors, Loc, hint};
+use flashrt_ir::*;
+
+/// The most decoder layers a stack (or an MTP head) may expand to.
+pub const MAX_LAYERS: u64 = 4096;
+
+/// Checks a spec and, when it and everything before it (`cx` is empty on entry for a
+/// clean read) is valid, returns its IR. Errors go to `cx`.
+pub fn check(cx: &mut Errors, spec: &ModelSpec) -> Option<ModelIr> {
+    if let Some(m) = &spec.model {
+        check_model(cx, m);
+    }
+    let names: Vec<&str> = spec.kinds.iter().map(|k| k.name.v.as_str()).collect();
+    for k in &spec.kinds {
+        check_kind(cx, k);
+    }
+    if let Some(stack) = &spec.stack
+        && let Some(pattern) = &stack.pattern
+    {
+        for p in &pattern.v {
+            check_kind_ref(cx, &p.v, p.loc, &names, "the stack pattern");
+        }
+        if let Some(repeat) = &stack.repeat {
+            let total = (pattern.v.len() as u64).saturating_mul(repeat.v);
+            if total > MAX_LAYERS {
+                cx.push(
+                    repeat.loc,
+                    format!("the stack expands to {total} layers (at most {MAX_LAYERS})"),
+                );
+            }
+        }
+    }
+    if let Some(mtp) = &spec.mtp {
+        if let Some(kind) = &mtp.kind {
+            check_kind_ref(cx, &kind.v, kind.loc, &names, "`mtp`");
+        }
+        if let Some(layers) = &mtp.layers
+            && layers.v > MAX_LAYERS
+        {
+            cx.push(
+                layers.loc,
+                format!("an MTP head of {} layers (at most {MAX_LAYERS})", layers.v),
+            );
+        }
+    }
+    // Any error so far, from this stage or the structural one, means no IR.
+    if !cx.is_empty() {
+        return None;
+    }
+    let ir = build(spec);
+    if ir.is_none() {
+        // Unreachable when the stages agree; a message beats a panic in a proc macro.
+        cx.push(
+            spec.loc,
+            "internal error: a checked model description did not lower to IR",
+        );
+    }
+    ir
+}
+
+fn check_model(cx: &mut Errors, m: &ModelSection) {
+    if let Some(name) = &m.name {
+        let ok = name.v.starts_with(|c: char| c.is_ascii_lowercase())
+            && name
+                .v
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !ok {
+            cx.push(
+                name.loc,
+                format!(
+                    "model name `{}` is not snake_case (lowercase ASCII letters, digits and `_`, starting with a letter)",
+                    name.v
+                ),
+            );
+        }
+    }
+    if let Some(buckets) = &m.prefill_buckets {
+        for w in buckets.v.windows(2) {
+            if w[1].v <= w[0].v {
+                cx.push(
+                    w[1].loc,
+                    format!(
+                        "prefill buckets must be strictly ascending: {} follows {}",
+                        w[1].v, w[0].v
+                    ),
+                );
+            }
+        }
+        if let Some(max_seq) = &m.max_seq {
+            for b in &buckets.v {
+                if b.v > max_seq.v {
+                    cx.push(
+                        b.loc,
+                        format!("prefill bucket {} exceeds `max_seq` ({})", b.v, max_seq.v),
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn check_kind_ref(cx: &mut Errors, name: &str, loc: Loc, names: &[&str], place: &str) {
+    if !names.contains(&name) {
+        let extra = if names.is_empty() {
+            "; no kinds are defined".to_string()
+        } else {
+            hint(name, names)
+        };
+        cx.push(
+            loc,
+            format!("unknown layer kind `{name}` in {place}{extra}"),
+        );
+    }
+}
+
+fn check_kind(cx: &mut Errors, k: &KindSpec) {
+    let n = &k.name.v;
+    let ok = n.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+        && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !ok {
+        cx.push(
+            k.name.loc,
+            format!("kind name `{n}` is not an identifier (ASCII letters, digits and `_`, not starting with a digit)"),
+        );
+    }
+    if let Part::Present(m) = &k.mixer {
+        match &m.v {
+            MixerSpec::Attention(a) => check_attention(cx, a),
+            MixerSpec::GatedDeltanet(g) => {
+                divides(cx, &g.key_heads, &g.value_heads, "value_heads", "key_heads");
+                conv_width(cx, &g.conv);
+            }
+            MixerSpec::ShortConv(c) => conv_width(cx, &c.conv),
+            MixerSpec::Mamba2(m) => {
+                divides(cx, &m.groups, &m.heads, "heads", "groups");
+                if let (Some(h), Some(d), Some(g)) = (&m.heads, &m.head_dim, &m.groups) {
+                    let inner = h.v * d.v;
+                    if !inner.is_multiple_of(g.v) {
+                        cx.push(
+                            g.loc,
+                            format!(
+                                "the inner width heads * head_dim = {inner} is not a multiple of `groups` ({})",
+                                g.v
+                            ),
+                        );
+                    }
+                }
+                conv_width(cx, &m.conv);
+            }
+        }
+    }
+}
+
+/// `big` must be a multiple of `small`; reported at `small`.
+fn divides(cx: &mut Errors, small: &F<u64>, big: &F<u64>, big_name: &str, small_name: &str) {
+    if let (Some(s), Some(b)) = (small, big)
+        && !b.v.is_multiple_of(s.v)
+    {
+        cx.push(
+            s.loc,
+            format!(
+                "`{big_name}` ({}) is not a multiple of `{small_name}` ({})",
+                b.v, s.v
+            ),
+        );
+    }
+}
+
+fn conv_width(cx: &mut Errors, conv: &F<u64>) {
+    if let Some(c) = conv
+        && c.v < 2
+    {
+        cx.push(
+            c.loc,
+            format!(
+                "a causal conv needs a kernel width of at least 2, found {}",
+                c.v
+            ),
+        );
+    }
+}
+
+fn check_attention(cx: &mut Errors, a: &AttentionSpec) {
+    divides(cx, &a.kv_heads, &a.q_heads, "q_heads", "kv_heads");
+    if let (Some(hd), Some(S { v: Some(rope), .. })) = (&a.head_dim, &a.rope)
+        && let Some(fr) = &rope.fraction
+        && let Err(msg) = rotary_dims(hd.v, fr.v)
+    {
+        cx.push(fr.loc, msg);
+    }
+}
+
+/// `head_dim * fraction`, which must be a positive even integer.
+pub(crate) fn rotary_dims(head_dim: u64, fraction: f64) -> Result<usize, String> {
+    let x = head_dim as f64 * fraction;
+    let r = x.round();
+    if (x - r).abs() > 1e-9 * x.max(1.0) {
+        return Err(format!(
+            "rotary dims = head_dim {head_dim} x fraction {fraction} = {x} is not an integer"
+        ));
+    }
+    let r = r as u64;
+    if r < 2 || !r.is_multiple_of(2) {
+        return Err(format!(
+            "rotary dims = head_dim {head_dim} x fraction {fraction} = {r} must be a positive even number"
+        ));
+    }
+    Ok(r as usize)
+}
+
+/// Builds the IR of a spec that passed [`check`]; `None` only if a field is missing.
+fn build(spec: &ModelSpec) -> Option<ModelIr> {
+    let m = spec.model.as_ref()?;
+    let norm = m.norm.as_ref()?;
+    let mut kinds: Vec<(&str, LayerIr)> = Vec::new();
+    for k in &spec.kinds {
+        if kinds.iter().any(|(n, _)| *n == k.name.v) {
+            continue;
+        }
+        let mixer = match &k.mixer {
+            Part::Absent => None,
+            Part::Invalid => return None,
+            Part::Present(m) => Some(build_mixer(&m.v)?),
+        };
+        let mlp = match &k.mlp {
+            Part::Absent => None,
+            Part::Invalid => return None,
+            Part::Present(m) => {
+                let intermediate = us(&m.v.intermediate)?;
+                Some(match m.v.kind {
+                    MlpKind::Swiglu => MlpIr::Swiglu { intermediate },
+                    MlpKind::Relu2 => MlpIr::Relu2 { intermediate },
+                })
+            }
+        };
+        kinds.push((
+            &k.name.v,
+            LayerIr {
+                kind: k.name.v.clone(),
+                mixer,
+                mlp,
+            },
+        ));
+    }
+    let layer = |name: &str| {
+        kinds
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, l)| l.clone())
+    };
+    let stack = spec.stack.as_ref()?;
+    let pattern = &stack.pattern.as_ref()?.v;
+    let repeat = us(&stack.repeat)?;
+    let mut layers = Vec::with_capacity(pattern.len() * repeat);
+    for _ in 0..repeat {
+        for p in pattern {
+            layers.push(layer(&p.v)?);
+        }
+    }
+    let mtp = match &spec.mtp {
+        None => None,
+        Some(mtp) => {
+            let l = layer(&mtp.kind.as_ref()?.v)?;
+            Some(MtpIr {
+                layers: vec![l; us(&mtp.layers)?],
+            })
+        }
+    };
+    Some(ModelIr {
+        name: m.name.as_ref()?.v.clone(),
+        vocab: us(&m.vocab)?,
+        hidden: us(&m.hidden)?,
+        dtype: m.dtype.as_ref()?.v,
+        max_seq: us(&m.max_seq)?,
+        prefill_buckets: m
+            .prefill_buckets
+            .as_ref()?
+            .v
+            .iter()
+            .map(|b| b.v as usize)
+            .collect(),
+        norm: NormIr {
+            eps: F64(norm.eps.as_ref()?.v),
+            weight: norm.weight.as_ref()?.v,
+        },
+        tied_embeddings: m.tie_embeddings.as_ref()?.v,
+        layers,
+        mtp,
+        weights: m.weights.as_ref()?.v,
+    })
+}
+
+fn us(f: &F<u64>) -> Option<usize> {
+    f.as_ref().map(|s| s.v as usize)
+}
+
+fn val<T: Copy>(f: &F<T>) -> Option<T> {
+    f.as_ref().map(|s| s.v)
+}
+
+fn build_mixer(m: &MixerSpec) -> Option<MixerIr> {
+    Some(match m {
+        MixerSpec::Attention(a) => {
+            let head_dim = us(&a.head_dim)?;
+            let rope = match &a.rope.as_ref()?.v {
+                None => None,
+                Some(r) => Some(RopeIr {
+                    theta: F64(val(&r.theta)?),
+                    rotary_dims: rotary_dims(head_dim as u64, val(&r.fraction)?).ok()?,
+                }),
+            };
+            MixerIr::Attention(AttentionIr {
+                q_heads: us(&a.q_heads)?,
+                kv_heads: us(&a.kv_heads)?,
+                head_dim,
+                qk_norm: val(&a.qk_norm)?,
+                rope,
+                output_gate: val(&a.output_gate)?,
+            })
+        }
+        MixerSpec::GatedDeltanet(g) => MixerIr::GatedDeltanet(GatedDeltaNetIr {
+            key_heads: us(&g.key_heads)?,
+            value_heads: us(&g.value_heads)?,
+            key_dim: us(&g.key_dim)?,
+            value_dim: us(&g.value_dim)?,
+            conv: us(&g.conv)?,
+            norm_order: val(&g.norm_order)?,
+        }),
+        MixerSpec::ShortConv(c) => MixerIr::ShortConv(ShortConvIr {
+            conv: us(&c.conv)?,
+            bias: val(&c.bias)?,
+        }),
+        MixerSpec::Mamba2(m) => MixerIr::Mamba2(Mamba2Ir {
+            heads: us(&m.heads)?,
+            head_dim: us(&m.head_dim)?,
+            groups: us(&m.groups)?,
+            state: us(&m.state)?,
+            conv: us(&m.conv)?,
+            chunk: us(&m.chunk)?,
+            conv_bias: val(&m.conv_bias)?,
+            dt_min: val(&m.dt_min)?.map(F64),
+            norm_order: val(&m.norm_order)?,
+        }),
+    })
+}

@@ -1,0 +1,269 @@
+//! Every model in `models/` parses, checks, lowers and round-trips through `ir_to_toml`;
+//! the tiny models agree with the Hugging Face fixtures they describe.
+
+mod common;
+
+use common::*;
+use flashrt_compiler::ir::hf::{HfOptions, ir_from_hf_config};
+use flashrt_compiler::ir::*;
+use flashrt_compiler::{ir_to_toml, model_from_toml};
+
+fn load(stem: &str) -> ModelIr {
+    let src = model_file(stem);
+    model_from_toml(&src, &format!("models/{stem}.toml")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn every_model_file_checks_and_lowers() {
+    let files = model_files();
+    for required in [
+        "demo",
+        "lfm2-tiny",
+        "nemotronh-tiny",
+        "qwen35-tiny",
+        "qwen36-27b",
+    ] {
+        assert!(
+            files.iter().any(|(s, _)| s == required),
+            "models/{required}.toml is missing"
+        );
+    }
+    for (stem, src) in &files {
+        let ir = model_from_toml(src, stem).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            ir.name,
+            stem.replace('-', "_"),
+            "model name follows the file name"
+        );
+        // Checked IR satisfies everything the lowering assumes.
+        for dtype in [DType::F32, ir.dtype] {
+            let compiled = compile(&ir, Target { dtype });
+            assert_eq!(compiled.plans.len(), ir.prefill_buckets.len() + 1);
+        }
+    }
+}
+
+#[test]
+fn ir_to_toml_round_trips_every_model() {
+    for (stem, src) in model_files() {
+        let ir = model_from_toml(&src, &stem).unwrap();
+        let text = ir_to_toml(&ir);
+        let back = model_from_toml(&text, "canonical.toml")
+            .unwrap_or_else(|e| panic!("{stem}:\n{e}\n{text}"));
+        assert_eq!(back, ir, "{stem}");
+        assert_eq!(back.ir_hash(), ir.ir_hash());
+        assert_eq!(
+            ir_to_toml(&back),
+            text,
+            "{stem}: canonical form is a fixed point"
+        );
+    }
+}
+
+#[test]
+fn ir_to_toml_groups_repetitions() {
+    let text = ir_to_toml(&load("qwen36-27b"));
+    assert!(
+        text.contains("pattern = [\"gdn\", \"gdn\", \"gdn\", \"attn\"]\nrepeat = 16\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("[mtp]\nlayers = 1\nkind = \"attn\"\n"),
+        "{text}"
+    );
+    let text = ir_to_toml(&load("nemotronh-tiny"));
+    assert!(text.contains(
+        "pattern = [\"mamba2\", \"mlp\", \"mamba2\", \"attention\", \"mlp\", \"mamba2\"]\n"
+    ));
+    assert!(!text.contains("repeat"));
+    assert!(text.contains("dt_min = 0.001"));
+    assert!(text.contains("rope = \"none\""));
+}
+
+#[test]
+fn ir_to_toml_handles_irregular_irs() {
+    // An MTP-only kind, a stack that is not a clean repetition, and odd floats.
+    let mut ir = load("demo");
+    ir.layers.pop();
+    ir.norm.eps = F64(1.0 / 3.0);
+    let mut mtp_layer = ir.layers[0].clone();
+    mtp_layer.kind = "draft".into();
+    mtp_layer.mlp = Some(MlpIr::Relu2 { intermediate: 100 });
+    ir.mtp = Some(MtpIr {
+        layers: vec![mtp_layer; 3],
+    });
+    if let Some(MixerIr::Attention(a)) = &mut ir.layers[3].mixer {
+        a.rope = Some(RopeIr {
+            theta: F64(123456.789),
+            rotary_dims: 6,
+        });
+    }
+    let text = ir_to_toml(&ir);
+    assert!(!text.contains("repeat"), "{text}");
+    assert_eq!(
+        model_from_toml(&text, "x.toml").unwrap_or_else(|e| panic!("{e}\n{text}")),
+        ir
+    );
+
+    // Same kind name, different layers: written under distinct names (no longer equal IR).
+    let mut ir = load("qwen35-tiny");
+    ir.layers[3].kind = "gated_deltanet".into();
+    let text = ir_to_toml(&ir);
+    assert!(text.contains("[kinds.gated_deltanet_2]"), "{text}");
+    assert!(model_from_toml(&text, "x.toml").is_ok());
+}
+
+#[test]
+fn qwen36_27b_shape() {
+    let ir = load("qwen36-27b");
+    assert_eq!(
+        (ir.vocab, ir.hidden, ir.dtype, ir.max_seq),
+        (248320, 5120, DType::Bf16, 32768)
+    );
+    assert_eq!(ir.prefill_buckets, [64, 512, 2048]);
+    assert_eq!(
+        ir.norm,
+        NormIr {
+            eps: F64(1e-6),
+            weight: NormWeight::OnePlus
+        }
+    );
+    assert_eq!(ir.layers.len(), 64);
+    for (i, l) in ir.layers.iter().enumerate() {
+        assert_eq!(
+            l.mlp,
+            Some(MlpIr::Swiglu {
+                intermediate: 17408
+            })
+        );
+        match &l.mixer {
+            Some(MixerIr::Attention(a)) => {
+                assert_eq!(i % 4, 3);
+                assert_eq!(
+                    (a.q_heads, a.kv_heads, a.head_dim, a.qk_norm, a.output_gate),
+                    (24, 4, 256, true, true)
+                );
+                assert_eq!(
+                    a.rope,
+                    Some(RopeIr {
+                        theta: F64(1e7),
+                        rotary_dims: 64
+                    })
+                );
+            }
+            Some(MixerIr::GatedDeltanet(g)) => {
+                assert_ne!(i % 4, 3);
+                assert_eq!(
+                    (g.key_heads, g.value_heads, g.key_dim, g.value_dim, g.conv),
+                    (16, 48, 128, 128, 4)
+                );
+                assert_eq!(g.norm_order, GateOrder::NormThenGate);
+            }
+            other => panic!("layer {i}: {other:?}"),
+        }
+    }
+    let mtp = ir.mtp.as_ref().expect("mtp");
+    assert_eq!(mtp.layers, vec![ir.layers[3].clone()]);
+}
+
+#[test]
+fn demo_shape() {
+    let ir = load("demo");
+    assert_eq!(
+        (ir.vocab, ir.hidden, ir.dtype, ir.max_seq),
+        (2048, 256, DType::Bf16, 2048)
+    );
+    assert_eq!(ir.prefill_buckets, [16, 128]);
+    let kinds: Vec<&str> = ir.layers.iter().map(|l| l.kind.as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["gdn", "gdn", "gdn", "attn", "gdn", "gdn", "gdn", "attn"]
+    );
+    assert!(ir.mtp.is_none());
+}
+
+/// External ground truth: the tiny models equal what flashrt's importer makes of the
+/// fixtures' `config.json` (same kind names, same shapes, same conventions).
+#[test]
+fn tiny_models_match_the_hf_fixtures() {
+    let dir = fixtures_dir();
+    if !dir.exists() {
+        eprintln!("skipping: no fixtures at {}", dir.display());
+        return;
+    }
+    for (stem, fixture) in [
+        ("qwen35-tiny", "qwen35-public"),
+        ("lfm2-tiny", "lfm2-public"),
+        ("nemotronh-tiny", "nemotronh-public"),
+    ] {
+        let ir = load(stem);
+        let config = std::fs::read_to_string(dir.join(fixture).join("config.json")).unwrap();
+        let opts = HfOptions {
+            name: Some(ir.name.clone()),
+            max_seq: Some(4096),
+            prefill_buckets: Some(vec![16, 64]),
+            dtype: Some(DType::F32),
+        };
+        let imported =
+            ir_from_hf_config(&config, &opts).unwrap_or_else(|e| panic!("{fixture}: {e}"));
+        assert_eq!(imported, ir, "{stem} vs {fixture}/config.json");
+        // What `flashrt import-hf` prints reads back to the same model.
+        assert_eq!(
+            model_from_toml(&ir_to_toml(&imported), "import.toml").unwrap(),
+            ir
+        );
+    }
+}
+
+#[test]
+fn tiny_model_details_from_the_fixture_readmes() {
+    let q = load("qwen35-tiny");
+    assert_eq!(q.norm.weight, NormWeight::OnePlus);
+    let Some(MixerIr::Attention(a)) = &q.layers[3].mixer else {
+        panic!()
+    };
+    assert_eq!(
+        a.rope,
+        Some(RopeIr {
+            theta: F64(10000.0),
+            rotary_dims: 8
+        })
+    );
+    assert!(a.output_gate && a.qk_norm);
+
+    let l = load("lfm2-tiny");
+    assert!(l.tied_embeddings);
+    assert_eq!(l.weights, WeightNaming::Lfm2);
+    assert_eq!(l.layers[0].mlp, Some(MlpIr::Swiglu { intermediate: 160 }));
+    assert_eq!(
+        l.layers[0].mixer,
+        Some(MixerIr::ShortConv(ShortConvIr {
+            conv: 3,
+            bias: false
+        }))
+    );
+
+    let n = load("nemotronh-tiny");
+    let Some(MixerIr::Mamba2(m)) = &n.layers[0].mixer else {
+        panic!()
+    };
+    assert_eq!(
+        (m.heads, m.head_dim, m.groups, m.state, m.conv, m.chunk),
+        (8, 16, 2, 16, 4, 128)
+    );
+    assert_eq!(m.dt_min, Some(F64(0.001)));
+    assert!(m.conv_bias);
+    assert_eq!(m.norm_order, GateOrder::GateThenNorm);
+    assert_eq!(
+        n.layers[1],
+        LayerIr {
+            kind: "mlp".into(),
+            mixer: None,
+            mlp: Some(MlpIr::Relu2 { intermediate: 128 })
+        }
+    );
+    let Some(MixerIr::Attention(a)) = &n.layers[3].mixer else {
+        panic!()
+    };
+    assert_eq!(a.rope, None);
+}
