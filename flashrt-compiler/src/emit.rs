@@ -76,12 +76,10 @@ pub fn model_impls(ir: &ModelIr, ty: &Ident, vis: &TokenStream) -> TokenStream {
     let idx: Vec<usize> = (0..fields.len()).collect();
     let n = fields.len();
     let benches: Vec<String> = bench_targets(ir).into_iter().map(|b| b.name).collect();
-    let prefill_phases = ir.prefill_buckets.len();
     let capsule_doc = format!(
         "Execution-state capsule of [`{ty}`]: one field per state region of its layout, plus metadata. \
          A session of `{ty}` restores this type and no other."
     );
-    let _ = prefill_phases;
     quote! {
         impl ::flashrt::__private::Model for #ty {
             type Capsule = #capsule;
@@ -92,7 +90,7 @@ pub fn model_impls(ir: &ModelIr, ty: &Ident, vis: &TokenStream) -> TokenStream {
             fn ir() -> &'static ::flashrt::__private::ModelIr {
                 static IR: ::flashrt::__private::OnceLock<::flashrt::__private::ModelIr> =
                     ::flashrt::__private::OnceLock::new();
-                IR.get_or_init(|| ::flashrt::__private::parse_ir(#json))
+                IR.get_or_init(|| ::flashrt::__private::parse_ir(<Self as ::flashrt::__private::Model>::IR_JSON))
             }
         }
 
@@ -112,8 +110,7 @@ pub fn model_impls(ir: &ModelIr, ty: &Ident, vis: &TokenStream) -> TokenStream {
             fn from_untyped(
                 capsule: ::flashrt::__private::UntypedCapsule,
             ) -> ::flashrt::__private::Result<Self> {
-                let mut regions = ::flashrt::__private::split_regions::<#ty>(capsule, #n)?;
-                let meta = regions.meta;
+                let (meta, mut regions) = ::flashrt::__private::split_regions::<#ty>(capsule, #n)?;
                 Ok(Self {
                     #( #fields: regions.take(#idx), )*
                     meta,
@@ -208,7 +205,8 @@ pub fn plan_summary(c: &Compiled) -> String {
     if let Some(p) = c.plan(Phase::Decode) {
         let _ = writeln!(s, "decode op order:");
         for (i, op) in p.ops.iter().enumerate() {
-            let _ = writeln!(s, "  {i:>4} {}", op.name());
+            let bufs: Vec<&str> = op.buffers().iter().map(|&b| c.layout.buffer(b).name.as_str()).collect();
+            let _ = writeln!(s, "  {i:>4} {:<15} {}", op.name(), bufs.join(" "));
         }
     }
     s

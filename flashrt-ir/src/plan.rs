@@ -182,6 +182,73 @@ pub enum Op {
 }
 
 impl Op {
+    /// Every buffer the op reads or writes, in field order (views as their buffer).
+    pub fn buffers(&self) -> Vec<BufferId> {
+        let mut v = Vec::new();
+        let mut o = |b: Option<BufferId>| v.extend(b);
+        match self {
+            Op::Embed { table, out } => {
+                o(Some(*table));
+                o(Some(out.buf));
+            }
+            Op::RmsNorm { x, weight, out, .. } => {
+                o(Some(x.buf));
+                o(*weight);
+                o(Some(out.buf));
+            }
+            Op::Linear { x, w, bias, out, .. } => {
+                o(Some(x.buf));
+                o(Some(*w));
+                o(*bias);
+                o(Some(out.buf));
+            }
+            Op::Mul { gate, x, out, .. } => {
+                o(Some(gate.buf));
+                o(Some(x.buf));
+                o(Some(out.buf));
+            }
+            Op::Unary { x, out, .. } => {
+                o(Some(x.buf));
+                o(Some(out.buf));
+            }
+            Op::SplitHeads { x, outs, .. } => {
+                o(Some(x.buf));
+                for out in outs {
+                    o(Some(out.buf));
+                }
+            }
+            Op::Rope { x, .. } => o(Some(x.buf)),
+            Op::Attention { q, k, v: vv, cache_k, cache_v, out, .. } => {
+                for b in [q.buf, k.buf, vv.buf, *cache_k, *cache_v, out.buf] {
+                    o(Some(b));
+                }
+            }
+            Op::CausalConv1d { x, weight, bias, state, out, .. } => {
+                o(Some(x.buf));
+                o(Some(*weight));
+                o(*bias);
+                o(Some(*state));
+                o(Some(out.buf));
+            }
+            Op::GatedDeltaNet { qkv, a, b, a_log, dt_bias, state, out, .. } => {
+                for id in [qkv.buf, a.buf, b.buf, *a_log, *dt_bias, *state, out.buf] {
+                    o(Some(id));
+                }
+            }
+            Op::GatedRmsNorm { x, gate, weight, out, .. } => {
+                for id in [x.buf, gate.buf, *weight, out.buf] {
+                    o(Some(id));
+                }
+            }
+            Op::Mamba2Scan { xbc, dt, a_log, d, dt_bias, state, out, .. } => {
+                for id in [xbc.buf, dt.buf, *a_log, *d, *dt_bias, *state, out.buf] {
+                    o(Some(id));
+                }
+            }
+        }
+        v
+    }
+
     /// Short name used in plan summaries.
     pub fn name(&self) -> &'static str {
         match self {
