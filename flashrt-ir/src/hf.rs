@@ -1,0 +1,1215 @@
+//! Hugging Face `config.json` -> [`ModelIr`].
+//!
+//! Three model types are understood, each translated as transformers implements it (the
+//! fixtures in `shared/fixtures/*/README.md` document the details this importer relies on):
+//!
+//! * `qwen3_5_text` (also `qwen3_5`, the multimodal wrapper whose text settings sit in a
+//!   nested `text_config`): Gated DeltaNet layers (`linear_attention`) and gated full attention
+//!   (`full_attention`), chosen by `layer_types` or every `full_attention_interval`-th layer;
+//!   zero-centred `(1 + w)` RMSNorm; partial RoPE; SwiGLU MLP in every layer; optional MTP head
+//!   (`mtp_num_hidden_layers` attention layers).
+//! * `lfm2`: gated short-convolution blocks (`conv`) and GQA attention with q/k norm
+//!   (`full_attention`, from `layer_types` or `full_attn_idxs`); SwiGLU MLP whose real width
+//!   follows `block_auto_adjust_ff_dim`.
+//! * `nemotron_h`: one mixer per block — Mamba2, attention (no positional encoding) or a
+//!   squared-ReLU MLP — from `layers_block_type` or `hybrid_override_pattern` (`M`, `*`, `-`).
+//!
+//! Layer `kind`s are the mixer kind names (`gated_deltanet`, `attention`, `short_conv`,
+//! `mamba2`) or `mlp` for a block with only a channel mixer. Every missing or ill-typed key is
+//! reported as an [`HfError`] that names the key (with its `text_config.` prefix where nested).
+//! Transformers' own encoding of non-finite floats (`{"__float__": "Infinity"}`) is accepted
+//! wherever a float is read.
+
+use crate::ir::*;
+use serde_json::{Map, Value};
+use std::fmt;
+
+/// Options of the import that are not in `config.json`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HfOptions {
+    /// Model name (snake_case). Default: derived from the model type.
+    pub name: Option<String>,
+    /// Default: `max_position_embeddings`, capped at [`DEFAULT_MAX_SEQ_CAP`].
+    pub max_seq: Option<usize>,
+    /// Default: `[16, 64]`; every bucket is capped to `max_seq`.
+    pub prefill_buckets: Option<Vec<usize>>,
+    /// Default: the config's `dtype` / `torch_dtype` (bf16 when neither is present).
+    pub dtype: Option<DType>,
+}
+
+/// `max_seq` never defaults above this (KV regions are sized by it).
+pub const DEFAULT_MAX_SEQ_CAP: usize = 32768;
+/// Default prefill buckets.
+pub const DEFAULT_PREFILL_BUCKETS: [usize; 2] = [16, 64];
+
+/// Why a config could not be imported.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HfError {
+    /// Not valid JSON, or not a JSON object.
+    Json(String),
+    /// `model_type` is not one of the supported ones.
+    UnknownModelType(String),
+    /// A required key is absent.
+    Missing { key: String },
+    /// A key is present with the wrong type or an impossible value.
+    BadValue {
+        key: String,
+        expected: String,
+        found: String,
+    },
+    /// A valid config this importer does not translate (MoE blocks, exotic RoPE, ...).
+    Unsupported(String),
+    /// Values that are individually fine but inconsistent (head counts not dividing, ...).
+    Invalid(String),
+}
+
+impl fmt::Display for HfError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HfError::Json(m) => write!(f, "config.json is not valid: {m}"),
+            HfError::UnknownModelType(t) => write!(
+                f,
+                "unsupported model_type `{t}` (supported: qwen3_5_text, qwen3_5, lfm2, nemotron_h)"
+            ),
+            HfError::Missing { key } => write!(f, "missing key `{key}`"),
+            HfError::BadValue {
+                key,
+                expected,
+                found,
+            } => {
+                write!(f, "key `{key}`: expected {expected}, found {found}")
+            }
+            HfError::Unsupported(m) => write!(f, "unsupported: {m}"),
+            HfError::Invalid(m) => write!(f, "inconsistent config: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for HfError {}
+
+type Result<T> = std::result::Result<T, HfError>;
+
+/// Translate a Hugging Face `config.json` into model IR.
+pub fn ir_from_hf_config(json: &str, opts: &HfOptions) -> Result<ModelIr> {
+    let root: Value = serde_json::from_str(json).map_err(|e| HfError::Json(e.to_string()))?;
+    let root = root
+        .as_object()
+        .ok_or_else(|| HfError::Json("the top level is not an object".into()))?;
+    let top = Cfg {
+        obj: root,
+        prefix: String::new(),
+        parent: None,
+    };
+    let model_type = top.str("model_type")?.to_string();
+    match model_type.as_str() {
+        "qwen3_next" => Err(HfError::Unsupported(
+            "model_type `qwen3_next` (fused in_proj_qkvz projections and MoE blocks are not implemented; \
+             qwen3_5_text / qwen3_5 are)"
+                .into(),
+        )),
+        "qwen3_5_text" | "qwen3_5" => {
+            // Multimodal Qwen3.5 configs nest the text model in `text_config`.
+            let nested = match root.get("text_config") {
+                Some(Value::Object(t)) => Some(t),
+                Some(Value::Null) | None => None,
+                Some(other) => return Err(bad("text_config", "an object", other)),
+            };
+            match nested {
+                Some(t) => {
+                    let cfg = Cfg {
+                        obj: t,
+                        prefix: "text_config.".into(),
+                        parent: Some(root),
+                    };
+                    qwen35(&cfg, &model_type, opts)
+                }
+                None => qwen35(&top, &model_type, opts),
+            }
+        }
+        "lfm2" => lfm2(&top, opts),
+        "nemotron_h" => nemotron_h(&top, opts),
+        other => Err(HfError::UnknownModelType(other.to_string())),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed access to a JSON object, with key names in every error.
+
+struct Cfg<'a> {
+    obj: &'a Map<String, Value>,
+    /// Printed before key names (`text_config.`).
+    prefix: String,
+    /// Keys absent here are looked up in the parent (nested text configs).
+    parent: Option<&'a Map<String, Value>>,
+}
+
+fn bad(key: &str, expected: &str, found: &Value) -> HfError {
+    let mut f = found.to_string();
+    if f.len() > 60 {
+        f.truncate(57);
+        f.push_str("...");
+    }
+    HfError::BadValue {
+        key: key.to_string(),
+        expected: expected.to_string(),
+        found: f,
+    }
+}
+
+/// A float, accepting transformers' `{"__float__": "Infinity"}` encoding.
+fn as_f64(v: &Value) -> Option<f64> {
+    match v {
+        Value::Number(n) => n.as_f64(),
+        Value::Object(m) if m.len() == 1 => match m.get("__float__")?.as_str()? {
+            "Infinity" | "inf" => Some(f64::INFINITY),
+            "-Infinity" | "-inf" => Some(f64::NEG_INFINITY),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+fn as_usize(v: &Value) -> Option<usize> {
+    match v {
+        Value::Number(n) => {
+            if let Some(u) = n.as_u64() {
+                usize::try_from(u).ok()
+            } else {
+                // Integral floats (`4096.0`) are accepted.
+                let f = n.as_f64()?;
+                (f >= 0.0 && f.fract() == 0.0 && f < 1e15).then_some(f as usize)
+            }
+        }
+        _ => None,
+    }
+}
+
+impl<'a> Cfg<'a> {
+    fn key(&self, k: &str) -> String {
+        format!("{}{k}", self.prefix)
+    }
+
+    /// The value of `k`, treating JSON `null` as absent; falls back to the parent object.
+    fn get(&self, k: &str) -> Option<(&'a Value, String)> {
+        match self.obj.get(k) {
+            Some(Value::Null) | None => match self.parent.and_then(|p| p.get(k)) {
+                Some(Value::Null) | None => None,
+                Some(v) => Some((v, k.to_string())),
+            },
+            Some(v) => Some((v, self.key(k))),
+        }
+    }
+
+    fn opt_usize(&self, k: &str) -> Result<Option<usize>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some((v, key)) => as_usize(v)
+                .map(Some)
+                .ok_or_else(|| bad(&key, "a non-negative integer", v)),
+        }
+    }
+    fn usize(&self, k: &str) -> Result<usize> {
+        self.opt_usize(k)?
+            .ok_or_else(|| HfError::Missing { key: self.key(k) })
+    }
+    /// The first present key of `keys` (aliases), as a positive integer.
+    fn pos_alias(&self, keys: &[&str]) -> Result<usize> {
+        for k in keys {
+            if self.get(k).is_some() {
+                return self.pos(k);
+            }
+        }
+        Err(HfError::Missing {
+            key: self.key(keys[0]),
+        })
+    }
+    /// A positive integer.
+    fn pos(&self, k: &str) -> Result<usize> {
+        let v = self.usize(k)?;
+        if v == 0 {
+            return Err(HfError::BadValue {
+                key: self.key(k),
+                expected: "a positive integer".into(),
+                found: "0".into(),
+            });
+        }
+        Ok(v)
+    }
+    fn opt_f64(&self, k: &str) -> Result<Option<f64>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some((v, key)) => as_f64(v).map(Some).ok_or_else(|| bad(&key, "a number", v)),
+        }
+    }
+    fn opt_bool(&self, k: &str) -> Result<Option<bool>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some((Value::Bool(b), _)) => Ok(Some(*b)),
+            Some((v, key)) => Err(bad(&key, "true or false", v)),
+        }
+    }
+    fn opt_str(&self, k: &str) -> Result<Option<&'a str>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some((Value::String(s), _)) => Ok(Some(s.as_str())),
+            Some((v, key)) => Err(bad(&key, "a string", v)),
+        }
+    }
+    fn str(&self, k: &str) -> Result<&'a str> {
+        self.opt_str(k)?
+            .ok_or_else(|| HfError::Missing { key: self.key(k) })
+    }
+    fn opt_strings(&self, k: &str) -> Result<Option<Vec<&'a str>>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some((Value::Array(items), key)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_str()
+                        .ok_or_else(|| bad(&format!("{key}[{i}]"), "a string", v))
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some((v, key)) => Err(bad(&key, "a list of strings", v)),
+        }
+    }
+    fn opt_usizes(&self, k: &str) -> Result<Option<Vec<usize>>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some((Value::Array(items), key)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    as_usize(v)
+                        .ok_or_else(|| bad(&format!("{key}[{i}]"), "a non-negative integer", v))
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some((v, key)) => Err(bad(&key, "a list of integers", v)),
+        }
+    }
+    /// A nested object (`rope_parameters`), as a `Cfg` with its own prefix.
+    fn opt_obj(&self, k: &str) -> Result<Option<Cfg<'a>>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some((Value::Object(m), key)) => Ok(Some(Cfg {
+                obj: m,
+                prefix: format!("{key}."),
+                parent: None,
+            })),
+            Some((v, key)) => Err(bad(&key, "an object", v)),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Settings shared by the three families.
+
+struct Common {
+    name: String,
+    vocab: usize,
+    hidden: usize,
+    dtype: DType,
+    max_seq: usize,
+    buckets: Vec<usize>,
+    tied: bool,
+}
+
+fn common(cfg: &Cfg, default_name: &str, opts: &HfOptions, default_tied: bool) -> Result<Common> {
+    let vocab = cfg.pos("vocab_size")?;
+    // LFM2 checkpoints also write `block_dim`.
+    let hidden = cfg.pos_alias(&["hidden_size", "block_dim"])?;
+    let dtype = match opts.dtype {
+        Some(d) => d,
+        None => {
+            let (key, s) = match cfg.opt_str("dtype")? {
+                Some(s) => ("dtype", Some(s)),
+                None => ("torch_dtype", cfg.opt_str("torch_dtype")?),
+            };
+            match s {
+                None => DType::Bf16,
+                Some(s) => DType::parse(s).ok_or_else(|| HfError::BadValue {
+                    key: cfg.key(key),
+                    expected: "float32, bfloat16 or float16".into(),
+                    found: format!("\"{s}\""),
+                })?,
+            }
+        }
+    };
+    let max_seq = match opts.max_seq {
+        Some(0) => return Err(HfError::Invalid("max_seq option must be positive".into())),
+        Some(m) => m,
+        None => cfg
+            .opt_usize("max_position_embeddings")?
+            .unwrap_or(DEFAULT_MAX_SEQ_CAP)
+            .clamp(1, DEFAULT_MAX_SEQ_CAP),
+    };
+    let mut buckets: Vec<usize> = opts
+        .prefill_buckets
+        .clone()
+        .unwrap_or_else(|| DEFAULT_PREFILL_BUCKETS.to_vec())
+        .into_iter()
+        .map(|b| b.min(max_seq))
+        .collect();
+    if buckets.contains(&0) {
+        return Err(HfError::Invalid("prefill buckets must be positive".into()));
+    }
+    buckets.sort_unstable();
+    buckets.dedup();
+    if buckets.is_empty() {
+        buckets.push(DEFAULT_PREFILL_BUCKETS[0].min(max_seq));
+    }
+    let tied = cfg.opt_bool("tie_word_embeddings")?.unwrap_or(default_tied);
+    let name = opts
+        .name
+        .clone()
+        .unwrap_or_else(|| default_name.to_string());
+    Ok(Common {
+        name,
+        vocab,
+        hidden,
+        dtype,
+        max_seq,
+        buckets,
+        tied,
+    })
+}
+
+fn finish(
+    c: Common,
+    norm: NormIr,
+    layers: Vec<LayerIr>,
+    mtp: Option<MtpIr>,
+    weights: WeightNaming,
+) -> ModelIr {
+    ModelIr {
+        name: c.name,
+        vocab: c.vocab,
+        hidden: c.hidden,
+        dtype: c.dtype,
+        max_seq: c.max_seq,
+        prefill_buckets: c.buckets,
+        norm,
+        tied_embeddings: c.tied,
+        layers,
+        mtp,
+        weights,
+    }
+}
+
+fn divides(what: &str, a: usize, b: usize) -> Result<()> {
+    if a == 0 || !b.is_multiple_of(a) {
+        return Err(HfError::Invalid(format!(
+            "{what}: {b} is not a multiple of {a}"
+        )));
+    }
+    Ok(())
+}
+
+/// RoPE settings: `rope_parameters.{rope_theta, partial_rotary_factor, rope_type}`, or the
+/// same keys at the top level (older configs).
+fn rope(cfg: &Cfg, head_dim: usize, default_partial: f64) -> Result<RopeIr> {
+    let params = cfg.opt_obj("rope_parameters")?;
+    let lookup = |k: &str| -> Result<Option<f64>> {
+        if let Some(p) = &params
+            && let Some(v) = p.opt_f64(k)?
+        {
+            return Ok(Some(v));
+        }
+        cfg.opt_f64(k)
+    };
+    let theta = match lookup("rope_theta")? {
+        Some(t) => t,
+        None => {
+            return Err(HfError::Missing {
+                key: cfg.key("rope_parameters.rope_theta"),
+            });
+        }
+    };
+    if !(theta.is_finite() && theta > 1.0) {
+        return Err(HfError::BadValue {
+            key: cfg.key("rope_theta"),
+            expected: "a finite number > 1".into(),
+            found: theta.to_string(),
+        });
+    }
+    let partial = lookup("partial_rotary_factor")?.unwrap_or(default_partial);
+    if !(partial > 0.0 && partial <= 1.0) {
+        return Err(HfError::BadValue {
+            key: cfg.key("partial_rotary_factor"),
+            expected: "a number in (0, 1]".into(),
+            found: partial.to_string(),
+        });
+    }
+    let rope_type = match &params {
+        Some(p) => p.opt_str("rope_type")?.or(p.opt_str("type")?),
+        None => None,
+    };
+    if let Some(t) = rope_type
+        && t != "default"
+    {
+        return Err(HfError::Unsupported(format!(
+            "rope_type `{t}` (only `default` RoPE is implemented)"
+        )));
+    }
+    if let Some(scaling) = cfg.opt_obj("rope_scaling")? {
+        let t = scaling.opt_str("rope_type")?.or(scaling.opt_str("type")?);
+        if !matches!(t, None | Some("default")) {
+            return Err(HfError::Unsupported(format!(
+                "rope_scaling type `{}`",
+                t.unwrap_or("?")
+            )));
+        }
+    }
+    let rotary_dims = (head_dim as f64 * partial) as usize;
+    if rotary_dims == 0 || !rotary_dims.is_multiple_of(2) {
+        return Err(HfError::Invalid(format!(
+            "rotary dims head_dim * partial_rotary_factor = {head_dim} * {partial} = {rotary_dims} must be even and positive"
+        )));
+    }
+    Ok(RopeIr {
+        theta: F64(theta),
+        rotary_dims,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Qwen3.5
+
+fn qwen35(cfg: &Cfg, model_type: &str, opts: &HfOptions) -> Result<ModelIr> {
+    let default_name = if model_type == "qwen3_5_text" {
+        "qwen3_5_text"
+    } else {
+        model_type
+    };
+    let c = common(cfg, default_name, opts, false)?;
+    if cfg.opt_usize("num_experts")?.unwrap_or(0) > 0 {
+        return Err(HfError::Unsupported(
+            "mixture-of-experts Qwen3.5 (`num_experts` > 0)".into(),
+        ));
+    }
+    let n_layers = cfg.pos("num_hidden_layers")?;
+    let eps = cfg.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
+    let intermediate = cfg.pos("intermediate_size")?;
+    if let Some(act) = cfg.opt_str("hidden_act")?
+        && act != "silu"
+    {
+        return Err(HfError::Unsupported(format!(
+            "hidden_act `{act}` (Qwen3.5 MLPs are SwiGLU with silu)"
+        )));
+    }
+
+    let q_heads = cfg.pos("num_attention_heads")?;
+    let kv_heads = cfg.pos("num_key_value_heads")?;
+    let head_dim = match cfg.opt_usize("head_dim")? {
+        Some(d) => d,
+        None => {
+            divides("hidden_size / num_attention_heads", q_heads, c.hidden)?;
+            c.hidden / q_heads
+        }
+    };
+    divides(
+        "num_attention_heads / num_key_value_heads",
+        kv_heads,
+        q_heads,
+    )?;
+    let output_gate = cfg.opt_bool("attn_output_gate")?.unwrap_or(true);
+    let attn = AttentionIr {
+        q_heads,
+        kv_heads,
+        head_dim,
+        qk_norm: true,
+        rope: Some(rope(cfg, head_dim, 0.25)?),
+        output_gate,
+    };
+
+    let gdn_keys = [
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+    ];
+    let types: Vec<bool> = match cfg.opt_strings("layer_types")? {
+        Some(types) => {
+            if types.len() != n_layers {
+                return Err(HfError::Invalid(format!(
+                    "{} has {} entries but {} is {n_layers}",
+                    cfg.key("layer_types"),
+                    types.len(),
+                    cfg.key("num_hidden_layers")
+                )));
+            }
+            types
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match *t {
+                    "full_attention" => Ok(true),
+                    "linear_attention" => Ok(false),
+                    other => Err(HfError::BadValue {
+                        key: format!("{}[{i}]", cfg.key("layer_types")),
+                        expected: "\"full_attention\" or \"linear_attention\"".into(),
+                        found: format!("\"{other}\""),
+                    }),
+                })
+                .collect::<Result<_>>()?
+        }
+        None => {
+            let interval = match cfg.opt_usize("full_attention_interval")? {
+                Some(0) => {
+                    return Err(HfError::BadValue {
+                        key: cfg.key("full_attention_interval"),
+                        expected: "a positive integer".into(),
+                        found: "0".into(),
+                    });
+                }
+                Some(i) => i,
+                None => {
+                    return Err(HfError::Missing {
+                        key: cfg.key("layer_types (or full_attention_interval)"),
+                    });
+                }
+            };
+            (0..n_layers).map(|i| (i + 1) % interval == 0).collect()
+        }
+    };
+    let gdn = if types.iter().any(|full| !full) {
+        let key_heads = cfg.pos(gdn_keys[0])?;
+        let value_heads = cfg.pos(gdn_keys[1])?;
+        divides(
+            "linear_num_value_heads / linear_num_key_heads",
+            key_heads,
+            value_heads,
+        )?;
+        let conv = cfg.pos(gdn_keys[4])?;
+        if conv < 2 {
+            return Err(HfError::Invalid(format!(
+                "{} must be at least 2",
+                cfg.key(gdn_keys[4])
+            )));
+        }
+        Some(GatedDeltaNetIr {
+            key_heads,
+            value_heads,
+            key_dim: cfg.pos(gdn_keys[2])?,
+            value_dim: cfg.pos(gdn_keys[3])?,
+            conv,
+            norm_order: GateOrder::NormThenGate,
+        })
+    } else {
+        None
+    };
+    let mlp = MlpIr::Swiglu { intermediate };
+    let attn_layer = LayerIr {
+        kind: "attention".into(),
+        mixer: Some(MixerIr::Attention(attn.clone())),
+        mlp: Some(mlp.clone()),
+    };
+    let layers = types
+        .iter()
+        .map(|&full| match (full, &gdn) {
+            (false, Some(g)) => LayerIr {
+                kind: "gated_deltanet".into(),
+                mixer: Some(MixerIr::GatedDeltanet(g.clone())),
+                mlp: Some(mlp.clone()),
+            },
+            // `gdn` is read whenever a linear-attention layer exists.
+            _ => attn_layer.clone(),
+        })
+        .collect();
+    let mtp = match cfg.opt_usize("mtp_num_hidden_layers")? {
+        Some(n) if n > 0 => Some(MtpIr {
+            layers: vec![attn_layer; n],
+        }),
+        _ => None,
+    };
+    let norm = NormIr {
+        eps: F64(eps),
+        weight: NormWeight::OnePlus,
+    };
+    Ok(finish(c, norm, layers, mtp, WeightNaming::Qwen35))
+}
+
+// ---------------------------------------------------------------------------------------------
+// LFM2
+
+/// LFM2's real MLP width: with `block_auto_adjust_ff_dim`,
+/// `m * ceil(int(mult * int(2 * intermediate / 3)) / m)` (`m = block_multiple_of`,
+/// `mult = block_ffn_dim_multiplier`, skipped when null).
+pub fn lfm2_mlp_width(
+    intermediate: usize,
+    auto_adjust: bool,
+    multiplier: Option<f64>,
+    multiple_of: usize,
+) -> usize {
+    if !auto_adjust {
+        return intermediate;
+    }
+    let mut w = 2 * intermediate / 3;
+    if let Some(m) = multiplier {
+        w = (m * w as f64) as usize;
+    }
+    let m = multiple_of.max(1);
+    w.div_ceil(m) * m
+}
+
+fn lfm2(cfg: &Cfg, opts: &HfOptions) -> Result<ModelIr> {
+    let c = common(cfg, "lfm2", opts, true)?;
+    let n_layers = cfg.pos_alias(&["num_hidden_layers", "num_layers"])?;
+    let eps = cfg
+        .opt_f64("norm_eps")?
+        .or(cfg.opt_f64("block_norm_eps")?)
+        .unwrap_or(1e-5);
+    let q_heads = cfg.pos("num_attention_heads")?;
+    let kv_heads = cfg.pos("num_key_value_heads")?;
+    divides("hidden_size / num_attention_heads", q_heads, c.hidden)?;
+    divides(
+        "num_attention_heads / num_key_value_heads",
+        kv_heads,
+        q_heads,
+    )?;
+    let head_dim = match cfg.opt_usize("head_dim")? {
+        Some(d) => d,
+        None => c.hidden / q_heads,
+    };
+    let attn = AttentionIr {
+        q_heads,
+        kv_heads,
+        head_dim,
+        qk_norm: true,
+        rope: Some(rope(cfg, head_dim, 1.0)?),
+        output_gate: false,
+    };
+    let conv = cfg.pos("conv_L_cache")?;
+    if conv < 2 {
+        return Err(HfError::Invalid(format!(
+            "{} must be at least 2",
+            cfg.key("conv_L_cache")
+        )));
+    }
+    let sc = ShortConvIr {
+        conv,
+        bias: cfg.opt_bool("conv_bias")?.unwrap_or(false),
+    };
+    let intermediate = cfg.pos_alias(&["intermediate_size", "block_ff_dim"])?;
+    let auto = cfg.opt_bool("block_auto_adjust_ff_dim")?.unwrap_or(false);
+    let width = lfm2_mlp_width(
+        intermediate,
+        auto,
+        cfg.opt_f64("block_ffn_dim_multiplier")?,
+        cfg.opt_usize("block_multiple_of")?.unwrap_or(256),
+    );
+    if width == 0 {
+        return Err(HfError::Invalid("the adjusted MLP width is 0".into()));
+    }
+    let mlp = MlpIr::Swiglu {
+        intermediate: width,
+    };
+
+    let is_attn: Vec<bool> = match cfg.opt_strings("layer_types")? {
+        Some(types) => {
+            if types.len() != n_layers {
+                return Err(HfError::Invalid(format!(
+                    "layer_types has {} entries but num_hidden_layers is {n_layers}",
+                    types.len()
+                )));
+            }
+            types
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match *t {
+                    "full_attention" | "attention" => Ok(true),
+                    "conv" | "short_conv" => Ok(false),
+                    other => Err(HfError::BadValue {
+                        key: format!("layer_types[{i}]"),
+                        expected: "\"conv\" or \"full_attention\"".into(),
+                        found: format!("\"{other}\""),
+                    }),
+                })
+                .collect::<Result<_>>()?
+        }
+        None => {
+            let idxs = cfg
+                .opt_usizes("full_attn_idxs")?
+                .ok_or_else(|| HfError::Missing {
+                    key: "layer_types (or full_attn_idxs)".into(),
+                })?;
+            let mut v = vec![false; n_layers];
+            for (i, &ix) in idxs.iter().enumerate() {
+                if ix >= n_layers {
+                    return Err(HfError::BadValue {
+                        key: format!("full_attn_idxs[{i}]"),
+                        expected: format!("a layer index < {n_layers}"),
+                        found: ix.to_string(),
+                    });
+                }
+                v[ix] = true;
+            }
+            v
+        }
+    };
+    let layers = is_attn
+        .iter()
+        .map(|&a| {
+            let (kind, mixer) = if a {
+                ("attention", MixerIr::Attention(attn.clone()))
+            } else {
+                ("short_conv", MixerIr::ShortConv(sc.clone()))
+            };
+            LayerIr {
+                kind: kind.into(),
+                mixer: Some(mixer),
+                mlp: Some(mlp.clone()),
+            }
+        })
+        .collect();
+    let norm = NormIr {
+        eps: F64(eps),
+        weight: NormWeight::Plain,
+    };
+    Ok(finish(c, norm, layers, None, WeightNaming::Lfm2))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Nemotron-H
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Block {
+    Mamba,
+    Attention,
+    Mlp,
+}
+
+fn nemotron_h(cfg: &Cfg, opts: &HfOptions) -> Result<ModelIr> {
+    let c = common(cfg, "nemotron_h", opts, false)?;
+    let eps = cfg
+        .opt_f64("layer_norm_epsilon")?
+        .or(cfg.opt_f64("rms_norm_eps")?)
+        .unwrap_or(1e-5);
+    let blocks: Vec<Block> = if let Some(types) = cfg.opt_strings("layers_block_type")? {
+        types
+            .iter()
+            .enumerate()
+            .map(|(i, t)| match *t {
+                "mamba" | "mamba2" | "linear_attention" => Ok(Block::Mamba),
+                "attention" | "full_attention" => Ok(Block::Attention),
+                "mlp" => Ok(Block::Mlp),
+                "moe" => Err(HfError::Unsupported(format!(
+                    "layers_block_type[{i}] = \"moe\" (MoE blocks)"
+                ))),
+                other => Err(HfError::BadValue {
+                    key: format!("layers_block_type[{i}]"),
+                    expected: "\"mamba\", \"attention\" or \"mlp\"".into(),
+                    found: format!("\"{other}\""),
+                }),
+            })
+            .collect::<Result<_>>()?
+    } else if let Some(p) = cfg.opt_str("hybrid_override_pattern")? {
+        p.chars()
+            .enumerate()
+            .map(|(i, ch)| match ch {
+                'M' => Ok(Block::Mamba),
+                '*' => Ok(Block::Attention),
+                '-' => Ok(Block::Mlp),
+                'E' => Err(HfError::Unsupported(format!(
+                    "hybrid_override_pattern[{i}] = 'E' (MoE blocks)"
+                ))),
+                other => Err(HfError::BadValue {
+                    key: format!("hybrid_override_pattern[{i}]"),
+                    expected: "one of 'M', '*', '-'".into(),
+                    found: format!("'{other}'"),
+                }),
+            })
+            .collect::<Result<_>>()?
+    } else {
+        return Err(HfError::Missing {
+            key: "layers_block_type (or hybrid_override_pattern)".into(),
+        });
+    };
+    if blocks.is_empty() {
+        return Err(HfError::Invalid("the layer list is empty".into()));
+    }
+    if let Some(n) = cfg.opt_usize("num_hidden_layers")?
+        && n != blocks.len()
+    {
+        return Err(HfError::Invalid(format!(
+            "num_hidden_layers is {n} but the block pattern has {} entries",
+            blocks.len()
+        )));
+    }
+
+    let attn = if blocks.contains(&Block::Attention) {
+        let q_heads = cfg.pos("num_attention_heads")?;
+        let kv_heads = cfg.pos("num_key_value_heads")?;
+        divides(
+            "num_attention_heads / num_key_value_heads",
+            kv_heads,
+            q_heads,
+        )?;
+        let head_dim = match cfg
+            .opt_usize("head_dim")?
+            .or(cfg.opt_usize("attention_head_dim")?)
+        {
+            Some(d) => d,
+            None => {
+                divides("hidden_size / num_attention_heads", q_heads, c.hidden)?;
+                c.hidden / q_heads
+            }
+        };
+        if cfg.opt_bool("attention_bias")?.unwrap_or(false) {
+            return Err(HfError::Unsupported("attention_bias = true".into()));
+        }
+        Some(AttentionIr {
+            q_heads,
+            kv_heads,
+            head_dim,
+            qk_norm: false,
+            rope: None,
+            output_gate: false,
+        })
+    } else {
+        None
+    };
+    let mamba = if blocks.contains(&Block::Mamba) {
+        let heads = cfg.pos("mamba_num_heads")?;
+        let groups = cfg.pos("n_groups")?;
+        divides("mamba_num_heads / n_groups", groups, heads)?;
+        let conv = cfg.pos("conv_kernel")?;
+        if conv < 2 {
+            return Err(HfError::Invalid("conv_kernel must be at least 2".into()));
+        }
+        if cfg.opt_bool("mamba_proj_bias")?.unwrap_or(false) {
+            return Err(HfError::Unsupported("mamba_proj_bias = true".into()));
+        }
+        if let Some(act) = cfg.opt_str("mamba_hidden_act")?
+            && act != "silu"
+        {
+            return Err(HfError::Unsupported(format!("mamba_hidden_act `{act}`")));
+        }
+        // HF clamps dt below at `time_step_min` on its multi-token path (the decode path does
+        // not); a cold forward over any sequence takes the multi-token path, so the clamp is
+        // applied on every path here.
+        let dt_min = cfg.opt_f64("time_step_min")?.filter(|v| *v > 0.0).map(F64);
+        Some(Mamba2Ir {
+            heads,
+            head_dim: cfg.pos("mamba_head_dim")?,
+            groups,
+            state: cfg.pos("ssm_state_size")?,
+            conv,
+            chunk: cfg.opt_usize("chunk_size")?.unwrap_or(128).max(1),
+            conv_bias: cfg.opt_bool("use_conv_bias")?.unwrap_or(true),
+            dt_min,
+            norm_order: GateOrder::GateThenNorm,
+        })
+    } else {
+        None
+    };
+    let mlp = if blocks.contains(&Block::Mlp) {
+        let act = cfg.opt_str("mlp_hidden_act")?.unwrap_or("relu2");
+        if act != "relu2" {
+            return Err(HfError::Unsupported(format!(
+                "mlp_hidden_act `{act}` (only relu2)"
+            )));
+        }
+        if cfg.opt_bool("mlp_bias")?.unwrap_or(false) {
+            return Err(HfError::Unsupported("mlp_bias = true".into()));
+        }
+        Some(MlpIr::Relu2 {
+            intermediate: cfg.pos("intermediate_size")?,
+        })
+    } else {
+        None
+    };
+    let layers = blocks
+        .iter()
+        .map(|b| match b {
+            Block::Mamba => LayerIr {
+                kind: "mamba2".into(),
+                mixer: mamba.clone().map(MixerIr::Mamba2),
+                mlp: None,
+            },
+            Block::Attention => LayerIr {
+                kind: "attention".into(),
+                mixer: attn.clone().map(MixerIr::Attention),
+                mlp: None,
+            },
+            Block::Mlp => LayerIr {
+                kind: "mlp".into(),
+                mixer: None,
+                mlp: mlp.clone(),
+            },
+        })
+        .collect();
+    if cfg.opt_usize("num_nextn_predict_layers")?.unwrap_or(0) > 0 {
+        return Err(HfError::Unsupported(
+            "Nemotron-H MTP layers (num_nextn_predict_layers > 0)".into(),
+        ));
+    }
+    let norm = NormIr {
+        eps: F64(eps),
+        weight: NormWeight::Plain,
+    };
+    Ok(finish(c, norm, layers, None, WeightNaming::NemotronH))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn fixture(name: &str) -> String {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/fixtures")
+            .join(name);
+        let path = dir.join("config.json");
+        std::fs::read_to_string(&path).unwrap_or_else(|e| {
+            panic!("fixture config {} not found ({e}); the shared/ folder must sit beside the repository", path.display())
+        })
+    }
+
+    #[test]
+    fn qwen35_fixture() {
+        let ir = ir_from_hf_config(&fixture("qwen35-public"), &HfOptions::default()).unwrap();
+        assert_eq!(ir.name, "qwen3_5_text");
+        assert_eq!((ir.vocab, ir.hidden, ir.max_seq), (512, 64, 4096));
+        assert_eq!(ir.dtype, DType::F32);
+        assert_eq!(ir.prefill_buckets, vec![16, 64]);
+        assert_eq!(ir.weights, WeightNaming::Qwen35);
+        assert_eq!(ir.norm.weight, NormWeight::OnePlus);
+        assert_eq!(ir.norm.eps, F64(1e-6));
+        assert!(!ir.tied_embeddings);
+        assert!(ir.mtp.is_none());
+        let kinds: Vec<&str> = ir.layers.iter().map(|l| l.kind.as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "gated_deltanet",
+                "gated_deltanet",
+                "gated_deltanet",
+                "attention"
+            ]
+        );
+        let Some(MixerIr::GatedDeltanet(g)) = &ir.layers[0].mixer else {
+            panic!()
+        };
+        assert_eq!(
+            (g.key_heads, g.value_heads, g.key_dim, g.value_dim, g.conv),
+            (2, 4, 16, 16, 4)
+        );
+        assert_eq!(g.qkv_channels(), 128);
+        assert_eq!(g.norm_order, GateOrder::NormThenGate);
+        let Some(MixerIr::Attention(a)) = &ir.layers[3].mixer else {
+            panic!()
+        };
+        assert_eq!((a.q_heads, a.kv_heads, a.head_dim), (4, 2, 32));
+        assert!(a.qk_norm && a.output_gate);
+        assert_eq!(
+            a.rope,
+            Some(RopeIr {
+                theta: F64(10000.0),
+                rotary_dims: 8
+            })
+        );
+        assert!(
+            ir.layers
+                .iter()
+                .all(|l| l.mlp == Some(MlpIr::Swiglu { intermediate: 128 }))
+        );
+    }
+
+    #[test]
+    fn lfm2_fixture() {
+        let ir = ir_from_hf_config(&fixture("lfm2-public"), &HfOptions::default()).unwrap();
+        assert_eq!(ir.name, "lfm2");
+        assert_eq!(ir.weights, WeightNaming::Lfm2);
+        assert!(ir.tied_embeddings);
+        assert_eq!(
+            ir.norm,
+            NormIr {
+                eps: F64(1e-5),
+                weight: NormWeight::Plain
+            }
+        );
+        let kinds: Vec<&str> = ir.layers.iter().map(|l| l.kind.as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "short_conv",
+                "short_conv",
+                "attention",
+                "short_conv",
+                "attention"
+            ]
+        );
+        assert_eq!(
+            ir.layers[0].mixer,
+            Some(MixerIr::ShortConv(ShortConvIr {
+                conv: 3,
+                bias: false
+            }))
+        );
+        let Some(MixerIr::Attention(a)) = &ir.layers[2].mixer else {
+            panic!()
+        };
+        assert_eq!(
+            (a.q_heads, a.kv_heads, a.head_dim, a.qk_norm, a.output_gate),
+            (4, 2, 16, true, false)
+        );
+        assert_eq!(
+            a.rope,
+            Some(RopeIr {
+                theta: F64(1e6),
+                rotary_dims: 16
+            })
+        );
+        // intermediate_size 200 -> int(2*200/3) = 133 -> 32 * ceil(133/32) = 160.
+        assert!(
+            ir.layers
+                .iter()
+                .all(|l| l.mlp == Some(MlpIr::Swiglu { intermediate: 160 }))
+        );
+    }
+
+    #[test]
+    fn nemotron_h_fixture() {
+        let json = fixture("nemotronh-public");
+        let ir = ir_from_hf_config(&json, &HfOptions::default()).unwrap();
+        assert_eq!(ir.name, "nemotron_h");
+        assert_eq!(ir.weights, WeightNaming::NemotronH);
+        assert!(!ir.tied_embeddings);
+        let kinds: Vec<&str> = ir.layers.iter().map(|l| l.kind.as_str()).collect();
+        assert_eq!(
+            kinds,
+            ["mamba2", "mlp", "mamba2", "attention", "mlp", "mamba2"]
+        );
+        let Some(MixerIr::Mamba2(m)) = &ir.layers[0].mixer else {
+            panic!()
+        };
+        assert_eq!(
+            (m.heads, m.head_dim, m.groups, m.state, m.conv, m.chunk),
+            (8, 16, 2, 16, 4, 128)
+        );
+        assert_eq!(m.conv_channels(), 192);
+        assert!(m.conv_bias);
+        assert_eq!(m.dt_min, Some(F64(0.001)));
+        assert_eq!(m.norm_order, GateOrder::GateThenNorm);
+        assert!(ir.layers[0].mlp.is_none());
+        assert_eq!(ir.layers[1].mlp, Some(MlpIr::Relu2 { intermediate: 128 }));
+        assert!(ir.layers[1].mixer.is_none());
+        let Some(MixerIr::Attention(a)) = &ir.layers[3].mixer else {
+            panic!()
+        };
+        assert_eq!((a.q_heads, a.kv_heads, a.head_dim), (4, 2, 16));
+        assert!(a.rope.is_none() && !a.qk_norm && !a.output_gate);
+
+        // The older pattern-string form gives the same IR.
+        let mut v: Value = serde_json::from_str(&json).unwrap();
+        let o = v.as_object_mut().unwrap();
+        o.remove("layers_block_type");
+        o.insert(
+            "hybrid_override_pattern".into(),
+            Value::String("M-M*-M".into()),
+        );
+        let ir2 = ir_from_hf_config(&v.to_string(), &HfOptions::default()).unwrap();
+        assert_eq!(ir, ir2);
+    }
+
+    #[test]
+    fn options_override_defaults() {
+        let opts = HfOptions {
+            name: Some("tiny".into()),
+            max_seq: Some(40),
+            prefill_buckets: Some(vec![64, 8, 32]),
+            dtype: Some(DType::Bf16),
+        };
+        let ir = ir_from_hf_config(&fixture("lfm2-public"), &opts).unwrap();
+        assert_eq!(ir.name, "tiny");
+        assert_eq!(ir.max_seq, 40);
+        assert_eq!(ir.prefill_buckets, vec![8, 32, 40]);
+        assert_eq!(ir.dtype, DType::Bf16);
+    }
+
+    #[test]
+    fn qwen_interval_nested_and_mtp() {
+        let text: Value = serde_json::from_str(&fixture("qwen35-public")).unwrap();
+        let mut text = text.as_object().unwrap().clone();
+        text.remove("layer_types");
+        text.insert("full_attention_interval".into(), 4.into());
+        text.insert("mtp_num_hidden_layers".into(), 1.into());
+        text.remove("dtype");
+        let mut outer = Map::new();
+        outer.insert("model_type".into(), "qwen3_5".into());
+        outer.insert("torch_dtype".into(), "bfloat16".into());
+        outer.insert("text_config".into(), Value::Object(text));
+        let ir =
+            ir_from_hf_config(&Value::Object(outer).to_string(), &HfOptions::default()).unwrap();
+        let base = ir_from_hf_config(&fixture("qwen35-public"), &HfOptions::default()).unwrap();
+        assert_eq!(ir.layers, base.layers);
+        assert_eq!(ir.dtype, DType::Bf16);
+        let mtp = ir.mtp.expect("mtp head");
+        assert_eq!(mtp.layers.len(), 1);
+        assert_eq!(mtp.layers[0].kind, "attention");
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let e = ir_from_hf_config(r#"{"model_type": "llama"}"#, &HfOptions::default()).unwrap_err();
+        assert!(
+            matches!(e, HfError::UnknownModelType(ref t) if t == "llama"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("llama"));
+
+        let e = ir_from_hf_config("{not json", &HfOptions::default()).unwrap_err();
+        assert!(matches!(e, HfError::Json(_)));
+
+        let mut v: Value = serde_json::from_str(&fixture("lfm2-public")).unwrap();
+        v.as_object_mut().unwrap().remove("hidden_size");
+        let e = ir_from_hf_config(&v.to_string(), &HfOptions::default()).unwrap_err();
+        assert_eq!(
+            e,
+            HfError::Missing {
+                key: "hidden_size".into()
+            }
+        );
+
+        let mut v: Value = serde_json::from_str(&fixture("qwen35-public")).unwrap();
+        v["linear_num_key_heads"] = Value::String("two".into());
+        let e = ir_from_hf_config(&v.to_string(), &HfOptions::default()).unwrap_err();
+        assert!(
+            matches!(e, HfError::BadValue { ref key, .. } if key == "linear_num_key_heads"),
+            "{e}"
+        );
+
+        let mut v: Value = serde_json::from_str(&fixture("nemotronh-public")).unwrap();
+        v["layers_block_type"][2] = Value::String("moe".into());
+        let e = ir_from_hf_config(&v.to_string(), &HfOptions::default()).unwrap_err();
+        assert!(matches!(e, HfError::Unsupported(_)), "{e}");
+
+        let e = ir_from_hf_config(r#"{"model_type": "qwen3_next"}"#, &HfOptions::default())
+            .unwrap_err();
+        assert!(matches!(e, HfError::Unsupported(_)), "{e}");
+
+        let e = ir_from_hf_config(r#"{"vocab_size": 3}"#, &HfOptions::default()).unwrap_err();
+        assert_eq!(
+            e,
+            HfError::Missing {
+                key: "model_type".into()
+            }
+        );
+    }
+
+    #[test]
+    fn infinity_encoding_is_a_float() {
+        let v: Value = serde_json::from_str(r#"{"__float__": "Infinity"}"#).unwrap();
+        assert_eq!(as_f64(&v), Some(f64::INFINITY));
+    }
+
+    #[test]
+    fn lfm2_width_formula() {
+        assert_eq!(lfm2_mlp_width(200, true, Some(1.0), 32), 160);
+        assert_eq!(lfm2_mlp_width(200, false, Some(1.0), 32), 200);
+        assert_eq!(lfm2_mlp_width(12288, true, None, 256), 8192);
+    }
+}

@@ -1,0 +1,562 @@
+//! Models and sessions: the public surface the CLI, the facade and the tests use.
+//!
+//! A [`Model`] is compiled IR plus weights resident on one backend; it is `Arc`-shared and
+//! cheap to clone. A [`Session`] owns one set of arenas on the backend and a token history;
+//! it appends tokens (prefill chunks and decode steps), exposes logits, and snapshots /
+//! restores / forks / rolls back its whole execution state as [`Capsule`]s.
+//!
+//! # Chunking
+//!
+//! [`Session::append`] splits its input into chunks of the largest prefill bucket and runs
+//! each chunk with the plan of the smallest bucket that holds it; a single token uses the
+//! decode plan. On the CPU backend every op is chunking-invariant (see
+//! [`crate::backend::cpu`]), so the logits and state after any sequence of appends equal
+//! those of one cold prefill of the concatenated tokens, bit for bit.
+
+use crate::backend::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet};
+use crate::capsule::{Capsule, CapsuleMeta, Counters, LogitsRow, SamplerState};
+use crate::error::{Error, Result};
+use crate::loader;
+use flashrt_ir::hf::{HfOptions, ir_from_hf_config};
+use flashrt_ir::{BufferId, Compiled, ModelIr, Phase, Role, compile};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Where a model's weights come from.
+pub enum WeightSource {
+    /// Host tensors in layout order (see [`HostWeights`]).
+    Host(HostWeights),
+    /// A Hugging Face checkpoint folder (its safetensors files; `config.json` is not read).
+    HfDir(PathBuf),
+    /// [`loader::random_weights`] with this seed.
+    Random(u64),
+}
+
+struct ModelInner {
+    backend: Arc<dyn Backend>,
+    device: Arc<dyn DeviceModel>,
+    compiled: Arc<Compiled>,
+}
+
+/// A compiled model with its weights on a backend. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct Model {
+    inner: Arc<ModelInner>,
+}
+
+impl fmt::Debug for Model {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Model")
+            .field("name", &self.name())
+            .field("fingerprint", &self.fingerprint())
+            .field("backend", &self.backend_name())
+            .finish()
+    }
+}
+
+/// A model name derived from a folder name (`qwen35-public` -> `qwen35_public`).
+pub fn name_from_dir(dir: &Path) -> Option<String> {
+    let base = dir.canonicalize().ok().unwrap_or_else(|| dir.to_path_buf());
+    let raw = base.file_name()?.to_string_lossy().to_lowercase();
+    let mut s: String = raw
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    if s.is_empty() {
+        return None;
+    }
+    if s.starts_with(|c: char| c.is_ascii_digit()) {
+        s.insert(0, 'm');
+    }
+    Some(s)
+}
+
+impl Model {
+    /// Load a Hugging Face checkpoint folder: `config.json` -> IR -> compile for the
+    /// backend's target -> weights from the folder's safetensors files. Without a name in
+    /// `opts`, the model is named after the folder.
+    pub fn load_hf_dir(backend: Arc<dyn Backend>, dir: &Path, opts: &HfOptions) -> Result<Model> {
+        let cfg = dir.join("config.json");
+        let json = std::fs::read_to_string(&cfg).map_err(|e| Error::Io {
+            path: cfg.display().to_string(),
+            source: e,
+        })?;
+        let mut opts = opts.clone();
+        if opts.name.is_none() {
+            opts.name = name_from_dir(dir);
+        }
+        let ir = ir_from_hf_config(&json, &opts)
+            .map_err(|e| Error::Config(format!("{}: {e}", cfg.display())))?;
+        Model::from_ir(backend, &ir, WeightSource::HfDir(dir.to_path_buf()))
+    }
+
+    /// A model described by `ir` (e.g. generated from TOML or a macro) with its weights from
+    /// the Hugging Face checkpoint folder `dir` (`config.json` is not read).
+    pub fn load_ir_dir(backend: Arc<dyn Backend>, ir: ModelIr, dir: &Path) -> Result<Model> {
+        Model::from_ir(backend, &ir, WeightSource::HfDir(dir.to_path_buf()))
+    }
+
+    /// Compile `ir` for the backend's target and load weights.
+    pub fn from_ir(
+        backend: Arc<dyn Backend>,
+        ir: &ModelIr,
+        weights: WeightSource,
+    ) -> Result<Model> {
+        let compiled = Arc::new(compile(ir, backend.target(ir)));
+        let host = match weights {
+            WeightSource::Host(h) => h,
+            WeightSource::HfDir(dir) => loader::load_hf_weights(&compiled, &dir)?,
+            WeightSource::Random(seed) => loader::random_weights(&compiled, seed),
+        };
+        Model::from_compiled(backend, compiled, host)
+    }
+
+    /// A model with deterministic random weights (demo, benchmarks).
+    pub fn with_random_weights(
+        backend: Arc<dyn Backend>,
+        ir: &ModelIr,
+        seed: u64,
+    ) -> Result<Model> {
+        Model::from_ir(backend, ir, WeightSource::Random(seed))
+    }
+
+    /// Upload weights for an already compiled model (compiled for `backend.target(..)`).
+    pub fn from_compiled(
+        backend: Arc<dyn Backend>,
+        compiled: Arc<Compiled>,
+        weights: HostWeights,
+    ) -> Result<Model> {
+        let want = backend.target(&compiled.ir);
+        if compiled.layout.target != want {
+            return Err(Error::Unsupported(format!(
+                "{} was compiled for {}, backend {} needs {}",
+                compiled.ir.name,
+                compiled.layout.target.dtype.name(),
+                backend.name(),
+                want.dtype.name()
+            )));
+        }
+        let device = backend.load(compiled.clone(), weights)?;
+        Ok(Model {
+            inner: Arc::new(ModelInner {
+                backend,
+                device,
+                compiled,
+            }),
+        })
+    }
+
+    pub fn compiled(&self) -> &Arc<Compiled> {
+        &self.inner.compiled
+    }
+    pub fn ir(&self) -> &ModelIr {
+        &self.inner.compiled.ir
+    }
+    pub fn name(&self) -> &str {
+        &self.inner.compiled.ir.name
+    }
+    pub fn fingerprint(&self) -> &str {
+        &self.inner.compiled.layout.fingerprint
+    }
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+    pub fn backend_name(&self) -> String {
+        self.inner.device.backend_name()
+    }
+    pub fn vocab(&self) -> usize {
+        self.inner.compiled.ir.vocab
+    }
+    pub fn max_seq(&self) -> usize {
+        self.inner.compiled.layout.max_seq
+    }
+
+    /// A fresh session (zeroed state, position 0).
+    pub fn session(&self) -> Result<Session> {
+        Ok(Session {
+            model: self.clone(),
+            dev: self.inner.device.new_session()?,
+            pos: 0,
+            tokens: Vec::new(),
+            logits: Vec::new(),
+            logits_rows: 0,
+            logits_mode: LogitsMode::All,
+            pending: None,
+            sampler: SamplerState::default(),
+            counters: Counters::default(),
+            poisoned: false,
+        })
+    }
+
+    /// A new, independent session at the capsule's boundary.
+    pub fn fork(&self, capsule: &Capsule) -> Result<Session> {
+        let mut s = self.session()?;
+        s.restore(capsule)?;
+        Ok(s)
+    }
+}
+
+/// Which logits rows [`Session::append`] keeps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogitsMode {
+    /// Every row of the last append (`[n, vocab]`).
+    #[default]
+    All,
+    /// Only the last row (long prompts with large vocabularies).
+    Last,
+}
+
+/// A state region named by buffer name or id.
+#[derive(Clone, Copy, Debug)]
+pub enum RegionKey<'a> {
+    Name(&'a str),
+    Id(BufferId),
+}
+
+impl<'a> From<&'a str> for RegionKey<'a> {
+    fn from(s: &'a str) -> Self {
+        RegionKey::Name(s)
+    }
+}
+impl<'a> From<&'a String> for RegionKey<'a> {
+    fn from(s: &'a String) -> Self {
+        RegionKey::Name(s)
+    }
+}
+impl From<BufferId> for RegionKey<'_> {
+    fn from(id: BufferId) -> Self {
+        RegionKey::Id(id)
+    }
+}
+
+/// One stream of tokens through a model, with its own state arenas.
+pub struct Session {
+    model: Model,
+    dev: Box<dyn DeviceSession>,
+    pos: usize,
+    tokens: Vec<u32>,
+    /// Kept rows of the last append, row-major.
+    logits: Vec<f32>,
+    logits_rows: usize,
+    logits_mode: LogitsMode,
+    pending: Option<u32>,
+    sampler: SamplerState,
+    counters: Counters,
+    /// A step failed half-way: the state is undefined until `reset` or a restore.
+    poisoned: bool,
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Session")
+            .field("model", &self.model.name())
+            .field("pos", &self.pos)
+            .finish()
+    }
+}
+
+/// Index of the largest value (the first one on ties; NaN never wins).
+pub fn argmax(row: &[f32]) -> Option<u32> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in row.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    best.map(|(i, _)| i as u32)
+}
+
+impl Session {
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+    /// Tokens consumed so far.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+    /// Token history `[0, pos)`.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+    pub fn sampler(&self) -> &SamplerState {
+        &self.sampler
+    }
+    pub fn set_sampler(&mut self, sampler: SamplerState) {
+        self.sampler = sampler;
+    }
+    /// The next token, chosen but not yet fed, if any.
+    pub fn pending(&self) -> Option<u32> {
+        self.pending
+    }
+    pub fn set_pending(&mut self, token: Option<u32>) {
+        self.pending = token;
+    }
+    pub fn set_logits_mode(&mut self, mode: LogitsMode) {
+        self.logits_mode = mode;
+    }
+
+    /// Logits kept from the last append, row-major `[logits_rows(), vocab]` (after a restore:
+    /// the capsule's last row).
+    pub fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+    pub fn logits_rows(&self) -> usize {
+        self.logits_rows
+    }
+    /// Logits after the last fed token (empty at position 0).
+    pub fn last_logits(&self) -> &[f32] {
+        let v = self.model.vocab();
+        if self.logits_rows == 0 {
+            &[]
+        } else {
+            &self.logits[(self.logits_rows - 1) * v..self.logits_rows * v]
+        }
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        if self.poisoned {
+            return Err(Error::Input(
+                "a step failed half-way; reset or restore the session before using it".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate(&self, tokens: &[u32]) -> Result<()> {
+        self.check_usable()?;
+        if tokens.is_empty() {
+            return Err(Error::Input(
+                "empty input: append needs at least one token".into(),
+            ));
+        }
+        let vocab = self.model.vocab();
+        if let Some((i, &t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|&(_, &t)| t as usize >= vocab)
+        {
+            return Err(Error::Input(format!(
+                "token id {t} at index {i} is out of range (vocab {vocab})"
+            )));
+        }
+        let max = self.model.max_seq();
+        if self.pos + tokens.len() > max {
+            return Err(Error::Input(format!(
+                "position {} + {} tokens exceeds max_seq {max}",
+                self.pos,
+                tokens.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Feed tokens: prefill chunks (largest bucket, smallest fitting plan), single tokens
+    /// through the decode plan. Clears the pending token.
+    pub fn append(&mut self, tokens: &[u32]) -> Result<()> {
+        self.validate(tokens)?;
+        let vocab = self.model.vocab();
+        let buckets = self.model.ir().prefill_buckets.clone();
+        let largest = buckets.iter().copied().max().unwrap_or(1).max(1);
+        self.logits.clear();
+        self.logits_rows = 0;
+        let n_chunks = tokens.len().div_ceil(largest);
+        for (ci, chunk) in tokens.chunks(largest).enumerate() {
+            let phase = if chunk.len() == 1 {
+                Phase::Decode
+            } else {
+                Phase::Prefill {
+                    bucket: buckets
+                        .iter()
+                        .copied()
+                        .find(|&b| b >= chunk.len())
+                        .unwrap_or(largest),
+                }
+            };
+            if let Err(e) = self.dev.step(phase, chunk, self.pos) {
+                self.poisoned = true;
+                self.logits.clear();
+                self.logits_rows = 0;
+                return Err(e);
+            }
+            let keep_all = self.logits_mode == LogitsMode::All;
+            if keep_all || ci + 1 == n_chunks {
+                let rows = self.dev.logits(chunk.len())?;
+                if keep_all {
+                    self.logits.extend_from_slice(&rows);
+                    self.logits_rows += chunk.len();
+                } else {
+                    self.logits = rows[(chunk.len() - 1) * vocab..].to_vec();
+                    self.logits_rows = 1;
+                }
+            }
+            self.pos += chunk.len();
+            self.tokens.extend_from_slice(chunk);
+            self.counters.steps += 1;
+            match phase {
+                Phase::Decode => self.counters.decode_tokens += 1,
+                Phase::Prefill { .. } => self.counters.prefill_tokens += chunk.len() as u64,
+            }
+        }
+        self.pending = None;
+        Ok(())
+    }
+
+    /// Greedy decoding: `n` times, take the argmax of the last logits and feed it. The first
+    /// token comes from the logits already there (after a prefill or a restore).
+    pub fn decode_greedy(&mut self, n: usize) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = argmax(self.last_logits()).ok_or_else(|| {
+                Error::Input("no logits to decode from: append tokens first".into())
+            })?;
+            self.append(&[t])?;
+            out.push(t);
+        }
+        Ok(out)
+    }
+
+    /// Zero the state: position 0, empty history.
+    pub fn reset(&mut self) -> Result<()> {
+        self.dev.reset()?;
+        self.pos = 0;
+        self.tokens.clear();
+        self.logits.clear();
+        self.logits_rows = 0;
+        self.pending = None;
+        self.counters = Counters::default();
+        self.poisoned = false;
+        Ok(())
+    }
+
+    /// The execution state at the current boundary.
+    pub fn snapshot(&self) -> Result<Capsule> {
+        self.check_usable()?;
+        let saved = self.dev.save(self.pos, RegionSet::All)?;
+        let last = self.last_logits();
+        let meta = CapsuleMeta {
+            model: self.model.name().to_string(),
+            fingerprint: self.model.fingerprint().to_string(),
+            pos: self.pos,
+            pending: self.pending,
+            tokens: self.tokens.clone(),
+            sampler: self.sampler.clone(),
+            counters: self.counters,
+            last_logits: (!last.is_empty()).then(|| LogitsRow(last.into())),
+        };
+        Capsule::from_parts(meta, saved, self.model.compiled().clone())
+    }
+
+    fn check_capsule(&self, c: &Capsule) -> Result<()> {
+        if c.meta.fingerprint != self.model.fingerprint() {
+            return Err(Error::Fingerprint {
+                capsule_model: c.meta.model.clone(),
+                capsule: c.meta.fingerprint.clone(),
+                session_model: self.model.name().to_string(),
+                session: self.model.fingerprint().to_string(),
+            });
+        }
+        if c.meta.pos > self.model.max_seq()
+            || c.saved().pos() != c.meta.pos
+            || c.meta.tokens.len() != c.meta.pos
+        {
+            return Err(Error::Capsule(format!(
+                "inconsistent capsule: pos {}, saved at {}, {} tokens of history",
+                c.meta.pos,
+                c.saved().pos(),
+                c.meta.tokens.len()
+            )));
+        }
+        if let Some(l) = &c.meta.last_logits
+            && l.0.len() != self.model.vocab()
+        {
+            return Err(Error::Capsule(format!(
+                "capsule logits row has {} values, vocab is {}",
+                l.0.len(),
+                self.model.vocab()
+            )));
+        }
+        Ok(())
+    }
+
+    fn adopt_meta(&mut self, c: &Capsule) {
+        self.pos = c.meta.pos;
+        self.tokens.clone_from(&c.meta.tokens);
+        self.pending = c.meta.pending;
+        self.sampler = c.meta.sampler.clone();
+        self.counters = c.meta.counters;
+        self.logits.clear();
+        self.logits_rows = 0;
+        if let Some(l) = &c.meta.last_logits {
+            self.logits.extend_from_slice(&l.0);
+            self.logits_rows = 1;
+        }
+    }
+
+    /// Return to the capsule's boundary: afterwards every state byte equals the snapshot's,
+    /// and decoding continues exactly as it would have from there.
+    pub fn restore(&mut self, capsule: &Capsule) -> Result<()> {
+        self.check_capsule(capsule)?;
+        if let Err(e) = self.dev.restore(capsule.saved().as_ref(), RegionSet::All) {
+            self.poisoned = true;
+            return Err(e);
+        }
+        self.poisoned = false;
+        self.adopt_meta(capsule);
+        Ok(())
+    }
+
+    /// Restore to an earlier boundary of this session's own history (e.g. after rejected
+    /// speculative tokens). Errors if the capsule's tokens are not a prefix of this history.
+    pub fn rollback(&mut self, capsule: &Capsule) -> Result<()> {
+        self.check_capsule(capsule)?;
+        let t = &capsule.meta.tokens;
+        if t.len() > self.tokens.len() || self.tokens[..t.len()] != t[..] {
+            return Err(Error::Capsule(format!(
+                "rollback target (position {}) is not a boundary of this session's history (position {})",
+                t.len(),
+                self.pos
+            )));
+        }
+        self.restore(capsule)
+    }
+
+    /// **Experiment API** (the KV-only ablation): restore only the attention K/V regions and
+    /// the position/history, leaving conv and recurrent state as they are. The session is then
+    /// deliberately inconsistent; this exists to show that recurrent state is load-bearing.
+    pub fn restore_kv_only(&mut self, capsule: &Capsule) -> Result<()> {
+        self.check_capsule(capsule)?;
+        self.check_usable()?;
+        self.dev
+            .restore(capsule.saved().as_ref(), RegionSet::KvOnly)?;
+        self.adopt_meta(capsule);
+        Ok(())
+    }
+
+    /// Current host bytes of one state region (KV: positions `[0, pos)`).
+    pub fn read_region<'a>(&self, key: impl Into<RegionKey<'a>>) -> Result<Vec<u8>> {
+        let layout = &self.model.compiled().layout;
+        let id = match key.into() {
+            RegionKey::Id(id) => id,
+            RegionKey::Name(n) => layout
+                .id(n)
+                .ok_or_else(|| Error::Input(format!("no buffer named `{n}`")))?,
+        };
+        match layout.buffers.get(id.index()) {
+            Some(b) if b.role == Role::State => self.dev.read_region(id, self.pos),
+            Some(b) => Err(Error::Input(format!("`{}` is not a state region", b.name))),
+            None => Err(Error::Input(format!("no buffer with id {}", id.0))),
+        }
+    }
+
+    /// Bytes a capsule of the current boundary holds (state regions, KV up to `pos`).
+    pub fn state_bytes(&self) -> usize {
+        self.model.compiled().layout.capsule_bytes(self.pos)
+    }
+}
