@@ -116,7 +116,7 @@ pub fn model_impls(ir: &ModelIr, ty: &Ident, vis: &TokenStream) -> TokenStream {
                     meta,
                 })
             }
-            fn to_untyped(&self) -> ::flashrt::__private::UntypedCapsule {
+            fn to_untyped(&self) -> ::flashrt::__private::Result<::flashrt::__private::UntypedCapsule> {
                 ::flashrt::__private::join_regions(&self.meta, &[#( &self.#fields ),*])
             }
             fn meta(&self) -> &::flashrt::CapsuleMeta {

@@ -1,0 +1,129 @@
+//! The command implementations behind `flashrt` (kept in the library so tests can call them).
+
+use flashrt_ir::{Compiled, Role};
+use std::fmt::Write;
+use crate::runtime::Backend;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+/// Bytes in binary units: `1.50 GiB`.
+pub fn human_bytes(b: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{b} B") } else { format!("{v:.2} {}", UNITS[u]) }
+}
+
+/// What `flashrt compile` prints: layout, plans, capsule size.
+pub fn compile_report(c: &Compiled, ops: bool) -> String {
+    let l = &c.layout;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "model {} ({} layers{}), target {}, fingerprint {}",
+        c.ir.name,
+        c.ir.layers.len(),
+        c.ir.mtp.as_ref().map_or(String::new(), |m| format!(" + {} MTP", m.layers.len())),
+        l.target.dtype.name(),
+        l.fingerprint
+    );
+    let _ = writeln!(s, "\nlayout ({} buffers)", l.buffers.len());
+    let _ = writeln!(s, "  {:<40} {:<8} {:<5} {:<24} {:>12}", "buffer", "role", "dtype", "shape", "bytes");
+    for b in &l.buffers {
+        let _ = writeln!(
+            s,
+            "  {:<40} {:<8} {:<5} {:<24} {:>12}",
+            b.name,
+            b.role.name(),
+            b.dtype.name(),
+            format!("{:?}", b.shape),
+            b.bytes
+        );
+    }
+    let _ = writeln!(s, "\narenas");
+    for role in Role::ALL {
+        let bytes = l.arena_bytes(role);
+        let _ = writeln!(s, "  {:<8} {:>16} bytes  {:>11}", role.name(), bytes, human_bytes(bytes));
+    }
+    let _ = writeln!(s, "\nplans");
+    for p in &c.plans {
+        let counts = p.op_counts().iter().map(|(n, k)| format!("{n} {k}")).collect::<Vec<_>>().join(", ");
+        let _ = writeln!(s, "  {:<15} {:>5} ops: {counts}", p.phase.label(), p.ops.len());
+        if ops {
+            for (i, op) in p.ops.iter().enumerate() {
+                let _ = writeln!(s, "      {i:>5} {}", op.name());
+            }
+        }
+    }
+    let fixed = l.capsule_fixed_bytes();
+    let per = l.capsule_bytes_per_token();
+    let _ = writeln!(s, "\ncapsule");
+    let _ = writeln!(s, "  fixed bytes      {fixed:>16}  {:>11}  (recurrent + conv state)", human_bytes(fixed));
+    let _ = writeln!(s, "  bytes per token  {per:>16}  {:>11}  (attention K/V)", human_bytes(per));
+    for n in [2048usize, 16384, l.max_seq] {
+        if n <= l.max_seq {
+            let _ = writeln!(s, "  at {n:>6} tokens  {:>16}  {:>11}", fixed + per * n, human_bytes(fixed + per * n));
+        }
+    }
+    s
+}
+
+/// `--backend cpu|cuda`, else the best available.
+fn backend_from(args: &[String]) -> Result<(Arc<dyn Backend>, Vec<String>), String> {
+    let mut rest = Vec::new();
+    let mut choice = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--backend" {
+            choice = Some(it.next().ok_or("--backend needs a value (cpu or cuda)")?.clone());
+        } else {
+            rest.push(a.clone());
+        }
+    }
+    let backend: Arc<dyn Backend> = match choice.as_deref() {
+        None => crate::runtime::backend::best().map_err(|e| e.to_string())?,
+        Some("cpu") => Arc::new(crate::runtime::CpuBackend::new()),
+        Some("cuda") => Arc::new(crate::runtime::backend::cuda::CudaBackend::new(0).map_err(|e| e.to_string())?),
+        Some(other) => return Err(format!("unknown backend `{other}` (cpu or cuda)")),
+    };
+    Ok((backend, rest))
+}
+
+/// `flashrt check-reference <DIR>`: exit 0 when every check passes, 1 otherwise.
+pub fn check_reference(args: &[String]) -> Result<ExitCode, String> {
+    let (backend, rest) = backend_from(args)?;
+    let dir = match rest.as_slice() {
+        [d] => std::path::PathBuf::from(d),
+        [] => return Err("missing checkpoint folder".into()),
+        _ => return Err(format!("expected one folder, got {}", rest.len())),
+    };
+    let report = crate::runtime::check_reference(&dir, backend).map_err(|e| format!("{}: {e}", dir.display()))?;
+    println!("{report}");
+    Ok(if report.passed() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+/// `flashrt demo`.
+pub fn demo(args: &[String]) -> Result<ExitCode, String> {
+    let (backend, rest) = backend_from(args)?;
+    let mut prompt = 256usize;
+    let mut it = rest.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--prompt" => {
+                let v = it.next().ok_or("--prompt needs a token count")?;
+                prompt = v.parse().map_err(|_| format!("--prompt: `{v}` is not a number"))?;
+            }
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    if prompt == 0 || prompt + 64 > crate::demo::Demo::ir_max_seq() {
+        return Err(format!("--prompt must be between 1 and {}", crate::demo::Demo::ir_max_seq() - 64));
+    }
+    let report = crate::demo::run(backend, prompt).map_err(|e| e.to_string())?;
+    print!("{}", crate::demo::render(&report));
+    Ok(if report.passed() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}

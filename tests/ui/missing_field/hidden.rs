@@ -1,0 +1,12 @@
+// `hidden` is required.
+#[flashrt::model(
+    model = {
+        name = "tiny_a", vocab = 64, dtype = "f32", max_seq = 128, prefill_buckets = [8],
+        norm = { kind = "rms", eps = 1e-5, weight = "plain" }, tie_embeddings = true, weights = "lfm2",
+    },
+    kinds = { conv = { mixer = { kind = "short_conv", conv = 3 } } },
+    stack = { pattern = [conv] },
+)]
+pub struct TinyA;
+
+fn main() {}
