@@ -64,6 +64,20 @@ pub fn compile_report(c: &Compiled, ops: bool) -> String {
     let _ = writeln!(s, "\ncapsule");
     let _ = writeln!(s, "  fixed bytes      {fixed:>16}  {:>11}  (recurrent + conv state)", human_bytes(fixed));
     let _ = writeln!(s, "  bytes per token  {per:>16}  {:>11}  (attention K/V)", human_bytes(per));
+    if c.ir.mtp.is_some() {
+        let mtp = |per_token: bool| -> usize {
+            l.state_buffers()
+                .filter(|b| b.name.starts_with("mtp."))
+                .map(|b| match (per_token, b.bytes_per_token()) {
+                    (true, n) => n,
+                    (false, 0) => b.bytes,
+                    (false, _) => 0,
+                })
+                .sum()
+        };
+        let _ = writeln!(s, "  MTP head fixed bytes      {:>16}  (included above: drafter input hidden)", mtp(false));
+        let _ = writeln!(s, "  MTP head bytes per token  {:>16}  (included above: drafter K/V)", mtp(true));
+    }
     for n in [2048usize, 16384, l.max_seq] {
         if n <= l.max_seq {
             let _ = writeln!(s, "  at {n:>6} tokens  {:>16}  {:>11}", fixed + per * n, human_bytes(fixed + per * n));

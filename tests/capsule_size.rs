@@ -13,8 +13,12 @@ const KV_HEADS: usize = 4;
 const ATTN_HEAD_DIM: usize = 256;
 const F32: usize = 4;
 const BF16: usize = 2;
+// One MTP layer (an attention layer of the same shape) and its input hidden vector.
+const MTP_LAYERS: usize = 1;
+const HIDDEN: usize = 5120;
 
-fn expected() -> (usize, usize) {
+/// The main stack alone, exactly as the issue states the facts.
+fn expected_main() -> (usize, usize) {
     // fp32 recurrent state [value_heads, key_dim, value_dim] per GDN layer.
     let recurrent = VALUE_HEADS * HEAD_DIM * HEAD_DIM * F32;
     // Conv state: the last K-1 inputs of every q, k, v channel, in bf16.
@@ -24,6 +28,17 @@ fn expected() -> (usize, usize) {
     // K and V, bf16, per token and attention layer.
     let per_token = ATTN_LAYERS * KV_HEADS * ATTN_HEAD_DIM * 2 * BF16;
     (fixed, per_token)
+}
+
+/// The MTP head's regions: its own K/V per token, and the hidden vector it drafts from.
+fn expected_mtp() -> (usize, usize) {
+    (HIDDEN * BF16, MTP_LAYERS * KV_HEADS * ATTN_HEAD_DIM * 2 * BF16)
+}
+
+fn expected() -> (usize, usize) {
+    let (f, p) = expected_main();
+    let (mf, mp) = expected_mtp();
+    (f + mf, p + mp)
 }
 
 fn compiled() -> flashrt::ir::Compiled {
@@ -41,6 +56,17 @@ fn qwen36_27b_capsule_bytes_match_the_config_facts() {
     assert_eq!(c.layout.capsule_bytes_per_token(), per_token, "bytes per token");
     // A 16k-token capsule is about 1 GiB of KV plus ~147 MiB of recurrent/conv state.
     assert_eq!(c.layout.capsule_bytes(16384), fixed + 16384 * per_token);
+    // The main stack's share is exactly the figure derived from the config facts alone.
+    let (main_fixed, main_per) = expected_main();
+    let main = |per: bool| -> usize {
+        c.layout
+            .state_buffers()
+            .filter(|b| b.name.starts_with("layers."))
+            .map(|b| if per { b.bytes_per_token() } else if b.bytes_per_token() == 0 { b.bytes } else { 0 })
+            .sum()
+    };
+    assert_eq!(main(false), main_fixed);
+    assert_eq!(main(true), main_per);
 }
 
 #[test]
@@ -58,4 +84,7 @@ fn flashrt_compile_prints_the_same_two_numbers() {
     };
     assert_eq!(field("fixed bytes"), fixed);
     assert_eq!(field("bytes per token"), per_token);
+    let (mf, mp) = expected_mtp();
+    assert_eq!(field("MTP head fixed bytes"), mf);
+    assert_eq!(field("MTP head bytes per token"), mp);
 }

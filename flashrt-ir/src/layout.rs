@@ -65,6 +65,9 @@ pub enum StateKind {
     /// Recurrent / SSM state, fp32: Gated DeltaNet `[value_heads, key_dim, value_dim]`,
     /// Mamba2 `[heads, head_dim, state]`.
     Recurrent,
+    /// A hidden-state vector carried between steps, `[hidden]` (the MTP head's input: the
+    /// target model's final-normed hidden state of the newest token).
+    Hidden,
 }
 
 impl StateKind {
@@ -78,6 +81,7 @@ impl StateKind {
             StateKind::Value => "value",
             StateKind::Conv => "conv",
             StateKind::Recurrent => "recurrent",
+            StateKind::Hidden => "hidden",
         }
     }
 }

@@ -51,15 +51,15 @@ pub fn compile(ir: &ModelIr, target: Target) -> Compiled {
         max_rows,
         b: LayoutBuilder::default(),
         scratch_widths: BTreeMap::new(),
-        ops: Vec::new(),
     };
     let io = cx.io();
-    let body = cx.lower_body(io);
-    cx.ops = body;
-    let ops = std::mem::take(&mut cx.ops);
+    let (embed, head) = cx.embeddings();
+    let ops = cx.lower_body(io, embed, head);
+    let draft = ir.mtp.as_ref().map(|mtp| cx.lower_mtp_draft(io, embed, head, mtp));
     // Scratch buffers are created last so their widths are the maxima over every use.
     let scratch_ids = cx.materialise_scratch();
     let ops = ops.into_iter().map(|op| resolve(op, &scratch_ids)).collect::<Vec<_>>();
+    let draft = draft.map(|d| d.into_iter().map(|op| resolve(op, &scratch_ids)).collect::<Vec<_>>());
     let layout = cx.b.finish(&ir.name, target, max_rows, ir.max_seq, ir.ir_hash());
     let mut phases: Vec<Phase> = ir
         .prefill_buckets
@@ -67,12 +67,21 @@ pub fn compile(ir: &ModelIr, target: Target) -> Compiled {
         .map(|&bucket| Phase::Prefill { bucket })
         .collect();
     phases.push(Phase::Decode);
-    let plans = phases
+    if ir.mtp.is_some() {
+        phases.extend((1..=MAX_DRAFT).map(|k| Phase::Verify { k }));
+    }
+    let mut plans: Vec<Plan> = phases
         .into_iter()
         .map(|phase| Plan { phase, ops: ops.clone() })
         .collect();
+    if let Some(ops) = draft {
+        plans.push(Plan { phase: Phase::MtpDraft, ops });
+    }
     Compiled { ir: ir.clone(), layout, io, plans }
 }
+
+/// Verify plans are compiled for 1..=MAX_DRAFT drafted tokens.
+pub const MAX_DRAFT: usize = 4;
 
 /// Scratch buffers are referred to by a placeholder id (`u32::MAX - slot`) until their widths
 /// are known; `resolve` swaps in the real ids.
@@ -85,7 +94,6 @@ struct Lower<'a> {
     b: LayoutBuilder,
     /// scratch name -> (slot, width)
     scratch_widths: BTreeMap<&'static str, (u32, usize)>,
-    ops: Vec<Op>,
 }
 
 impl<'a> Lower<'a> {
@@ -146,26 +154,53 @@ impl<'a> Lower<'a> {
             StateKind::Recurrent => DType::F32,
             _ => self.target.dtype,
         };
-        self.b.push(format!("layers.{layer}.{}", kind.name()), Role::State, dtype, shape, Some(layer), Some(kind), None)
+        self.b.push(format!("{}.{}", self.lname(layer), kind.name()), Role::State, dtype, shape, Some(layer), Some(kind), None)
+    }
+
+    /// Buffer-name prefix of layer `i`: `layers.{i}` in the main stack, `mtp.{j}` for MTP layer
+    /// `j` (layer index `layers.len() + j`).
+    fn lname(&self, i: usize) -> String {
+        let n = self.ir.layers.len();
+        if i < n { format!("layers.{i}") } else { format!("mtp.{}", i - n) }
     }
 
     fn hf(&self, layer: usize, rest: &str) -> String {
+        let n = self.ir.layers.len();
+        if layer >= n {
+            // Qwen3.5/3.6 checkpoints: `mtp.layers.{j}.*` (the only family with MTP heads).
+            return format!("mtp.layers.{}.{rest}", layer - n);
+        }
         match self.ir.weights {
             WeightNaming::Qwen35 | WeightNaming::Lfm2 => format!("model.layers.{layer}.{rest}"),
             WeightNaming::NemotronH => format!("backbone.layers.{layer}.{rest}"),
         }
     }
 
-    fn lower_body(&mut self, io: IoIds) -> Vec<Op> {
+    /// The embedding table and the LM head (the same buffer when tied).
+    fn embeddings(&mut self) -> (BufferId, BufferId) {
+        let ir = self.ir;
+        let embed_src = match ir.weights {
+            WeightNaming::Qwen35 | WeightNaming::Lfm2 => "model.embed_tokens.weight",
+            WeightNaming::NemotronH => "backbone.embeddings.weight",
+        };
+        let embed = self.weight("embed".into(), vec![ir.vocab, ir.hidden], None, embed_src.into());
+        let head = if ir.tied_embeddings {
+            embed
+        } else {
+            self.weight("lm_head".into(), vec![ir.vocab, ir.hidden], None, "lm_head.weight".into())
+        };
+        (embed, head)
+    }
+
+    fn lower_body(&mut self, io: IoIds, embed: BufferId, head: BufferId) -> Vec<Op> {
         let ir = self.ir;
         let h = ir.hidden;
         let mut ops = Vec::new();
-        let (embed_src, final_src) = match ir.weights {
-            WeightNaming::Qwen35 => ("model.embed_tokens.weight", "model.norm.weight"),
-            WeightNaming::Lfm2 => ("model.embed_tokens.weight", "model.embedding_norm.weight"),
-            WeightNaming::NemotronH => ("backbone.embeddings.weight", "backbone.norm_f.weight"),
+        let final_src = match ir.weights {
+            WeightNaming::Qwen35 => "model.norm.weight",
+            WeightNaming::Lfm2 => "model.embedding_norm.weight",
+            WeightNaming::NemotronH => "backbone.norm_f.weight",
         };
-        let embed = self.weight("embed".into(), vec![ir.vocab, h], None, embed_src.into());
         let x = self.scratch("x", h);
         ops.push(Op::Embed { table: embed, out: x });
         for (i, layer) in ir.layers.iter().enumerate() {
@@ -181,11 +216,58 @@ impl<'a> Lower<'a> {
             eps: ir.norm.eps,
             group: h,
         });
-        let head = if ir.tied_embeddings {
-            embed
-        } else {
-            self.weight("lm_head".into(), vec![ir.vocab, h], None, "lm_head.weight".into())
+        if ir.mtp.is_some() {
+            // The MTP head drafts from the target's final-normed hidden of the newest token.
+            let hidden = self.mtp_hidden();
+            ops.push(Op::StoreLastRow { x: hn, state: hidden });
+        }
+        let logits = View { buf: io.logits, col: 0, width: ir.vocab, stride: ir.vocab };
+        ops.push(Op::Linear { x: hn, w: head, bias: None, out: logits, accumulate: false });
+        ops
+    }
+
+    /// The `mtp.hidden` state region (created on first use).
+    fn mtp_hidden(&mut self) -> BufferId {
+        if let Some(b) = self.b.buffers.iter().find(|b| b.name == "mtp.hidden") {
+            return b.id;
+        }
+        let dtype = self.act_dtype();
+        self.b.push("mtp.hidden".into(), Role::State, dtype, vec![self.ir.hidden], None, Some(StateKind::Hidden), None)
+    }
+
+    /// The MTP drafter (Qwen3.5/3.6): `x = fc([norm_e(embed(t)) ; norm_h(hidden)])`, the MTP
+    /// decoder layers (own KV regions), `h = norm(x)`; `h` becomes the next `mtp.hidden` and
+    /// the shared LM head gives the draft logits.
+    fn lower_mtp_draft(&mut self, io: IoIds, embed: BufferId, head: BufferId, mtp: &MtpIr) -> Vec<Op> {
+        let ir = self.ir;
+        let h = ir.hidden;
+        let mut ops = Vec::new();
+        let hidden = self.mtp_hidden();
+        let e = self.scratch("h", h);
+        ops.push(Op::Embed { table: embed, out: e });
+        let cat = self.scratch("mtp_cat", 2 * h);
+        let nw = |cx: &mut Self, name: &str| {
+            cx.param(format!("mtp.{name}"), vec![h], None, format!("mtp.{name}.weight"))
         };
+        let w_e = nw(self, "pre_fc_norm_embedding");
+        let w_h = nw(self, "pre_fc_norm_hidden");
+        let eps = ir.norm.eps;
+        let kind = ir.norm.weight;
+        ops.push(Op::RmsNorm { x: e, weight: Some(w_e), weight_kind: kind, out: View { width: h, ..cat }, eps, group: h });
+        let hin = self.scratch("mix", h);
+        ops.push(Op::LoadState { state: hidden, out: hin });
+        ops.push(Op::RmsNorm { x: hin, weight: Some(w_h), weight_kind: kind, out: View { col: h, width: h, ..cat }, eps, group: h });
+        let fc = self.weight("mtp.fc".into(), vec![h, 2 * h], None, "mtp.fc.weight".into());
+        let x = self.scratch("x", h);
+        ops.push(Op::Linear { x: cat, w: fc, bias: None, out: x, accumulate: false });
+        let base = ir.layers.len();
+        for (j, layer) in mtp.layers.iter().enumerate() {
+            self.lower_layer(base + j, layer, x, &mut ops);
+        }
+        let w_n = nw(self, "norm");
+        let hn = self.scratch("h", h);
+        ops.push(Op::RmsNorm { x, weight: Some(w_n), weight_kind: kind, out: hn, eps, group: h });
+        ops.push(Op::StoreLastRow { x: hn, state: hidden });
         let logits = View { buf: io.logits, col: 0, width: ir.vocab, stride: ir.vocab };
         ops.push(Op::Linear { x: hn, w: head, bias: None, out: logits, accumulate: false });
         ops
@@ -204,7 +286,7 @@ impl<'a> Lower<'a> {
     fn pre_norm(&mut self, i: usize, which: &str, x: View, ops: &mut Vec<Op>) -> View {
         let h = self.ir.hidden;
         let src = self.hf(i, &format!("{which}.weight"));
-        let w = self.param(format!("layers.{i}.{which}"), vec![h], Some(i), src);
+        let w = self.param(format!("{}.{which}", self.lname(i)), vec![h], Some(i), src);
         let hn = self.scratch("h", h);
         ops.push(Op::RmsNorm {
             x,
@@ -236,10 +318,10 @@ impl<'a> Lower<'a> {
     }
 
     fn linear(&mut self, i: usize, name: &str, src: &str, xin: View, out: View, bias: bool, ops: &mut Vec<Op>, accumulate: bool) {
-        let w = self.weight(format!("layers.{i}.{name}"), vec![out.width, xin.width], Some(i), self.hf(i, &format!("{src}.weight")));
+        let w = self.weight(format!("{}.{name}", self.lname(i)), vec![out.width, xin.width], Some(i), self.hf(i, &format!("{src}.weight")));
         let bias = bias.then(|| {
             let s = self.hf(i, &format!("{src}.bias"));
-            self.param(format!("layers.{i}.{name}_bias"), vec![out.width], Some(i), s)
+            self.param(format!("{}.{name}_bias", self.lname(i)), vec![out.width], Some(i), s)
         });
         ops.push(Op::Linear { x: xin, w, bias, out, accumulate });
     }
@@ -269,7 +351,7 @@ impl<'a> Lower<'a> {
         if a.qk_norm {
             for (t, nm) in [(q, qn), (k, kn)] {
                 let src = self.hf(i, &format!("{p}.{nm}.weight"));
-                let w = self.param(format!("layers.{i}.attn.{nm}"), vec![a.head_dim], Some(i), src);
+                let w = self.param(format!("{}.attn.{nm}", self.lname(i)), vec![a.head_dim], Some(i), src);
                 ops.push(Op::RmsNorm {
                     x: t,
                     weight: Some(w),
@@ -317,12 +399,12 @@ impl<'a> Lower<'a> {
         self.linear(i, "gdn.in_proj_z", "linear_attn.in_proj_z", hn, z, false, ops, false);
         self.linear(i, "gdn.in_proj_b", "linear_attn.in_proj_b", hn, bv, false, ops, false);
         self.linear(i, "gdn.in_proj_a", "linear_attn.in_proj_a", hn, av, false, ops, false);
-        let conv_w = self.param(format!("layers.{i}.gdn.conv1d"), vec![c, g.conv], Some(i), self.hf(i, "linear_attn.conv1d.weight"));
+        let conv_w = self.param(format!("{}.gdn.conv1d", self.lname(i)), vec![c, g.conv], Some(i), self.hf(i, "linear_attn.conv1d.weight"));
         let conv_state = self.state(i, StateKind::Conv, vec![g.conv - 1, c]);
         let qkv = self.scratch("conv", c);
         ops.push(Op::CausalConv1d { x: raw, weight: conv_w, bias: None, state: conv_state, out: qkv, act: Act::Silu, kernel: g.conv });
-        let a_log = self.param(format!("layers.{i}.gdn.A_log"), vec![g.value_heads], Some(i), self.hf(i, "linear_attn.A_log"));
-        let dt_bias = self.param(format!("layers.{i}.gdn.dt_bias"), vec![g.value_heads], Some(i), self.hf(i, "linear_attn.dt_bias"));
+        let a_log = self.param(format!("{}.gdn.A_log", self.lname(i)), vec![g.value_heads], Some(i), self.hf(i, "linear_attn.A_log"));
+        let dt_bias = self.param(format!("{}.gdn.dt_bias", self.lname(i)), vec![g.value_heads], Some(i), self.hf(i, "linear_attn.dt_bias"));
         let state = self.state(i, StateKind::Recurrent, vec![g.value_heads, g.key_dim, g.value_dim]);
         let o = self.scratch("mix", vw);
         ops.push(Op::GatedDeltaNet {
@@ -338,7 +420,7 @@ impl<'a> Lower<'a> {
             key_dim: g.key_dim,
             value_dim: g.value_dim,
         });
-        let nw = self.param(format!("layers.{i}.gdn.norm"), vec![g.value_dim], Some(i), self.hf(i, "linear_attn.norm.weight"));
+        let nw = self.param(format!("{}.gdn.norm", self.lname(i)), vec![g.value_dim], Some(i), self.hf(i, "linear_attn.norm.weight"));
         let gated = self.scratch("gated", vw);
         ops.push(Op::GatedRmsNorm {
             x: o,
@@ -362,10 +444,10 @@ impl<'a> Lower<'a> {
         let xpart = View { col: 2 * h, width: h, ..bcx };
         let bx = self.scratch("z", h);
         ops.push(Op::Mul { gate: bpart, act: Act::Identity, x: xpart, out: bx });
-        let w = self.param(format!("layers.{i}.conv.conv"), vec![h, c.conv], Some(i), self.hf(i, "conv.conv.weight"));
+        let w = self.param(format!("{}.conv.conv", self.lname(i)), vec![h, c.conv], Some(i), self.hf(i, "conv.conv.weight"));
         let bias = c.bias.then(|| {
             let s = self.hf(i, "conv.conv.bias");
-            self.param(format!("layers.{i}.conv.conv_bias"), vec![h], Some(i), s)
+            self.param(format!("{}.conv.conv_bias", self.lname(i)), vec![h], Some(i), s)
         });
         let state = self.state(i, StateKind::Conv, vec![c.conv - 1, h]);
         let y = self.scratch("conv", h);
@@ -383,17 +465,17 @@ impl<'a> Lower<'a> {
         let z = View { width: inner, ..proj };
         let xbc_raw = View { col: inner, width: cd, ..proj };
         let dt = View { col: inner + cd, width: m.heads, ..proj };
-        let w = self.param(format!("layers.{i}.mamba.conv1d"), vec![cd, m.conv], Some(i), self.hf(i, "mixer.conv1d.weight"));
+        let w = self.param(format!("{}.mamba.conv1d", self.lname(i)), vec![cd, m.conv], Some(i), self.hf(i, "mixer.conv1d.weight"));
         let bias = m.conv_bias.then(|| {
             let s = self.hf(i, "mixer.conv1d.bias");
-            self.param(format!("layers.{i}.mamba.conv1d_bias"), vec![cd], Some(i), s)
+            self.param(format!("{}.mamba.conv1d_bias", self.lname(i)), vec![cd], Some(i), s)
         });
         let conv_state = self.state(i, StateKind::Conv, vec![m.conv - 1, cd]);
         let xbc = self.scratch("conv", cd);
         ops.push(Op::CausalConv1d { x: xbc_raw, weight: w, bias, state: conv_state, out: xbc, act: Act::Silu, kernel: m.conv });
-        let a_log = self.param(format!("layers.{i}.mamba.A_log"), vec![m.heads], Some(i), self.hf(i, "mixer.A_log"));
-        let d = self.param(format!("layers.{i}.mamba.D"), vec![m.heads], Some(i), self.hf(i, "mixer.D"));
-        let dt_bias = self.param(format!("layers.{i}.mamba.dt_bias"), vec![m.heads], Some(i), self.hf(i, "mixer.dt_bias"));
+        let a_log = self.param(format!("{}.mamba.A_log", self.lname(i)), vec![m.heads], Some(i), self.hf(i, "mixer.A_log"));
+        let d = self.param(format!("{}.mamba.D", self.lname(i)), vec![m.heads], Some(i), self.hf(i, "mixer.D"));
+        let dt_bias = self.param(format!("{}.mamba.dt_bias", self.lname(i)), vec![m.heads], Some(i), self.hf(i, "mixer.dt_bias"));
         let state = self.state(i, StateKind::Recurrent, vec![m.heads, m.head_dim, m.state]);
         let y = self.scratch("mix", inner);
         ops.push(Op::Mamba2Scan {
@@ -410,7 +492,7 @@ impl<'a> Lower<'a> {
             state_size: m.state,
             dt_min: m.dt_min,
         });
-        let nw = self.param(format!("layers.{i}.mamba.norm"), vec![inner], Some(i), self.hf(i, "mixer.norm.weight"));
+        let nw = self.param(format!("{}.mamba.norm", self.lname(i)), vec![inner], Some(i), self.hf(i, "mixer.norm.weight"));
         let gated = self.scratch("gated", inner);
         ops.push(Op::GatedRmsNorm {
             x: y,
@@ -508,6 +590,8 @@ fn resolve(op: Op, ids: &BTreeMap<u32, (BufferId, usize)>) -> Op {
         Op::GatedRmsNorm { x, gate, weight, shared_weight, out, eps, group, order } => {
             Op::GatedRmsNorm { x: f(x), gate: f(gate), weight, shared_weight, out: f(out), eps, group, order }
         }
+        Op::StoreLastRow { x, state } => Op::StoreLastRow { x: f(x), state },
+        Op::LoadState { state, out } => Op::LoadState { state, out: f(out) },
         Op::Mamba2Scan { xbc, dt, a_log, d, dt_bias, state, out, heads, head_dim, groups, state_size, dt_min } => {
             Op::Mamba2Scan {
                 xbc: f(xbc),

@@ -159,6 +159,12 @@ pub enum Op {
         group: usize,
         order: GateOrder,
     },
+    /// `state[0 .. x.width] = x[len - 1]`: keep the last row of a chunk as state (the MTP
+    /// head's input hidden state). `state` has exactly `x.width` elements.
+    StoreLastRow { x: View, state: BufferId },
+    /// `out[r] = state[0 .. out.width]` for every row `r` (read a state vector back into an
+    /// activation).
+    LoadState { state: BufferId, out: View },
     /// Mamba2 selective scan. `xbc` (post conv + SiLU) is `[x | B | C]` with
     /// `heads × head_dim`, `groups × state`, `groups × state` columns; `dt` has `heads`.
     /// Per row and head `h` (group `g = h / (heads / groups)`):
@@ -245,6 +251,14 @@ impl Op {
                     o(Some(id));
                 }
             }
+            Op::StoreLastRow { x, state } => {
+                o(Some(x.buf));
+                o(Some(*state));
+            }
+            Op::LoadState { state, out } => {
+                o(Some(*state));
+                o(Some(out.buf));
+            }
         }
         v
     }
@@ -264,6 +278,8 @@ impl Op {
             Op::GatedDeltaNet { .. } => "gated_deltanet",
             Op::GatedRmsNorm { .. } => "gated_rms_norm",
             Op::Mamba2Scan { .. } => "mamba2_scan",
+            Op::StoreLastRow { .. } => "store_last_row",
+            Op::LoadState { .. } => "load_state",
         }
     }
 }
@@ -276,19 +292,29 @@ pub enum Phase {
     Prefill { bucket: usize },
     /// One token.
     Decode,
+    /// Target-model verification of `k` drafted tokens: `k + 1` rows (the last committed
+    /// token plus the drafts), logits for every row. Models with an MTP head only.
+    Verify { k: usize },
+    /// One step of the MTP drafter: one row whose token is the newest token, whose hidden
+    /// input is the `mtp.hidden` state region; emits draft logits and replaces `mtp.hidden`
+    /// with its own output hidden (for the next draft step). Models with an MTP head only.
+    MtpDraft,
 }
 
 impl Phase {
     pub fn rows(self) -> usize {
         match self {
             Phase::Prefill { bucket } => bucket,
-            Phase::Decode => 1,
+            Phase::Decode | Phase::MtpDraft => 1,
+            Phase::Verify { k } => k + 1,
         }
     }
     pub fn label(self) -> String {
         match self {
             Phase::Prefill { bucket } => format!("prefill[{bucket}]"),
             Phase::Decode => "decode".to_string(),
+            Phase::Verify { k } => format!("verify[{k}]"),
+            Phase::MtpDraft => "mtp_draft".to_string(),
         }
     }
 }

@@ -354,6 +354,8 @@ fn compare_state(c: &mut Checks, model: &Model, cap: &Capsule, st: &SafeTensors)
             StateKind::Value => format!("layers.{layer}.value"),
             StateKind::Conv => format!("layers.{layer}.conv_state"),
             StateKind::Recurrent => format!("layers.{layer}.recurrent_state"),
+            // Not part of transformers' cache (the MTP head's input hidden state).
+            StateKind::Hidden => continue,
         };
         let line = format!("state {}", b.name);
         let Some(info) = st.info(&hf) else {
@@ -394,6 +396,7 @@ fn compare_state(c: &mut Checks, model: &Model, cap: &Capsule, st: &SafeTensors)
                     },
                 )
             }
+            StateKind::Hidden => None,
             StateKind::Recurrent => (shape.iter().product::<usize>() == b.numel()
                 && shape.iter().skip(1).eq(b.shape.iter()))
             .then(|| theirs.clone()),

@@ -401,7 +401,10 @@ impl Session {
             self.counters.steps += 1;
             match phase {
                 Phase::Decode => self.counters.decode_tokens += 1,
-                Phase::Prefill { .. } => self.counters.prefill_tokens += chunk.len() as u64,
+                // `append` only chooses prefill and decode plans.
+                Phase::Prefill { .. } | Phase::Verify { .. } | Phase::MtpDraft => {
+                    self.counters.prefill_tokens += chunk.len() as u64
+                }
             }
         }
         self.pending = None;

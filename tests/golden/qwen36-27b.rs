@@ -137,6 +137,9 @@ impl ::flashrt::__private::Model for Qwen3627b {
         "layers.62.recurrent",
         "layers.63.key",
         "layers.63.value",
+        "mtp.hidden",
+        "mtp.0.key",
+        "mtp.0.value",
     ];
     const BENCH_TARGETS: &'static [&'static str] = &[
         "decode_step",
@@ -412,6 +415,12 @@ pub struct Qwen3627bCapsule {
     pub layers_63_key: ::flashrt::Region,
     ///`layers.63.value`: layer 63 value state, shape [32768, 4, 256] (2048 bytes per token in bf16).
     pub layers_63_value: ::flashrt::Region,
+    ///`mtp.hidden`: layer 0 hidden state, shape [5120] (10240 bytes in bf16).
+    pub mtp_hidden: ::flashrt::Region,
+    ///`mtp.0.key`: layer 64 key state, shape [32768, 4, 256] (2048 bytes per token in bf16).
+    pub mtp_0_key: ::flashrt::Region,
+    ///`mtp.0.value`: layer 64 value state, shape [32768, 4, 256] (2048 bytes per token in bf16).
+    pub mtp_0_value: ::flashrt::Region,
     /// Position, pending token, sampler state, counters, token history, fingerprint.
     pub meta: ::flashrt::CapsuleMeta,
 }
@@ -422,7 +431,7 @@ impl ::flashrt::__private::Capsule for Qwen3627bCapsule {
     ) -> ::flashrt::__private::Result<Self> {
         let (meta, mut regions) = ::flashrt::__private::split_regions::<
             Qwen3627b,
-        >(capsule, 128usize)?;
+        >(capsule, 131usize)?;
         Ok(Self {
             layers_0_conv: regions.take(0usize),
             layers_0_recurrent: regions.take(1usize),
@@ -552,6 +561,9 @@ impl ::flashrt::__private::Capsule for Qwen3627bCapsule {
             layers_62_recurrent: regions.take(125usize),
             layers_63_key: regions.take(126usize),
             layers_63_value: regions.take(127usize),
+            mtp_hidden: regions.take(128usize),
+            mtp_0_key: regions.take(129usize),
+            mtp_0_value: regions.take(130usize),
             meta,
         })
     }
@@ -689,6 +701,9 @@ impl ::flashrt::__private::Capsule for Qwen3627bCapsule {
                 &self.layers_62_recurrent,
                 &self.layers_63_key,
                 &self.layers_63_value,
+                &self.mtp_hidden,
+                &self.mtp_0_key,
+                &self.mtp_0_value,
             ],
         )
     }

@@ -379,6 +379,14 @@ impl ModelData {
                     state(self, *cache_k, max_seq * k.width)?;
                     state(self, *cache_v, max_seq * k.width)?;
                 }
+                Op::StoreLastRow { x, state: st } => {
+                    view(self, x)?;
+                    state(self, *st, x.width)?;
+                }
+                Op::LoadState { state: st, out } => {
+                    view(self, out)?;
+                    state(self, *st, out.width)?;
+                }
                 Op::CausalConv1d {
                     x,
                     weight: w,
@@ -746,6 +754,19 @@ impl CpuSession {
                         &mut ws.scores,
                         &mut o,
                     );
+                }
+                Op::StoreLastRow { x, state: st } => {
+                    let l = locs[x.buf.index()];
+                    let src = if l.role == Role::Io { &io[..] } else { &scratch[..] };
+                    let off = l.off + (len - 1) * x.stride + x.col;
+                    state[region(*st)].copy_from_slice(&src[off..off + x.width]);
+                }
+                Op::LoadState { state: st, out } => {
+                    let mut o = out_rows(locs, scratch, io, out);
+                    let src = &state[region(*st)];
+                    for r in 0..len {
+                        o.row(r).copy_from_slice(src);
+                    }
                 }
                 Op::CausalConv1d {
                     x,

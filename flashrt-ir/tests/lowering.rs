@@ -1,0 +1,186 @@
+//! Structural invariants of layouts and plans, for every reference family and for a model
+//! with an MTP head.
+
+use flashrt_ir::hf::{ir_from_hf_config, HfOptions};
+use flashrt_ir::*;
+use std::path::PathBuf;
+
+fn fixture_ir(name: &str) -> ModelIr {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures").join(name);
+    let json = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap_or_else(|e| panic!("fixture {name} (expected beside the repository in shared/fixtures): {e}"));
+    ir_from_hf_config(&json, &HfOptions::default()).unwrap()
+}
+
+/// The Qwen3.5 fixture shape plus one MTP layer of its attention kind.
+fn with_mtp() -> ModelIr {
+    let mut ir = fixture_ir("qwen35-public");
+    let attn = ir.layers.iter().find(|l| matches!(l.mixer, Some(MixerIr::Attention(_)))).unwrap().clone();
+    ir.mtp = Some(MtpIr { layers: vec![attn] });
+    ir
+}
+
+fn all() -> Vec<ModelIr> {
+    vec![fixture_ir("qwen35-public"), fixture_ir("lfm2-public"), fixture_ir("nemotronh-public"), with_mtp()]
+}
+
+fn check_layout(c: &Compiled) {
+    let l = &c.layout;
+    let mut names = std::collections::BTreeSet::new();
+    for (i, b) in l.buffers.iter().enumerate() {
+        assert_eq!(b.id.index(), i, "ids are indices");
+        assert!(names.insert(b.name.clone()), "duplicate buffer name {}", b.name);
+        assert_eq!(b.bytes, b.numel() * b.dtype.size(), "{}", b.name);
+        assert_eq!(b.offset % ALIGN, 0, "{} misaligned", b.name);
+        assert!(b.offset + b.bytes <= l.arena_bytes(b.role), "{} outside its arena", b.name);
+        assert_eq!(b.role == Role::State, b.state.is_some(), "{}", b.name);
+        assert_eq!(b.role == Role::Weight, b.source.is_some(), "{}", b.name);
+        if b.state.is_some_and(|k| k.per_token()) {
+            assert_eq!(b.shape[0], l.max_seq, "{} is position-major", b.name);
+        }
+        if b.state == Some(StateKind::Recurrent) {
+            assert_eq!(b.dtype, DType::F32, "recurrent state is fp32");
+        }
+    }
+    // No two buffers of one arena overlap.
+    for role in Role::ALL {
+        let mut spans: Vec<(usize, usize, &str)> =
+            l.buffers.iter().filter(|b| b.role == role).map(|b| (b.offset, b.offset + b.bytes, b.name.as_str())).collect();
+        spans.sort();
+        for w in spans.windows(2) {
+            assert!(w[0].1 <= w[1].0, "{} overlaps {}", w[0].2, w[1].2);
+        }
+    }
+}
+
+fn check_view(c: &Compiled, v: &View, rows: usize) {
+    let b = c.layout.buffer(v.buf);
+    assert!(matches!(b.role, Role::Scratch | Role::Io), "views address scratch/io, not {}", b.name);
+    assert_eq!(b.shape.len(), 2, "{}", b.name);
+    assert_eq!(b.shape[1], v.stride, "{}: stride is the column count", b.name);
+    assert!(v.col + v.width <= v.stride, "{}: window inside the row", b.name);
+    assert!(b.shape[0] >= rows, "{}: {} rows < plan rows {rows}", b.name, b.shape[0]);
+}
+
+fn views(op: &Op) -> Vec<View> {
+    match op {
+        Op::Embed { out, .. } => vec![*out],
+        Op::RmsNorm { x, out, .. } | Op::Linear { x, out, .. } | Op::Unary { x, out, .. } => vec![*x, *out],
+        Op::Mul { gate, x, out, .. } => vec![*gate, *x, *out],
+        Op::SplitHeads { x, outs, .. } => std::iter::once(*x).chain(outs.iter().copied()).collect(),
+        Op::Rope { x, .. } => vec![*x],
+        Op::Attention { q, k, v, out, .. } => vec![*q, *k, *v, *out],
+        Op::CausalConv1d { x, out, .. } => vec![*x, *out],
+        Op::GatedDeltaNet { qkv, a, b, out, .. } => vec![*qkv, *a, *b, *out],
+        Op::GatedRmsNorm { x, gate, out, .. } => vec![*x, *gate, *out],
+        Op::Mamba2Scan { xbc, dt, out, .. } => vec![*xbc, *dt, *out],
+        Op::StoreLastRow { x, .. } => vec![*x],
+        Op::LoadState { out, .. } => vec![*out],
+    }
+}
+
+#[test]
+fn layouts_are_closed_aligned_and_disjoint() {
+    for ir in all() {
+        for dtype in [DType::F32, DType::Bf16] {
+            check_layout(&compile(&ir, Target { dtype }));
+        }
+    }
+}
+
+#[test]
+fn every_op_addresses_valid_buffers_and_views() {
+    for ir in all() {
+        let c = compile(&ir, Target { dtype: DType::Bf16 });
+        for plan in &c.plans {
+            for op in &plan.ops {
+                for b in op.buffers() {
+                    assert!(b.index() < c.layout.buffers.len(), "{}: dangling buffer id", op.name());
+                }
+                for v in views(op) {
+                    check_view(&c, &v, plan.phase.rows());
+                }
+            }
+            // Every plan but the drafter ends with the LM head into io.logits.
+            match plan.ops.last() {
+                Some(Op::Linear { out, .. }) => assert_eq!(out.buf, c.io.logits),
+                other => panic!("{} ends with {other:?}", plan.phase.label()),
+            }
+        }
+    }
+}
+
+#[test]
+fn phases_cover_buckets_decode_and_mtp() {
+    let plain = compile(&fixture_ir("lfm2-public"), Target { dtype: DType::F32 });
+    let phases: Vec<Phase> = plain.plans.iter().map(|p| p.phase).collect();
+    let mut expected: Vec<Phase> = plain.ir.prefill_buckets.iter().map(|&bucket| Phase::Prefill { bucket }).collect();
+    expected.push(Phase::Decode);
+    assert_eq!(phases, expected);
+
+    let mtp = compile(&with_mtp(), Target { dtype: DType::Bf16 });
+    for k in 1..=lower::MAX_DRAFT {
+        let p = mtp.plan(Phase::Verify { k }).expect("verify plan");
+        assert_eq!(p.phase.rows(), k + 1);
+    }
+    let draft = mtp.plan(Phase::MtpDraft).expect("draft plan");
+    let names: Vec<&str> = draft.ops.iter().map(Op::name).collect();
+    assert_eq!(names.first(), Some(&"embed"));
+    assert!(names.contains(&"load_state") && names.contains(&"attention"));
+    // The drafter's attention uses its own KV regions, which are capsule regions.
+    let att_state: Vec<&str> = draft
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Attention { cache_k, cache_v, .. } => Some([*cache_k, *cache_v]),
+            _ => None,
+        })
+        .flatten()
+        .map(|id| mtp.layout.buffer(id).name.as_str())
+        .collect();
+    assert_eq!(att_state, ["mtp.0.key", "mtp.0.value"]);
+    let hidden = mtp.layout.find("mtp.hidden").expect("mtp.hidden region");
+    assert_eq!((hidden.role, hidden.state), (Role::State, Some(StateKind::Hidden)));
+    // Main plans keep the newest hidden for the drafter.
+    let decode = mtp.plan(Phase::Decode).unwrap();
+    assert!(decode.ops.iter().any(|op| matches!(op, Op::StoreLastRow { state, .. } if *state == hidden.id)));
+    // MTP weights carry the checkpoint's names.
+    for (buf, src) in [
+        ("mtp.fc", "mtp.fc.weight"),
+        ("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_embedding.weight"),
+        ("mtp.0.attn.q_proj", "mtp.layers.0.self_attn.q_proj.weight"),
+        ("mtp.0.mlp.down_proj", "mtp.layers.0.mlp.down_proj.weight"),
+        ("mtp.norm", "mtp.norm.weight"),
+    ] {
+        assert_eq!(mtp.layout.find(buf).and_then(|b| b.source.as_deref()), Some(src), "{buf}");
+    }
+}
+
+#[test]
+fn fingerprints_name_ir_and_target() {
+    let a = fixture_ir("qwen35-public");
+    let f = |ir: &ModelIr, dtype| compile(ir, Target { dtype }).layout.fingerprint;
+    assert_eq!(f(&a, DType::Bf16), f(&a.clone(), DType::Bf16), "deterministic");
+    assert_ne!(f(&a, DType::Bf16), f(&a, DType::F32), "target dtype is part of the fingerprint");
+    let mut b = a.clone();
+    b.max_seq += 1;
+    assert_ne!(f(&a, DType::Bf16), f(&b, DType::Bf16), "IR is part of the fingerprint");
+    assert_eq!(compile(&a, Target { dtype: DType::F32 }), compile(&a, Target { dtype: DType::F32 }));
+}
+
+#[test]
+fn capsule_bytes_grow_linearly_with_position() {
+    for ir in all() {
+        let l = compile(&ir, Target { dtype: DType::Bf16 }).layout;
+        let (fixed, per) = (l.capsule_fixed_bytes(), l.capsule_bytes_per_token());
+        for pos in [0, 1, 37, l.max_seq] {
+            assert_eq!(l.capsule_bytes(pos), fixed + per * pos);
+        }
+        assert_eq!(l.capsule_bytes(l.max_seq), l.arena_bytes(Role::State) - padding(&l), "{}", ir.name);
+    }
+}
+
+/// Alignment padding inside the state arena.
+fn padding(l: &Layout) -> usize {
+    l.arena_bytes(Role::State) - l.state_buffers().map(|b| b.bytes).sum::<usize>()
+}
