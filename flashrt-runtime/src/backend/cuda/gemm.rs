@@ -1,0 +1,304 @@
+//! `Linear` as a cuBLASLt matmul.
+//!
+//! The plan's row-major `out[r, j] = Σ_k x[r, k] · w[j, k]` is, in cuBLAS's column-major
+//! terms, `D[N, rows] = op(A)[N, K] · B[K, rows]` with
+//!
+//! * `A` = the weight `[N, K]` row-major = column-major `[K, N]`, ld `K`, `op = T`;
+//! * `B` = the input view = column-major `[K, rows]` with ld = the view's row stride (the
+//!   column offset is already in the pointer);
+//! * `C = D` = the output view, column-major `[N, rows]`, ld = its row stride; `beta = 1` for
+//!   `accumulate` (the fused residual add), else 0.
+//!
+//! Inputs are the target dtype (bf16/f16/f32), the output is the target dtype or f32 (the
+//! logits), compute and scale are f32 (`CUBLAS_COMPUTE_32F`: no TF32 shortcut, so an f32
+//! target is an exact-arithmetic oracle mode). Everything that cuBLASLt decides — descriptors,
+//! layouts and the algorithm from its heuristic — is decided here when a session builds its
+//! programs, outside graph capture, with the real pointer alignments as preferences. The
+//! workspace is the session's own (32 MiB, NVIDIA's recommendation for Hopper), so a captured
+//! matmul never allocates (split-KV attention borrows the same buffer for its partial results
+//! between two matmuls: one stream, so their uses never overlap). Split-K reductions are
+//! restricted to non-in-place schemes so every matmul is bitwise reproducible. The row count is the plan's bucket: rows `>= io.len` are computed
+//! too and ignored (GEMM rows are independent, so they cannot disturb valid rows).
+
+use crate::error::{Error, Result};
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use flashrt_ir::DType;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Workspace every session gives cuBLASLt.
+pub const WORKSPACE_BYTES: usize = 32 << 20;
+
+fn cuda_type(d: DType) -> Result<sys::cudaDataType> {
+    Ok(match d {
+        DType::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
+        DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
+        DType::I32 => return Err(Error::Unsupported("linear: i32 matrices".into())),
+    })
+}
+
+fn lt_err(what: &str, e: lt::CublasError) -> Error {
+    Error::Backend {
+        op: "linear (cuBLASLt)".into(),
+        msg: format!("{what}: {e:?}"),
+    }
+}
+
+/// Largest power of two (up to 256) dividing a device address: the alignment cuBLASLt may
+/// assume for that operand.
+pub fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        return 256;
+    }
+    (1u64 << ptr.trailing_zeros().min(8)) as u32
+}
+
+/// Everything that determines a matmul's descriptors and algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmShape {
+    pub in_dtype: DType,
+    pub out_dtype: DType,
+    /// Output features (`w` rows).
+    pub n: u64,
+    /// Input features (`w` columns).
+    pub k: u64,
+    /// Rows of the chunk (the plan's bucket).
+    pub rows: u64,
+    pub ld_x: i64,
+    pub ld_out: i64,
+    pub align_w: u32,
+    pub align_x: u32,
+    pub align_out: u32,
+}
+
+/// A ready-to-run matmul: descriptors plus the chosen algorithm. Immutable after creation, so
+/// one is shared by every session and graph with the same shape.
+pub struct LtGemm {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    c: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+// SAFETY: the descriptors are plain host objects that cuBLASLt only reads after creation;
+// nothing mutates them until `Drop`, which runs once, when the last `Arc` goes.
+unsafe impl Send for LtGemm {}
+// SAFETY: as above: shared use is read-only.
+unsafe impl Sync for LtGemm {}
+
+impl Drop for LtGemm {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created by this value and is destroyed exactly once here;
+        // errors on destruction cannot be acted on.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.c);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// The model's cuBLASLt handle and a cache of matmuls by shape.
+pub struct Blas {
+    handle: sys::cublasLtHandle_t,
+    cache: Mutex<HashMap<GemmShape, Arc<LtGemm>>>,
+}
+
+// SAFETY: a cuBLASLt handle carries no per-call mutable state (stream and workspace are
+// arguments of every `cublasLtMatmul`), and cuBLASLt documents its API as thread-safe.
+unsafe impl Send for Blas {}
+// SAFETY: as above.
+unsafe impl Sync for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        self.cache.lock().map(|mut c| c.clear()).ok();
+        // SAFETY: the handle was created in `Blas::new` and is destroyed once, after every
+        // cached matmul (which do not reference the handle) is gone.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+impl Blas {
+    pub fn new() -> Result<Self> {
+        let handle = lt::create_handle().map_err(|e| lt_err("cublasLtCreate", e))?;
+        Ok(Self {
+            handle,
+            cache: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The matmul for `shape`, created (with a heuristic algorithm query) on first request.
+    pub fn gemm(&self, shape: GemmShape) -> Result<Arc<LtGemm>> {
+        let mut cache = self.cache.lock().map_err(|_| Error::Backend {
+            op: "linear (cuBLASLt)".into(),
+            msg: "matmul cache poisoned".into(),
+        })?;
+        if let Some(g) = cache.get(&shape) {
+            return Ok(g.clone());
+        }
+        let g = Arc::new(self.create(shape)?);
+        cache.insert(shape, g.clone());
+        Ok(g)
+    }
+
+    fn create(&self, s: GemmShape) -> Result<LtGemm> {
+        let in_t = cuda_type(s.in_dtype)?;
+        let out_t = cuda_type(s.out_dtype)?;
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType_t::CUDA_R_32F,
+        )
+        .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
+        // Build the value step by step so that Drop cleans up whatever was created if a later
+        // call fails.
+        let mut g = LtGemm {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            c: std::ptr::null_mut(),
+            // SAFETY: cublasLtMatmulAlgo_t is a plain array of u64; all-zero is a valid value
+            // that is overwritten by the heuristic below before any use.
+            algo: unsafe { std::mem::zeroed() },
+        };
+        let trans_a: i32 = 1; // CUBLAS_OP_T
+        let trans_b: i32 = 0; // CUBLAS_OP_N
+        // SAFETY: `desc` is a live descriptor; the attribute values are i32 as the API expects
+        // for TRANSA / TRANSB and outlive the calls.
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                g.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &trans_a as *const i32 as *const c_void,
+                std::mem::size_of::<i32>(),
+            )
+            .map_err(|e| lt_err("TRANSA", e))?;
+            lt::set_matmul_desc_attribute(
+                g.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                &trans_b as *const i32 as *const c_void,
+                std::mem::size_of::<i32>(),
+            )
+            .map_err(|e| lt_err("TRANSB", e))?;
+        }
+        g.a = lt::create_matrix_layout(in_t, s.k, s.n, s.k as i64)
+            .map_err(|e| lt_err("layout A (weight)", e))?;
+        g.b = lt::create_matrix_layout(in_t, s.k, s.rows, s.ld_x)
+            .map_err(|e| lt_err("layout B (input)", e))?;
+        g.c = lt::create_matrix_layout(out_t, s.n, s.rows, s.ld_out)
+            .map_err(|e| lt_err("layout C/D (output)", e))?;
+
+        let pref =
+            lt::create_matmul_pref().map_err(|e| lt_err("cublasLtMatmulPreferenceCreate", e))?;
+        let ws: u64 = WORKSPACE_BYTES as u64;
+        let set_pref =
+            |attr: sys::cublasLtMatmulPreferenceAttributes_t, v: *const c_void, n: usize| {
+                // SAFETY: `pref` is live until destroyed below; `v` points at `n` readable bytes.
+                unsafe { lt::set_matmul_pref_attribute(pref, attr, v, n) }
+            };
+        type P = sys::cublasLtMatmulPreferenceAttributes_t;
+        let heuristic = (|| {
+            set_pref(
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                8,
+            )?;
+            // Split-K only with a separate reduction (NONE | COMPUTE_TYPE | OUTPUT_TYPE), never
+            // in place in the output, so results are bitwise reproducible run to run.
+            let reductions: u32 = 0b110;
+            set_pref(
+                P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                &reductions as *const u32 as *const c_void,
+                4,
+            )?;
+            let aligns = [
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, s.align_w),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, s.align_x),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, s.align_out),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, s.align_out),
+            ];
+            for (attr, v) in aligns {
+                set_pref(attr, &v as *const u32 as *const c_void, 4)?;
+            }
+            // SAFETY: all descriptors are live; C and D share one layout (in-place update).
+            unsafe { lt::get_matmul_algo_heuristic(self.handle, g.desc, g.a, g.b, g.c, g.c, pref) }
+        })();
+        // SAFETY: `pref` was created above and is not used after this point.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        let heuristic = heuristic.map_err(|e| {
+            lt_err(
+                &format!(
+                    "no algorithm for {}x{} -> {} rows ({} in, {} out, ld {}/{})",
+                    s.k,
+                    s.n,
+                    s.rows,
+                    s.in_dtype.name(),
+                    s.out_dtype.name(),
+                    s.ld_x,
+                    s.ld_out
+                ),
+                e,
+            )
+        })?;
+        if heuristic.workspaceSize > WORKSPACE_BYTES {
+            return Err(Error::Backend {
+                op: "linear (cuBLASLt)".into(),
+                msg: format!(
+                    "algorithm wants {} workspace bytes > {WORKSPACE_BYTES}",
+                    heuristic.workspaceSize
+                ),
+            });
+        }
+        g.algo = heuristic.algo;
+        Ok(g)
+    }
+
+    /// Enqueue `out = x · wᵀ (+ out if accumulate)` on `stream`.
+    ///
+    /// # Safety
+    /// The pointers must address live device memory of the sizes `g` was created for, the
+    /// workspace must be [`WORKSPACE_BYTES`] long and not in use by another stream, and the
+    /// current thread must have the context bound.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run(
+        &self,
+        g: &LtGemm,
+        w: u64,
+        x: u64,
+        out: u64,
+        accumulate: bool,
+        workspace: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        let alpha: f32 = 1.0;
+        let beta: f32 = if accumulate { 1.0 } else { 0.0 };
+        // SAFETY: forwarded to the caller (see above); alpha/beta are host scalars read during
+        // the call (host pointer mode), also when the call is being captured into a graph.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                g.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                w as *const c_void,
+                g.a,
+                x as *const c_void,
+                g.b,
+                out as *const c_void,
+                g.c,
+                out as *mut c_void,
+                g.c,
+                &g.algo,
+                workspace as *mut c_void,
+                WORKSPACE_BYTES,
+                stream as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| lt_err("cublasLtMatmul", e))
+    }
+}

@@ -1,0 +1,112 @@
+//! The embedded kernel module: `kernels/*.cu`, compiled by `build.rs` with nvcc into one
+//! fatbin (sm_90 SASS + compute_90 PTX), loaded once per model with `cuModuleLoadData`
+//! (~0.1 ms; no NVRTC at run time).
+//!
+//! Every entry point the backend may launch is resolved when the module loads, so a missing
+//! or misspelt kernel is a load-time error, never a failure halfway through a captured graph.
+
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+use flashrt_ir::DType;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The fatbin produced by `build.rs`.
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flashrt_kernels.fatbin"));
+
+/// Kernels whose entry points are `<name>_<dtype>` for dtype in bf16, f16, f32.
+const PER_DTYPE: &[&str] = &[
+    "embed",
+    "rms_norm",
+    "gated_rms_norm",
+    "mul",
+    "unary",
+    "add_bias",
+    "split_heads",
+    "store_last_row",
+    "load_state",
+    "rope",
+    "kv_write",
+    "attention_d64",
+    "attention_d128",
+    "attention_d256",
+    "attention_d512",
+    "attention_combine",
+    "conv_out",
+    "conv_state",
+    "gated_deltanet_k64",
+    "gated_deltanet_k128",
+    "gated_deltanet_k256",
+    "mamba2_scan_n64",
+    "mamba2_scan_n128",
+    "mamba2_scan_n256",
+    "init_random",
+];
+
+/// Kernels with a single entry point.
+const PLAIN: &[&str] = &["io_scatter", "state_copy"];
+
+/// Suffix of the entry points instantiated for a dtype.
+pub fn dtype_suffix(d: DType) -> Option<&'static str> {
+    match d {
+        DType::Bf16 => Some("bf16"),
+        DType::F16 => Some("f16"),
+        DType::F32 => Some("f32"),
+        DType::I32 => None,
+    }
+}
+
+/// The loaded module and every entry point, by full name (`rms_norm_bf16`).
+pub struct Kernels {
+    _module: Arc<CudaModule>,
+    funcs: HashMap<String, CudaFunction>,
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let module = ctx
+            .load_module(Ptx::from_binary(FATBIN.to_vec()))
+            .map_err(|e| Error::Backend {
+                op: "load kernels".into(),
+                msg: format!("cuModuleLoadData of the embedded fatbin failed: {e:?} (built for sm_90; set FLASHRT_CUDA_ARCHS for other GPUs)"),
+            })?;
+        let mut funcs = HashMap::new();
+        let names = PER_DTYPE
+            .iter()
+            .flat_map(|k| ["bf16", "f16", "f32"].map(|s| format!("{k}_{s}")))
+            .chain(PLAIN.iter().map(|s| s.to_string()));
+        for name in names {
+            let f = module.load_function(&name).map_err(|e| Error::Backend {
+                op: "load kernels".into(),
+                msg: format!("entry point `{name}` not found in the fatbin: {e:?}"),
+            })?;
+            funcs.insert(name, f);
+        }
+        Ok(Self {
+            _module: module,
+            funcs,
+        })
+    }
+
+    /// The entry point `name` (already suffixed).
+    pub fn get(&self, name: &str) -> Result<&CudaFunction> {
+        self.funcs.get(name).ok_or_else(|| Error::Backend {
+            op: "kernel lookup".into(),
+            msg: format!("no kernel `{name}`"),
+        })
+    }
+
+    /// The entry point `<base>_<dtype>`.
+    pub fn typed(&self, base: &str, dtype: DType) -> Result<&CudaFunction> {
+        let suffix = dtype_suffix(dtype).ok_or_else(|| {
+            Error::Unsupported(format!("kernel `{base}` has no {} variant", dtype.name()))
+        })?;
+        self.get(&format!("{base}_{suffix}"))
+    }
+
+    /// Size of the embedded fatbin in bytes.
+    pub fn fatbin_bytes() -> usize {
+        FATBIN.len()
+    }
+}

@@ -1,0 +1,1285 @@
+//! The CUDA backend (feature `cuda`): one NVIDIA GPU through cudarc with dynamic loading.
+//!
+//! # Shape
+//!
+//! * [`CudaBackend`] owns a context on one device. [`CudaBackend::available`] checks that
+//!   libcuda and libcublasLt can be opened *before* cudarc touches them (a missing library
+//!   panics inside cudarc), then that a device exists.
+//! * [`CudaBackend::load`](super::Backend::load) loads the embedded kernel fatbin
+//!   ([`kernels`]), creates the cuBLASLt handle ([`gemm`]) and uploads the weights into one
+//!   weight arena, converting the host f32 tensors to each buffer's dtype.
+//! * A [`CudaSession`] allocates its state, scratch and I/O arenas (one allocation each), a
+//!   cuBLASLt workspace (also holding split-KV attention partials), a small input staging
+//!   record and two pinned logits bounce buffers, all at creation; nothing is allocated
+//!   afterwards except the storage of saved states. At creation it also turns every plan into
+//!   a [`ops::Program`] (all checks, kernel choices, grid sizes, split counts, parameter
+//!   structs and matmul algorithms decided up front).
+//!
+//! # Dtype
+//!
+//! The layout target is the model's own dtype: bf16 (the default and the fast path), f16, or
+//! f32. Every kernel is instantiated for all three, and all arithmetic accumulates in f32
+//! (cuBLASLt with `CUBLAS_COMPUTE_32F`; recurrent state is always f32). Honouring the declared
+//! dtype costs nothing (templates) and gives an f32 mode whose results match the CPU
+//! reference to rounding, which is what the op tests use to check kernel logic separately
+//! from bf16 noise.
+//!
+//! # A step
+//!
+//! `step` writes `[pos, len, tokens..]` into a pinned host record and copies it to the device
+//! with ONE host-to-device copy; the program's first kernel (`io_scatter`) moves it into
+//! `io.pos`, `io.len`, `io.tokens`, from which every kernel reads. The ops then run either as
+//! plain launches or, by default, as a CUDA graph: one graph per phase (prefill bucket or
+//! decode, and the MTP draft/verify phases where present). A phase's first step runs as
+//! plain launches (which also warms up lazily loaded kernels, ours and cuBLASLt's), its
+//! second step is captured and launched, and every later step replays that graph. Because
+//! kernels read the position and length from device memory and grids are sized for the
+//! bucket, a graph is valid at every position and length — recapture is never needed.
+//!
+//! Capture happens on the session's own non-default stream in thread-local mode. cudarc's
+//! event tracking is disabled on the context right after creation, before any allocation, so
+//! no slice carries events and no hidden `cuEventRecord`/`cuStreamWaitEvent` can land inside
+//! a capture; ordering between the session's two streams is explicit (events below).
+//!
+//! Graph invariants, by construction: a graph holds the addresses of the session's arenas,
+//! staging record and workspace, and of the model's weights; the session owns all of them
+//! and keeps an `Arc` of the model, and graphs are dropped with the session. A graph is only
+//! launched on the stream it was captured on, after the staging copy of the same step.
+//!
+//! # Save / restore
+//!
+//! `save` copies the selected state regions — K/V only rows `0..pos`, one contiguous prefix
+//! per region because the caches are position-major — device-to-device into one fresh device
+//! buffer, on the session's copy stream: the copy stream first waits for the compute stream
+//! (an event), and the compute stream then waits for the copies (another event) so a later
+//! step cannot overwrite state still being read. The host does not block. `restore` mirrors
+//! this. A saved state can be parked in pinned host memory ([`CudaSaved::park`]) and brought
+//! back ([`CudaSaved::unpark`]); `restore` accepts either tier, and any other
+//! [`SavedState`] (a capsule file's [`crate::host_state::HostSaved`], say) through the generic
+//! host path, [`crate::host_state::host_regions`].
+//!
+//! Numerics: results agree with the CPU reference within dtype tolerance, not bit for bit;
+//! each bucket's graph may use a different GEMM algorithm, so a restored session continuing
+//! with decode steps is bit-identical to the original session continuing the same way (same
+//! graphs, same inputs), but "restore + append == cold prefill" holds to tolerance only.
+
+pub mod gemm;
+pub mod kernels;
+pub mod ops;
+
+use super::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, SavedState};
+use crate::error::{Error, Result};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DriverError,
+    PinnedHostSlice,
+};
+use flashrt_ir::{Buffer, BufferId, Compiled, DType, ModelIr, Phase, Role, StateKind, Target};
+use gemm::Blas;
+use kernels::Kernels;
+use ops::{Arenas, Builder, Program};
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+/// f32 elements of each pinned bounce buffer of a session (4 MiB).
+const BOUNCE_FLOATS: usize = 1 << 20;
+
+fn drv(op: &str) -> impl FnOnce(DriverError) -> Error + '_ {
+    move |e| Error::Backend {
+        op: op.to_string(),
+        msg: format!("{e:?}"),
+    }
+}
+
+/// Device address of a slice (event tracking is off, so no synchronisation is attached).
+fn dptr(s: &CudaSlice<u8>) -> u64 {
+    let (p, _guard) = s.device_ptr(s.stream());
+    p
+}
+
+/// A zero-filled device buffer of `bytes` (at least 1) allocated in stream order on `stream`.
+fn alloc_zeroed(stream: &Arc<CudaStream>, bytes: usize, what: &str) -> Result<CudaSlice<u8>> {
+    let op = format!("allocate {what} ({bytes} bytes)");
+    stream.alloc_zeros::<u8>(bytes.max(1)).map_err(drv(&op))
+}
+
+/// Options of a [`CudaBackend`].
+#[derive(Clone, Copy, Debug)]
+pub struct CudaOptions {
+    /// Run steps as captured CUDA graphs (default). `false` launches the ops one by one,
+    /// which is slower but easier to debug. Default from `FLASHRT_CUDA_GRAPHS` (`0` = off).
+    pub graphs: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            graphs: std::env::var("FLASHRT_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+        }
+    }
+}
+
+/// One CUDA device.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    name: String,
+    options: CudaOptions,
+}
+
+fn libraries_present() -> std::result::Result<(), &'static str> {
+    // SAFETY: these only try to open the shared libraries by their candidate names (dlopen);
+    // no CUDA function is called and nothing is cached on failure.
+    let (driver, lt) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::cublaslt::sys::is_culib_present(),
+        )
+    };
+    if !driver {
+        return Err("the CUDA driver library (libcuda.so) was not found");
+    }
+    if !lt {
+        return Err("the cuBLASLt library (libcublasLt.so) was not found");
+    }
+    Ok(())
+}
+
+impl CudaBackend {
+    /// Whether a CUDA device can be used: libcuda and libcublasLt load, the driver
+    /// initialises and reports at least one device. Never panics.
+    pub fn available() -> bool {
+        libraries_present().is_ok()
+            && cudarc::driver::result::init().is_ok()
+            && CudaContext::device_count().is_ok_and(|n| n > 0)
+    }
+
+    /// A backend on device `ordinal` with default [`CudaOptions`].
+    pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_options(ordinal, CudaOptions::default())
+    }
+
+    pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<Self> {
+        libraries_present()
+            .map_err(|m| Error::Unsupported(format!("CUDA backend unavailable: {m}")))?;
+        let ctx = CudaContext::new(ordinal).map_err(drv("create CUDA context"))?;
+        // SAFETY: called before this context object allocates anything, so no slice ever
+        // carries tracking events; every cross-stream dependency in this backend is an
+        // explicit event (see the module docs), and no slice is freed while another stream
+        // may still use it (sessions synchronise their streams before dropping arenas; saved
+        // states make their home stream wait for every restore that reads them).
+        unsafe { ctx.disable_event_tracking() };
+        let dev = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let (major, minor) = ctx.compute_capability().unwrap_or((0, 0));
+        Ok(Self {
+            ctx,
+            ordinal,
+            name: format!("cuda:{ordinal} {dev} (sm_{major}{minor})"),
+            options,
+        })
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    /// The model's own dtype (bf16 by default; f16 and f32 also run). See the module docs.
+    fn target(&self, ir: &ModelIr) -> Target {
+        let dtype = match ir.dtype {
+            DType::I32 => DType::Bf16,
+            d => d,
+        };
+        Target { dtype }
+    }
+
+    fn load(&self, compiled: Arc<Compiled>, weights: HostWeights) -> Result<Arc<dyn DeviceModel>> {
+        self.load_with(compiled, WeightFill::Host(weights))
+    }
+
+    fn load_random(&self, compiled: Arc<Compiled>, seed: u64) -> Result<Arc<dyn DeviceModel>> {
+        self.load_with(compiled, WeightFill::Random(seed))
+    }
+
+    fn copy_seconds(&self, bytes: usize, iters: usize) -> Result<f64> {
+        self.device_copy_seconds(bytes, iters)
+    }
+}
+
+/// Where the weight values come from.
+enum WeightFill {
+    Host(HostWeights),
+    /// Generated on the device by `init_random` (same values as `loader::random_weights`).
+    Random(u64),
+}
+
+/// `init_random`'s parameters (kernels/init.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct InitParams {
+    out: u64,
+    n: u64,
+    seed: u64,
+    buffer: u32,
+    kind: u32,
+    a: f64,
+    b: f64,
+}
+
+impl CudaBackend {
+    /// Seconds one device-to-device copy of `bytes` takes (median of `iters`, timed with
+    /// events after a warm-up): the copy floor capsule snapshots and restores are held to.
+    pub fn device_copy_seconds(&self, bytes: usize, iters: usize) -> Result<f64> {
+        self.ctx.bind_to_thread().map_err(drv("bind context"))?;
+        let stream = self.ctx.new_stream().map_err(drv("create stream"))?;
+        let src = alloc_zeroed(&stream, bytes.max(1), "copy probe source")?;
+        let dst = alloc_zeroed(&stream, bytes.max(1), "copy probe destination")?;
+        let (s, d) = (dptr(&src), dptr(&dst));
+        let start = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv("event"))?;
+        let end = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv("event"))?;
+        let mut times = Vec::with_capacity(iters.max(1));
+        for i in 0..iters.max(1) + 2 {
+            start.record(&stream).map_err(drv("event"))?;
+            // SAFETY: both allocations hold `bytes` bytes and are only used by this stream.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(d, s, bytes, stream.cu_stream()) }
+                .map_err(drv("copy probe"))?;
+            end.record(&stream).map_err(drv("event"))?;
+            end.synchronize().map_err(drv("copy probe"))?;
+            if i >= 2 {
+                times.push(start.elapsed_ms(&end).map_err(drv("event time"))? as f64 / 1e3);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+
+    fn load_with(&self, compiled: Arc<Compiled>, fill: WeightFill) -> Result<Arc<dyn DeviceModel>> {
+        self.ctx.bind_to_thread().map_err(drv("bind context"))?;
+        let layout = &compiled.layout;
+        let want = self.target(&compiled.ir);
+        if layout.target != want {
+            return Err(Error::Config(format!(
+                "model `{}` was compiled for {} but the CUDA backend computes it in {}",
+                layout.model,
+                layout.target.dtype.name(),
+                want.dtype.name()
+            )));
+        }
+        if let WeightFill::Host(weights) = &fill
+            && weights.tensors.len() != layout.buffers.len()
+        {
+            return Err(Error::Checkpoint(format!(
+                "{} host tensors for {} layout buffers",
+                weights.tensors.len(),
+                layout.buffers.len()
+            )));
+        }
+        let kernels = Kernels::load(&self.ctx)?;
+        let blas = Blas::new()?;
+        let stream = self.ctx.new_stream().map_err(drv("create stream"))?;
+        let arena = alloc_zeroed(&stream, layout.arena_bytes(Role::Weight), "weight arena")?;
+        stream.synchronize().map_err(drv("allocate weight arena"))?;
+        let base = dptr(&arena);
+        let weights = match fill {
+            WeightFill::Host(w) => w,
+            WeightFill::Random(seed) => {
+                let inits = crate::loader::weight_inits(&compiled);
+                for b in layout.buffers.iter().filter(|b| b.role == Role::Weight) {
+                    let Some(init) = inits[b.id.index()] else {
+                        continue;
+                    };
+                    let (kind, a, bb) = init.params();
+                    let p = InitParams {
+                        out: base + b.offset as u64,
+                        n: b.numel() as u64,
+                        seed,
+                        buffer: b.id.0,
+                        kind,
+                        a,
+                        b: bb,
+                    };
+                    let func = kernels.typed("init_random", b.dtype)?;
+                    let grid = (b.numel().div_ceil(256).clamp(1, 8192) as u32, 1, 1);
+                    let mut args = [&p as *const InitParams as *mut std::ffi::c_void];
+                    // SAFETY: `init_random_<dtype>` takes one by-value `InitParams` (same repr(C)
+                    // layout as kernels/init.cu); it writes `n` elements of the buffer's dtype
+                    // at `out`, a range inside the live, idle weight arena; `p` outlives the
+                    // launch call, which copies the parameters.
+                    unsafe {
+                        cudarc::driver::result::launch_kernel(
+                            func.cu_function(),
+                            grid,
+                            (256, 1, 1),
+                            0,
+                            stream.cu_stream(),
+                            &mut args,
+                        )
+                    }
+                    .map_err(drv(&format!("init weight `{}`", b.name)))?;
+                }
+                stream.synchronize().map_err(drv("random weights"))?;
+                HostWeights {
+                    tensors: Vec::new(),
+                }
+            }
+        };
+        for b in layout
+            .buffers
+            .iter()
+            .filter(|b| b.role == Role::Weight && !weights.tensors.is_empty())
+        {
+            let t = weights.tensors[b.id.index()].as_ref().ok_or_else(|| {
+                Error::Checkpoint(format!("weight `{}` has no host tensor", b.name))
+            })?;
+            if t.len() != b.numel() {
+                return Err(Error::Checkpoint(format!(
+                    "weight `{}`: {} values for shape {:?}",
+                    b.name,
+                    t.len(),
+                    b.shape
+                )));
+            }
+            let bytes = encode(t, b.dtype).ok_or_else(|| {
+                Error::Unsupported(format!("weight `{}` of dtype {}", b.name, b.dtype.name()))
+            })?;
+            // SAFETY: the destination range [offset, offset + bytes) lies inside the weight
+            // arena (the layout sized the arena to hold every buffer), which is allocated and
+            // idle; the copy is synchronous, so `bytes` may be dropped afterwards.
+            unsafe { cudarc::driver::result::memcpy_htod_sync(base + b.offset as u64, &bytes) }
+                .map_err(drv(&format!("upload weight `{}`", b.name)))?;
+        }
+        let name = self.name.clone();
+        let sms = self
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(drv("device attributes"))?
+            .max(1) as usize;
+        Ok(Arc::new(CudaModel {
+            inner: Arc::new(ModelInner {
+                ctx: self.ctx.clone(),
+                ordinal: self.ordinal,
+                name,
+                compiled,
+                kernels,
+                blas,
+                weight_base: base,
+                _weights: arena,
+                options: self.options,
+                sms,
+            }),
+        }))
+    }
+}
+
+/// Host f32 values as the bytes of `dtype` (round to nearest even).
+fn encode(v: &[f32], dtype: DType) -> Option<Vec<u8>> {
+    Some(match dtype {
+        DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::Bf16 => v
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+            .collect(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+            .collect(),
+        DType::I32 => return None,
+    })
+}
+
+struct ModelInner {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    name: String,
+    compiled: Arc<Compiled>,
+    kernels: Kernels,
+    blas: Blas,
+    weight_base: u64,
+    _weights: CudaSlice<u8>,
+    options: CudaOptions,
+    /// Multiprocessor count of the device.
+    sms: usize,
+}
+
+/// A model whose weights are on one GPU.
+pub struct CudaModel {
+    inner: Arc<ModelInner>,
+}
+
+impl DeviceModel for CudaModel {
+    fn compiled(&self) -> &Arc<Compiled> {
+        &self.inner.compiled
+    }
+
+    fn backend_name(&self) -> String {
+        self.inner.name.clone()
+    }
+
+    fn new_session(&self) -> Result<Box<dyn DeviceSession>> {
+        Ok(Box::new(CudaSession::new(self.inner.clone())?))
+    }
+}
+
+/// A captured graph, owned by exactly one session.
+struct SessionGraph(CudaGraph);
+
+// SAFETY: CUDA graphs need external serialisation, not thread affinity. A `SessionGraph` lives
+// inside one `CudaSession`, which is `Send` but not `Sync`, so only one thread at a time can
+// reach it.
+unsafe impl Send for SessionGraph {}
+
+/// One session: state, scratch and I/O arenas on the GPU, plus the programs of every phase.
+pub struct CudaSession {
+    model: Arc<ModelInner>,
+    stream: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    _state: CudaSlice<u8>,
+    _scratch: CudaSlice<u8>,
+    _io: CudaSlice<u8>,
+    workspace: CudaSlice<u8>,
+    _staging_dev: CudaSlice<u8>,
+    staging_host: PinnedHostSlice<i32>,
+    /// Recorded after each staging copy; the pinned record is rewritten only after it.
+    staging_free: CudaEvent,
+    /// Two pinned buffers (and their completion events) for reading many logits rows.
+    bounce: Mutex<([PinnedHostSlice<f32>; 2], [CudaEvent; 2])>,
+    programs: Vec<(Phase, Program)>,
+    graphs: Vec<(Phase, SessionGraph)>,
+    /// Phases that have run once (as plain launches); the next step of one is captured.
+    warm: Vec<Phase>,
+    state_base: u64,
+    io_base: u64,
+}
+
+impl Drop for CudaSession {
+    fn drop(&mut self) {
+        // Graphs first, then wait for all queued work before the arenas are freed (their frees
+        // are stream-ordered on `stream`, but the copy stream may still be reading state).
+        self.graphs.clear();
+        let _ = self.model.ctx.bind_to_thread();
+        let _ = self.copy.synchronize();
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// Alignment of each region inside a saved state's buffer (lets `state_copy` use 16-byte
+/// vectors; the layout already aligns regions inside the state arena).
+const SAVE_ALIGN: usize = 256;
+
+/// Segments per `state_copy` launch (kernels/state.cu `FLASHRT_MAX_SEGMENTS`).
+const MAX_SEGMENTS: usize = 160;
+
+/// `state_copy`'s parameters (kernels/state.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct StateCopyParams {
+    count: u32,
+    pad: u32,
+    seg: [[u64; 3]; MAX_SEGMENTS],
+}
+
+impl CudaSession {
+    /// Copy `(src, dst, bytes)` device ranges on the copy stream with one `state_copy` launch
+    /// per 160 segments (instead of one copy-engine call per region).
+    ///
+    /// # Safety
+    /// Every range must be live device memory of this context, sources not written and
+    /// destinations not accessed by other work until the copy stream passes this point.
+    unsafe fn batched_copy(&self, segments: &[(u64, u64, u64)], what: &str) -> Result<()> {
+        let func = self.model.kernels.get("state_copy")?;
+        for chunk in segments.chunks(MAX_SEGMENTS) {
+            let mut p = StateCopyParams {
+                count: chunk.len() as u32,
+                pad: 0,
+                seg: [[0; 3]; MAX_SEGMENTS],
+            };
+            for (slot, &(src, dst, n)) in p.seg.iter_mut().zip(chunk) {
+                *slot = [src, dst, n];
+            }
+            let largest = chunk.iter().map(|s| s.2).max().unwrap_or(0);
+            // 256 threads x 16 bytes x ~8 iterations per block; at most 1024 blocks per segment.
+            let blocks_x = (largest.div_ceil(256 * 16 * 8) as u32).clamp(1, 1024);
+            let mut args = [&p as *const StateCopyParams as *mut std::ffi::c_void];
+            // SAFETY: `state_copy` takes one by-value `StateCopyParams` (same repr(C) layout as
+            // the kernel's struct, 3848 bytes, under the 4 KiB parameter limit); the ranges are
+            // valid by this function's contract; `p` outlives the launch call.
+            unsafe {
+                cudarc::driver::result::launch_kernel(
+                    func.cu_function(),
+                    (blocks_x, chunk.len() as u32, 1),
+                    (256, 1, 1),
+                    0,
+                    self.copy.cu_stream(),
+                    &mut args,
+                )
+            }
+            .map_err(drv(&format!("{what}: state_copy")))?;
+        }
+        Ok(())
+    }
+    fn new(model: Arc<ModelInner>) -> Result<Self> {
+        let ctx = &model.ctx;
+        ctx.bind_to_thread().map_err(drv("bind context"))?;
+        let layout = &model.compiled.layout;
+        let stream = ctx.new_stream().map_err(drv("create session stream"))?;
+        let copy = ctx.new_stream().map_err(drv("create copy stream"))?;
+        let state = alloc_zeroed(&stream, layout.arena_bytes(Role::State), "state arena")?;
+        let scratch = alloc_zeroed(&stream, layout.arena_bytes(Role::Scratch), "scratch arena")?;
+        let io = alloc_zeroed(&stream, layout.arena_bytes(Role::Io), "io arena")?;
+        let workspace = alloc_zeroed(&stream, gemm::WORKSPACE_BYTES, "cuBLASLt workspace")?;
+        let record = 2 + layout.max_rows;
+        let staging_dev = alloc_zeroed(&stream, 4 * record, "input staging")?;
+        // SAFETY: the pinned record is fully written (header and tokens) before any copy reads
+        // the part of it that a step uses.
+        let staging_host = unsafe { ctx.alloc_pinned_with_flags::<i32>(record, 0) }
+            .map_err(drv("allocate pinned staging"))?;
+        let staging_free = ctx.new_event(None).map_err(drv("create event"))?;
+        let pinned = || {
+            // SAFETY: a bounce buffer is only read in the range a completed copy just wrote.
+            unsafe { ctx.alloc_pinned_with_flags::<f32>(BOUNCE_FLOATS, 0) }
+                .map_err(drv("allocate pinned bounce buffer"))
+        };
+        let event = || ctx.new_event(None).map_err(drv("create event"));
+        let bounce = Mutex::new(([pinned()?, pinned()?], [event()?, event()?]));
+        stream
+            .synchronize()
+            .map_err(drv("allocate session arenas"))?;
+
+        let arenas = Arenas {
+            weight: model.weight_base,
+            state: dptr(&state),
+            scratch: dptr(&scratch),
+            io: dptr(&io),
+        };
+        let builder = Builder {
+            compiled: &model.compiled,
+            kernels: &model.kernels,
+            blas: &model.blas,
+            arenas,
+            staging: dptr(&staging_dev),
+            workspace: dptr(&workspace),
+            sms: model.sms,
+        };
+        let programs = model
+            .compiled
+            .plans
+            .iter()
+            .map(|p| Ok((p.phase, builder.program(p)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            state_base: arenas.state,
+            io_base: arenas.io,
+            model: model.clone(),
+            stream,
+            copy,
+            _state: state,
+            _scratch: scratch,
+            _io: io,
+            workspace,
+            _staging_dev: staging_dev,
+            staging_host,
+            staging_free,
+            bounce,
+            programs,
+            graphs: Vec::new(),
+            warm: Vec::new(),
+        })
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.model.ctx.bind_to_thread().map_err(drv("bind context"))
+    }
+
+    fn layout(&self) -> &flashrt_ir::Layout {
+        &self.model.compiled.layout
+    }
+
+    /// Run (or capture, then run) the program of `phase`.
+    fn launch(&mut self, idx: usize) -> Result<()> {
+        let phase = self.programs[idx].0;
+        let ws = dptr(&self.workspace);
+        if !self.model.options.graphs {
+            // SAFETY: the program addresses this session's live arenas/staging/workspace and
+            // the model's weights (kept alive by `self.model`); it runs on this session's stream.
+            return unsafe {
+                self.programs[idx]
+                    .1
+                    .enqueue(&self.model.blas, ws, self.stream.cu_stream())
+            };
+        }
+        if let Some((_, g)) = self.graphs.iter().find(|(p, _)| *p == phase) {
+            return g
+                .0
+                .launch()
+                .map_err(drv(&format!("{} graph launch", phase.label())));
+        }
+        if !self.warm.contains(&phase) {
+            // A phase's first step runs as plain launches: it is a real step (no side effect is
+            // wasted) and it warms up everything lazily initialised on first use — module
+            // loading of our kernels and of cuBLASLt's — so that nothing but launches happens
+            // while the second step is being captured.
+            self.warm.push(phase);
+            // SAFETY: as above.
+            return unsafe {
+                self.programs[idx]
+                    .1
+                    .enqueue(&self.model.blas, ws, self.stream.cu_stream())
+            };
+        }
+        let label = format!("{} graph capture", phase.label());
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv(&label))?;
+        // SAFETY: as above; while capturing, the launches are recorded, not executed.
+        let enqueued = unsafe {
+            self.programs[idx]
+                .1
+                .enqueue(&self.model.blas, ws, self.stream.cu_stream())
+        };
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        enqueued?;
+        let graph = graph.map_err(drv(&label))?.ok_or_else(|| Error::Backend {
+            op: label.clone(),
+            msg: "capture produced no graph".into(),
+        })?;
+        graph.upload().map_err(drv(&label))?;
+        graph
+            .launch()
+            .map_err(drv(&format!("{} graph launch", phase.label())))?;
+        self.graphs.push((phase, SessionGraph(graph)));
+        Ok(())
+    }
+
+    /// The state regions of `set`, with the bytes a capsule at `pos` holds.
+    fn regions(&self, set: RegionSet, pos: usize) -> Vec<(&Buffer, usize)> {
+        self.layout()
+            .state_buffers()
+            .filter(|b| in_set(b, set))
+            .map(|b| (b, b.used_bytes(pos)))
+            .collect()
+    }
+
+    /// The generic restore path for a saved state of another type (a capsule file's host
+    /// bytes, another backend's copy): validated region bytes from
+    /// [`crate::host_state::host_regions`], copied host-to-device on the copy stream.
+    /// Blocks until the copies are done (the bytes are pageable and dropped on return).
+    fn restore_host(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
+        let regions = crate::host_state::host_regions(&self.model.compiled.layout, saved, set)?;
+        self.copy_after_compute("restore")?;
+        for (b, bytes) in &regions {
+            if !bytes.is_empty() {
+                // SAFETY: the destination is the used prefix of a state region (host_regions
+                // checked the length against the layout); `regions` outlives the copy because
+                // the copy stream is synchronised before this function returns.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        self.state_base + b.offset as u64,
+                        bytes,
+                        self.copy.cu_stream(),
+                    )
+                }
+                .map_err(drv(&format!("restore `{}`", b.name)))?;
+            }
+        }
+        self.copy.synchronize().map_err(drv("restore"))
+    }
+
+    /// Make `copy` wait for everything queued so far on the compute stream.
+    fn copy_after_compute(&self, what: &str) -> Result<()> {
+        let ev = self.stream.record_event(None).map_err(drv(what))?;
+        self.copy.wait(&ev).map_err(drv(what))
+    }
+}
+
+fn in_set(b: &Buffer, set: RegionSet) -> bool {
+    match set {
+        RegionSet::All => true,
+        RegionSet::KvOnly => b
+            .state
+            .is_some_and(|k| matches!(k, StateKind::Key | StateKind::Value)),
+        RegionSet::NonKv => b
+            .state
+            .is_some_and(|k| !matches!(k, StateKind::Key | StateKind::Value)),
+    }
+}
+
+impl DeviceSession for CudaSession {
+    fn step(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<()> {
+        self.bind()?;
+        let idx = self
+            .programs
+            .iter()
+            .position(|(p, _)| *p == phase)
+            .ok_or_else(|| {
+                Error::Input(format!(
+                    "model `{}` has no {} plan",
+                    self.layout().model,
+                    phase.label()
+                ))
+            })?;
+        let len = tokens.len();
+        if len == 0 || len > phase.rows() {
+            return Err(Error::Input(format!(
+                "{}: {len} tokens (1..={} allowed)",
+                phase.label(),
+                phase.rows()
+            )));
+        }
+        let max_seq = self.layout().max_seq;
+        if pos + len > max_seq {
+            return Err(Error::Input(format!(
+                "{}: positions {pos}..{} exceed max_seq {max_seq}",
+                phase.label(),
+                pos + len
+            )));
+        }
+        let vocab = self.model.compiled.ir.vocab;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Input(format!("token id {t} >= vocab {vocab}")));
+        }
+        // The previous step's staging copy must have read the pinned record before it is
+        // rewritten (normally long done).
+        self.staging_free.synchronize().map_err(drv("staging"))?;
+        let rec = self.staging_host.as_mut_slice().map_err(drv("staging"))?;
+        rec[0] = pos as i32;
+        rec[1] = len as i32;
+        for (d, &t) in rec[2..2 + len].iter_mut().zip(tokens) {
+            *d = t as i32;
+        }
+        let staging = dptr(&self._staging_dev);
+        // SAFETY: source is 2 + len initialised i32 of the pinned record, which stays untouched
+        // until `staging_free` (recorded right after) completes; the destination is the
+        // session's staging buffer of 2 + max_rows i32, len <= max_rows.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                staging,
+                &rec[..2 + len],
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(drv("copy step inputs"))?;
+        self.staging_free
+            .record(&self.stream)
+            .map_err(drv("staging"))?;
+        self.launch(idx)
+    }
+
+    fn logits_row(&self, row: usize) -> Result<Vec<f32>> {
+        self.bind()?;
+        let max_rows = self.layout().max_rows;
+        if row >= max_rows {
+            return Err(Error::Input(format!(
+                "logits row {row} requested, buffer has {max_rows}"
+            )));
+        }
+        let vocab = self.model.compiled.ir.vocab;
+        let b = self.layout().buffer(self.model.compiled.io.logits);
+        let src = self.io_base + b.offset as u64 + (4 * row * vocab) as u64;
+        let mut out = vec![0f32; vocab];
+        self.stream
+            .synchronize()
+            .map_err(drv("step (asynchronous error)"))?;
+        // SAFETY: row < max_rows, so [src, src + 4 * vocab) lies inside io.logits; `out` holds
+        // vocab f32; the stream is idle and the copy into pageable memory completes before
+        // the synchronize below returns.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut out, src, self.stream.cu_stream())
+        }
+        .map_err(drv("read logits row"))?;
+        self.stream.synchronize().map_err(drv("read logits row"))?;
+        Ok(out)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.copy
+            .synchronize()
+            .map_err(drv("synchronize copy stream"))?;
+        self.stream
+            .synchronize()
+            .map_err(drv("synchronize compute stream"))
+    }
+
+    fn logits(&self, rows: usize) -> Result<Vec<f32>> {
+        self.bind()?;
+        let max_rows = self.layout().max_rows;
+        if rows > max_rows {
+            return Err(Error::Input(format!(
+                "logits of {rows} rows requested, at most {max_rows}"
+            )));
+        }
+        let vocab = self.model.compiled.ir.vocab;
+        let b = self.layout().buffer(self.model.compiled.io.logits);
+        let src = self.io_base + b.offset as u64;
+        let mut out = vec![0f32; rows * vocab];
+        self.stream
+            .synchronize()
+            .map_err(drv("step (asynchronous error)"))?;
+        if out.len() <= BOUNCE_FLOATS {
+            // One small copy (a decode step's row): straight into the vector.
+            // SAFETY: io.logits holds max_rows x vocab f32 at `src`; `out` is rows x vocab with
+            // rows <= max_rows; the stream is idle; a copy into pageable memory returns when
+            // complete.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(&mut out, src, self.stream.cu_stream())
+            }
+            .map_err(drv("read logits"))?;
+            self.stream.synchronize().map_err(drv("read logits"))?;
+            return Ok(out);
+        }
+        // Large reads (every row of a prefill chunk) go through two pinned bounce buffers:
+        // chunk k is copied device -> pinned while chunk k - 1 is copied pinned -> vector.
+        // Pageable device-to-host copies run several times slower than pinned ones.
+        let mut bounce = self.bounce.lock().map_err(|_| Error::Backend {
+            op: "read logits".into(),
+            msg: "bounce buffers poisoned".into(),
+        })?;
+        let (bufs, events) = &mut *bounce;
+        let mut pending: Option<(usize, std::ops::Range<usize>)> = None;
+        let ranges: Vec<_> = (0..out.len())
+            .step_by(BOUNCE_FLOATS)
+            .map(|a| a..(a + BOUNCE_FLOATS).min(out.len()))
+            .collect();
+        for (k, r) in ranges.into_iter().enumerate() {
+            let i = k % 2;
+            // Buffer i was last filled by chunk k - 2, which was copied out in iteration k - 1.
+            let dst = &mut bufs[i].as_mut_slice().map_err(drv("read logits"))?[..r.len()];
+            // SAFETY: `src + 4 * r.start` .. `+ 4 * r.end` lies inside io.logits (r.end <=
+            // rows x vocab); `dst` is pinned and is not read before `events[i]` completes.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    dst,
+                    src + 4 * r.start as u64,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(drv("read logits"))?;
+            events[i].record(&self.stream).map_err(drv("read logits"))?;
+            if let Some((j, pr)) = pending.take() {
+                events[j].synchronize().map_err(drv("read logits"))?;
+                out[pr.clone()]
+                    .copy_from_slice(&bufs[j].as_slice().map_err(drv("read logits"))?[..pr.len()]);
+            }
+            pending = Some((i, r));
+        }
+        if let Some((j, pr)) = pending {
+            events[j].synchronize().map_err(drv("read logits"))?;
+            out[pr.clone()]
+                .copy_from_slice(&bufs[j].as_slice().map_err(drv("read logits"))?[..pr.len()]);
+        }
+        Ok(out)
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        self.bind()?;
+        let bytes = self.layout().arena_bytes(Role::State);
+        // SAFETY: the state arena is at least `bytes` long; the memset is ordered on the
+        // session stream after every queued step, and restores make that stream wait for them.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                self.state_base,
+                0,
+                bytes,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(drv("reset state"))
+    }
+
+    fn save(&self, pos: usize, set: RegionSet) -> Result<Arc<dyn SavedState>> {
+        self.bind()?;
+        if pos > self.layout().max_seq {
+            return Err(Error::Input(format!(
+                "save at position {pos} > max_seq {}",
+                self.layout().max_seq
+            )));
+        }
+        let regions = self.regions(set, pos);
+        // Regions are packed at 256-byte alignment so the copy kernel moves 16-byte vectors.
+        let mut saved_regions = Vec::with_capacity(regions.len());
+        let mut off = 0usize;
+        for (b, n) in &regions {
+            saved_regions.push(SavedRegion {
+                id: b.id,
+                offset: off,
+                bytes: *n,
+            });
+            off += n.div_ceil(SAVE_ALIGN) * SAVE_ALIGN;
+        }
+        let total = off;
+        self.copy_after_compute("save")?;
+        let storage = alloc_on(&self.copy, total.max(1), "saved state")?;
+        let dst = dptr(&storage);
+        let segments: Vec<(u64, u64, u64)> = regions
+            .iter()
+            .zip(&saved_regions)
+            .filter(|((_, n), _)| *n > 0)
+            .map(|((b, n), r)| {
+                (
+                    self.state_base + b.offset as u64,
+                    dst + r.offset as u64,
+                    *n as u64,
+                )
+            })
+            .collect();
+        // SAFETY: every source is the used prefix of a state region inside the state arena;
+        // every destination range lies inside `storage` (sized to the packed total); the copy
+        // stream waits for the compute stream, and the compute stream waits for `ready`.
+        unsafe { self.batched_copy(&segments, "save")? };
+        let ready = self.copy.record_event(None).map_err(drv("save"))?;
+        self.stream.wait(&ready).map_err(drv("save"))?;
+        let layout = self.layout();
+        Ok(Arc::new(CudaSaved {
+            model: layout.model.clone(),
+            fingerprint: layout.fingerprint.clone(),
+            pos,
+            set,
+            regions: saved_regions,
+            total,
+            location: format!("cuda:{}", self.model.ordinal),
+            ordinal: self.model.ordinal,
+            storage: Storage::Device(storage),
+            ready: Some(ready),
+            home: self.copy.clone(),
+        }))
+    }
+
+    fn restore(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
+        self.bind()?;
+        let Some(s) = saved.as_any().downcast_ref::<CudaSaved>() else {
+            return self.restore_host(saved, set);
+        };
+        let layout = self.layout();
+        if s.fingerprint != layout.fingerprint {
+            return Err(Error::Fingerprint {
+                capsule_model: s.model.clone(),
+                capsule: s.fingerprint.clone(),
+                session_model: layout.model.clone(),
+                session: layout.fingerprint.clone(),
+            });
+        }
+        let mut copies = Vec::new();
+        for b in layout.state_buffers().filter(|b| in_set(b, set)) {
+            let r = s.regions.iter().find(|r| r.id == b.id).ok_or_else(|| {
+                Error::Capsule(format!(
+                    "saved state ({:?}) has no region `{}` needed by a {set:?} restore",
+                    s.set, b.name
+                ))
+            })?;
+            copies.push((b, r));
+        }
+        self.copy_after_compute("restore")?;
+        match &s.storage {
+            Storage::Device(src) => {
+                if s.ordinal != self.model.ordinal {
+                    return Err(Error::Unsupported(format!(
+                        "restore of a state saved on cuda:{} into a session on cuda:{} (park it first)",
+                        s.ordinal, self.model.ordinal
+                    )));
+                }
+                if let Some(ev) = &s.ready {
+                    self.copy.wait(ev).map_err(drv("restore"))?;
+                }
+                let base = dptr(src);
+                let segments: Vec<(u64, u64, u64)> = copies
+                    .iter()
+                    .filter(|(_, r)| r.bytes > 0)
+                    .map(|(b, r)| {
+                        (
+                            base + r.offset as u64,
+                            self.state_base + b.offset as u64,
+                            r.bytes as u64,
+                        )
+                    })
+                    .collect();
+                // SAFETY: every source lies inside the saved buffer (written before `ready`,
+                // which the copy stream waited for); every destination is the prefix of a
+                // state region of this session; the compute stream waits for `done` below.
+                unsafe { self.batched_copy(&segments, "restore")? };
+                let done = self.copy.record_event(None).map_err(drv("restore"))?;
+                self.stream.wait(&done).map_err(drv("restore"))?;
+                // The saved buffer is freed (stream-ordered) on its home stream when dropped:
+                // make that stream wait for these reads first.
+                s.home.wait(&done).map_err(drv("restore"))?;
+            }
+            Storage::Pinned(host) => {
+                let src = host.as_slice().map_err(drv("restore"))?;
+                for (b, r) in &copies {
+                    if r.bytes > 0 {
+                        // SAFETY: source is a range of the pinned buffer, which outlives the
+                        // copy because this function synchronises the copy stream below.
+                        unsafe {
+                            cudarc::driver::result::memcpy_htod_async(
+                                self.state_base + b.offset as u64,
+                                &src[r.offset..r.offset + r.bytes],
+                                self.copy.cu_stream(),
+                            )
+                        }
+                        .map_err(drv(&format!("restore `{}`", b.name)))?;
+                    }
+                }
+                self.copy.synchronize().map_err(drv("restore"))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn read_region(&self, id: BufferId, pos: usize) -> Result<Vec<u8>> {
+        self.bind()?;
+        let layout = self.layout();
+        if id.index() >= layout.buffers.len() {
+            return Err(Error::Input(format!("no buffer {}", id.0)));
+        }
+        let b = layout.buffer(id);
+        if b.role != Role::State {
+            return Err(Error::Input(format!("`{}` is not a state region", b.name)));
+        }
+        let n = b.used_bytes(pos);
+        let mut out = vec![0u8; n];
+        self.stream
+            .synchronize()
+            .map_err(drv("step (asynchronous error)"))?;
+        if n > 0 {
+            // SAFETY: the range is the used prefix of a state region inside the state arena;
+            // the stream is idle (restores make it wait for the copy stream).
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut out,
+                    self.state_base + b.offset as u64,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(drv(&format!("read `{}`", b.name)))?;
+            self.stream
+                .synchronize()
+                .map_err(drv(&format!("read `{}`", b.name)))?;
+        }
+        Ok(out)
+    }
+}
+
+/// A device buffer of `bytes` (at least 1) allocated in stream order on `stream`.
+fn alloc_on(stream: &Arc<CudaStream>, bytes: usize, what: &str) -> Result<CudaSlice<u8>> {
+    // SAFETY: the buffer is only read in the ranges that are written right after, in stream
+    // order, before any reader waits on the completion event.
+    unsafe { stream.alloc::<u8>(bytes.max(1)) }
+        .map_err(drv(&format!("allocate {what} ({bytes} bytes)")))
+}
+
+struct SavedRegion {
+    id: BufferId,
+    /// Byte offset inside the saved storage.
+    offset: usize,
+    bytes: usize,
+}
+
+enum Storage {
+    Device(CudaSlice<u8>),
+    Pinned(PinnedHostSlice<u8>),
+}
+
+/// State regions saved by a [`CudaSession`]: on the device (`location() == "cuda:N"`) or parked
+/// in pinned host memory (`"pinned"`).
+pub struct CudaSaved {
+    model: String,
+    fingerprint: String,
+    pos: usize,
+    set: RegionSet,
+    regions: Vec<SavedRegion>,
+    total: usize,
+    location: String,
+    ordinal: usize,
+    storage: Storage,
+    /// Device tier: recorded on `home` after the copies that filled `storage`.
+    ready: Option<CudaEvent>,
+    /// The stream that owns the device storage (its free is ordered on it).
+    home: Arc<CudaStream>,
+}
+
+impl CudaSaved {
+    /// Which regions were saved.
+    pub fn set(&self) -> RegionSet {
+        self.set
+    }
+
+    /// Whether the bytes are in pinned host memory.
+    pub fn is_parked(&self) -> bool {
+        matches!(self.storage, Storage::Pinned(_))
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.home
+            .context()
+            .bind_to_thread()
+            .map_err(drv("bind context"))
+    }
+
+    /// A copy of this state in pinned host memory (frees no device memory by itself: drop the
+    /// device copy for that). Blocks until the copy is complete.
+    pub fn park(&self) -> Result<CudaSaved> {
+        self.bind()?;
+        let ctx = self.home.context();
+        // SAFETY: every byte of the pinned buffer up to `total` is written by the copy below
+        // (or already, for a parked source) before anything reads it.
+        let mut host = unsafe { ctx.alloc_pinned_with_flags::<u8>(self.total.max(1), 0) }
+            .map_err(drv("park: allocate pinned"))?;
+        {
+            let dst = host.as_mut_slice().map_err(drv("park"))?;
+            match &self.storage {
+                Storage::Device(src) => {
+                    if let Some(ev) = &self.ready {
+                        self.home.wait(ev).map_err(drv("park"))?;
+                    }
+                    // SAFETY: `src` holds `total` bytes written before `ready`; `dst` is pinned
+                    // and stays borrowed until the synchronise below.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtoh_async(
+                            &mut dst[..self.total],
+                            dptr(src),
+                            self.home.cu_stream(),
+                        )
+                    }
+                    .map_err(drv("park"))?;
+                    self.home.synchronize().map_err(drv("park"))?;
+                }
+                Storage::Pinned(src) => dst[..self.total]
+                    .copy_from_slice(&src.as_slice().map_err(drv("park"))?[..self.total]),
+            }
+        }
+        Ok(self.with_storage(Storage::Pinned(host), "pinned".into(), None))
+    }
+
+    /// A device copy of this state (on the device it was saved from).
+    pub fn unpark(&self) -> Result<CudaSaved> {
+        self.bind()?;
+        let dev = alloc_on(&self.home, self.total, "unpark")?;
+        match &self.storage {
+            Storage::Pinned(src) => {
+                let src = src.as_slice().map_err(drv("unpark"))?;
+                // SAFETY: `dev` holds `total` bytes; the pinned source outlives the copy because
+                // the stream is synchronised before returning.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        dptr(&dev),
+                        &src[..self.total],
+                        self.home.cu_stream(),
+                    )
+                }
+                .map_err(drv("unpark"))?;
+                self.home.synchronize().map_err(drv("unpark"))?;
+            }
+            Storage::Device(src) => {
+                if let Some(ev) = &self.ready {
+                    self.home.wait(ev).map_err(drv("unpark"))?;
+                }
+                // SAFETY: both buffers hold `total` bytes; ordered on `home` after `ready`.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        dptr(&dev),
+                        dptr(src),
+                        self.total,
+                        self.home.cu_stream(),
+                    )
+                }
+                .map_err(drv("unpark"))?;
+            }
+        }
+        let ready = self.home.record_event(None).map_err(drv("unpark"))?;
+        Ok(self.with_storage(
+            Storage::Device(dev),
+            format!("cuda:{}", self.ordinal),
+            Some(ready),
+        ))
+    }
+
+    fn with_storage(
+        &self,
+        storage: Storage,
+        location: String,
+        ready: Option<CudaEvent>,
+    ) -> CudaSaved {
+        CudaSaved {
+            model: self.model.clone(),
+            fingerprint: self.fingerprint.clone(),
+            pos: self.pos,
+            set: self.set,
+            regions: self
+                .regions
+                .iter()
+                .map(|r| SavedRegion {
+                    id: r.id,
+                    offset: r.offset,
+                    bytes: r.bytes,
+                })
+                .collect(),
+            total: self.total,
+            location,
+            ordinal: self.ordinal,
+            storage,
+            ready,
+            home: self.home.clone(),
+        }
+    }
+}
+
+impl SavedState for CudaSaved {
+    fn location(&self) -> &str {
+        &self.location
+    }
+
+    fn pos(&self) -> usize {
+        self.pos
+    }
+
+    fn bytes(&self) -> usize {
+        self.total
+    }
+
+    fn region_bytes(&self, id: BufferId) -> Result<Vec<u8>> {
+        let r = self
+            .regions
+            .iter()
+            .find(|r| r.id == id)
+            .ok_or_else(|| Error::Capsule(format!("saved state has no region {}", id.0)))?;
+        match &self.storage {
+            Storage::Device(src) => {
+                self.bind()?;
+                let mut out = vec![0u8; r.bytes];
+                if r.bytes > 0 {
+                    if let Some(ev) = &self.ready {
+                        ev.synchronize().map_err(drv("read saved region"))?;
+                    }
+                    // SAFETY: the range lies inside the saved buffer, complete after `ready`.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtoh_sync(
+                            &mut out,
+                            dptr(src) + r.offset as u64,
+                        )
+                    }
+                    .map_err(drv("read saved region"))?;
+                }
+                Ok(out)
+            }
+            Storage::Pinned(src) => Ok(src.as_slice().map_err(drv("read saved region"))?
+                [r.offset..r.offset + r.bytes]
+                .to_vec()),
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

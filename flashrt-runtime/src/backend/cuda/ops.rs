@@ -1,0 +1,1241 @@
+//! Plan ops -> device commands.
+//!
+//! A session turns each plan into a [`Program`] once, when it is created: every op is checked
+//! against the layout (views inside their buffers, dtypes, supported sizes), its kernel
+//! chosen, its grid sized for the plan's bucket rows and its parameter struct filled with the
+//! session's arena addresses; every `Linear` gets its cuBLASLt matmul (descriptors +
+//! heuristic algorithm). Running a program is then nothing but enqueueing launches, which is
+//! what graph capture records — no allocation, host copy or decision is left for capture
+//! time (flashinfer's plan/run split).
+//!
+//! Each kernel takes one parameter struct by value. The structs below are `#[repr(C)]` and
+//! mirror the ones in `kernels/*.cu` field for field (pointers as `u64`, `int` as `i32`,
+//! `float` as `f32`, `double` as `f64`, in the same order), so both sides have the same
+//! layout.
+
+use super::gemm::{self, Blas, GemmShape, LtGemm};
+use super::kernels::Kernels;
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaFunction, sys};
+use flashrt_ir::{
+    Act, Buffer, BufferId, Compiled, DType, GateOrder, NormWeight, Op, Plan, Role, View,
+};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+// ---- parameter structs (mirrors of kernels/*.cu) ---------------------------------------
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct IoScatterParams {
+    pub staging: u64,
+    pub tokens: u64,
+    pub pos: u64,
+    pub len: u64,
+    pub max_rows: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct EmbedParams {
+    tokens: u64,
+    len: u64,
+    table: u64,
+    out: u64,
+    ld_out: i32,
+    width: i32,
+    vocab: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RmsNormParams {
+    x: u64,
+    out: u64,
+    weight: u64,
+    len: u64,
+    ld_x: i32,
+    ld_out: i32,
+    group: i32,
+    one_plus: i32,
+    eps: f32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GatedRmsNormParams {
+    x: u64,
+    gate: u64,
+    out: u64,
+    weight: u64,
+    len: u64,
+    ld_x: i32,
+    ld_gate: i32,
+    ld_out: i32,
+    group: i32,
+    shared_weight: i32,
+    gate_then_norm: i32,
+    eps: f32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MulParams {
+    gate: u64,
+    x: u64,
+    out: u64,
+    len: u64,
+    ld_gate: i32,
+    ld_x: i32,
+    ld_out: i32,
+    width: i32,
+    act: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UnaryParams {
+    x: u64,
+    out: u64,
+    len: u64,
+    ld_x: i32,
+    ld_out: i32,
+    width: i32,
+    act: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AddBiasParams {
+    out: u64,
+    bias: u64,
+    len: u64,
+    ld_out: i32,
+    width: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RowStateParams {
+    x: u64,
+    out: u64,
+    state: u64,
+    len: u64,
+    ld: i32,
+    width: i32,
+}
+
+const MAX_PARTS: usize = 4;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SplitHeadsParams {
+    x: u64,
+    out: [u64; MAX_PARTS],
+    len: u64,
+    ld_x: i32,
+    ld_out: [i32; MAX_PARTS],
+    part: [i32; MAX_PARTS],
+    nparts: i32,
+    heads: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RopeParams {
+    x: u64,
+    pos: u64,
+    len: u64,
+    theta: f64,
+    ld_x: i32,
+    head_dim: i32,
+    rotary_dims: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct KvWriteParams {
+    k: u64,
+    v: u64,
+    cache_k: u64,
+    cache_v: u64,
+    pos: u64,
+    len: u64,
+    ld_k: i32,
+    ld_v: i32,
+    width: i32,
+    max_seq: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttentionParams {
+    q: u64,
+    cache_k: u64,
+    cache_v: u64,
+    out: u64,
+    pos: u64,
+    len: u64,
+    ld_q: i32,
+    ld_out: i32,
+    q_heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    max_seq: i32,
+    splits: i32,
+    scale: f32,
+    partial: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ConvParams {
+    x: u64,
+    out: u64,
+    weight: u64,
+    bias: u64,
+    state: u64,
+    len: u64,
+    ld_x: i32,
+    ld_out: i32,
+    channels: i32,
+    kernel: i32,
+    act: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GdnParams {
+    qkv: u64,
+    a: u64,
+    b: u64,
+    a_log: u64,
+    dt_bias: u64,
+    state: u64,
+    out: u64,
+    len: u64,
+    ld_qkv: i32,
+    ld_a: i32,
+    ld_b: i32,
+    ld_out: i32,
+    key_heads: i32,
+    value_heads: i32,
+    key_dim: i32,
+    value_dim: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Mamba2Params {
+    xbc: u64,
+    dt: u64,
+    a_log: u64,
+    d: u64,
+    dt_bias: u64,
+    state: u64,
+    out: u64,
+    len: u64,
+    ld_xbc: i32,
+    ld_dt: i32,
+    ld_out: i32,
+    heads: i32,
+    head_dim: i32,
+    groups: i32,
+    state_size: i32,
+    has_dt_min: i32,
+    dt_min: f32,
+}
+
+/// A parameter struct as 8-byte words (the structs hold 8-byte pointers, so their alignment
+/// is 8 and the copy keeps it).
+pub struct ParamBytes(Vec<u64>);
+
+impl ParamBytes {
+    pub fn of<T: Copy>(v: &T) -> Self {
+        let n = std::mem::size_of::<T>().div_ceil(8);
+        let mut words = vec![0u64; n];
+        // SAFETY: `words` has at least size_of::<T>() bytes; T is Copy plain data (repr(C)
+        // structs of integers and floats), so its bytes may be copied verbatim; padding bytes
+        // are copied as whatever they hold and never read by the kernel.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                v as *const T as *const u8,
+                words.as_mut_ptr() as *mut u8,
+                std::mem::size_of::<T>(),
+            );
+        }
+        Self(words)
+    }
+}
+
+/// One kernel launch.
+pub struct KernelCmd {
+    pub label: String,
+    pub func: CudaFunction,
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub params: ParamBytes,
+}
+
+/// One matmul.
+pub struct GemmCmd {
+    pub label: String,
+    pub gemm: Arc<LtGemm>,
+    pub w: u64,
+    pub x: u64,
+    pub out: u64,
+    pub accumulate: bool,
+}
+
+pub enum Cmd {
+    Kernel(KernelCmd),
+    Gemm(GemmCmd),
+}
+
+/// A plan, ready to enqueue.
+pub struct Program {
+    pub cmds: Vec<Cmd>,
+}
+
+impl Program {
+    /// Enqueue every command on `stream`.
+    ///
+    /// # Safety
+    /// The arenas, staging buffer and workspace whose addresses the program holds must be
+    /// alive and not used concurrently by another stream; the context must be bound to the
+    /// current thread.
+    pub unsafe fn enqueue(&self, blas: &Blas, workspace: u64, stream: sys::CUstream) -> Result<()> {
+        for cmd in &self.cmds {
+            match cmd {
+                Cmd::Kernel(k) => {
+                    let mut args = [k.params.0.as_ptr() as *mut c_void];
+                    // SAFETY: the function takes exactly one by-value parameter struct whose
+                    // bytes `params` holds (same repr(C) layout as the kernel's struct); grid
+                    // and block were validated when the program was built; the addresses
+                    // inside are live by this function's contract.
+                    unsafe {
+                        cudarc::driver::result::launch_kernel(
+                            k.func.cu_function(),
+                            k.grid,
+                            k.block,
+                            0,
+                            stream,
+                            &mut args,
+                        )
+                    }
+                    .map_err(|e| Error::Backend {
+                        op: k.label.clone(),
+                        msg: format!("kernel launch failed: {e:?}"),
+                    })?;
+                }
+                Cmd::Gemm(g) => {
+                    // SAFETY: the operands were sized and aligned for this matmul when the
+                    // program was built; the workspace is the session's own.
+                    unsafe { blas.run(&g.gemm, g.w, g.x, g.out, g.accumulate, workspace, stream) }
+                        .map_err(|e| Error::Backend {
+                            op: g.label.clone(),
+                            msg: e.to_string(),
+                        })?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Device addresses of the four arenas.
+#[derive(Clone, Copy, Debug)]
+pub struct Arenas {
+    pub weight: u64,
+    pub state: u64,
+    pub scratch: u64,
+    pub io: u64,
+}
+
+/// Everything needed to turn a plan into a program.
+pub struct Builder<'a> {
+    pub compiled: &'a Compiled,
+    pub kernels: &'a Kernels,
+    pub blas: &'a Blas,
+    pub arenas: Arenas,
+    /// Device staging record `[pos, len, tokens..]` of the session.
+    pub staging: u64,
+    /// The session's cuBLASLt workspace ([`gemm::WORKSPACE_BYTES`]); attention's split
+    /// partials borrow it between matmuls.
+    pub workspace: u64,
+    /// Multiprocessors of the device (sizes split-KV attention).
+    pub sms: usize,
+}
+
+fn act_code(a: Act) -> i32 {
+    match a {
+        Act::Identity => 0,
+        Act::Silu => 1,
+        Act::Sigmoid => 2,
+        Act::Relu2 => 3,
+    }
+}
+
+fn to_i32(v: usize, what: &str, label: &str) -> Result<i32> {
+    i32::try_from(v)
+        .map_err(|_| Error::Unsupported(format!("{label}: {what} = {v} does not fit in i32")))
+}
+
+fn ceil_div(a: usize, b: usize) -> u32 {
+    a.div_ceil(b) as u32
+}
+
+/// Threads for a block that normalises `n` elements: a power of two in 32..=1024, about four
+/// elements per thread (the norm kernels keep up to 8 per thread in registers).
+fn reduce_threads(n: usize) -> u32 {
+    (n.div_ceil(4)).next_power_of_two().clamp(32, 1024) as u32
+}
+
+impl Builder<'_> {
+    fn buf(&self, id: BufferId) -> &Buffer {
+        self.compiled.layout.buffer(id)
+    }
+
+    fn addr(&self, id: BufferId) -> u64 {
+        let b = self.buf(id);
+        let base = match b.role {
+            Role::Weight => self.arenas.weight,
+            Role::State => self.arenas.state,
+            Role::Scratch => self.arenas.scratch,
+            Role::Io => self.arenas.io,
+        };
+        base + b.offset as u64
+    }
+
+    fn target(&self) -> DType {
+        self.compiled.layout.target.dtype
+    }
+
+    /// Check a view against its buffer (2-D, stride = columns, window inside, enough rows for
+    /// the plan) and return (address of its first element, row stride, dtype).
+    fn view(&self, v: &View, rows: usize, label: &str, role: &str) -> Result<(u64, i32, DType)> {
+        let b = self.buf(v.buf);
+        let bad =
+            |msg: String| Error::Config(format!("{label}: {role} view of `{}` {msg}", b.name));
+        if b.shape.len() != 2 {
+            return Err(bad(format!("is not 2-D (shape {:?})", b.shape)));
+        }
+        if v.stride != b.shape[1] {
+            return Err(bad(format!(
+                "has stride {} but the buffer has {} columns",
+                v.stride, b.shape[1]
+            )));
+        }
+        if v.col + v.width > v.stride {
+            return Err(bad(format!(
+                "columns {}..{} exceed {}",
+                v.col,
+                v.col + v.width,
+                v.stride
+            )));
+        }
+        if b.shape[0] < rows {
+            return Err(bad(format!(
+                "has {} rows, the plan needs {rows}",
+                b.shape[0]
+            )));
+        }
+        Ok((
+            self.addr(v.buf) + (v.col * b.dtype.size()) as u64,
+            to_i32(v.stride, "stride", label)?,
+            b.dtype,
+        ))
+    }
+
+    fn expect_dtype(&self, id: BufferId, want: DType, label: &str) -> Result<()> {
+        let b = self.buf(id);
+        if b.dtype != want {
+            return Err(Error::Config(format!(
+                "{label}: buffer `{}` is {}, expected {}",
+                b.name,
+                b.dtype.name(),
+                want.name()
+            )));
+        }
+        Ok(())
+    }
+
+    fn expect_numel(&self, id: BufferId, want: usize, label: &str) -> Result<()> {
+        let b = self.buf(id);
+        if b.numel() != want {
+            return Err(Error::Config(format!(
+                "{label}: buffer `{}` has {} elements (shape {:?}), expected {want}",
+                b.name,
+                b.numel(),
+                b.shape
+            )));
+        }
+        Ok(())
+    }
+
+    fn kernel<T: Copy>(
+        &self,
+        label: &str,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        p: &T,
+    ) -> Cmd {
+        Cmd::Kernel(KernelCmd {
+            label: label.to_string(),
+            func: func.clone(),
+            grid,
+            block: (block, 1, 1),
+            params: ParamBytes::of(p),
+        })
+    }
+
+    /// The program of one plan: the input scatter, then every op in order.
+    pub fn program(&self, plan: &Plan) -> Result<Program> {
+        let rows = plan.phase.rows();
+        let layout = &self.compiled.layout;
+        let io = &self.compiled.io;
+        let label = format!("{} io_scatter", plan.phase.label());
+        if rows > layout.max_rows {
+            return Err(Error::Config(format!(
+                "{label}: {rows} rows > layout max_rows {}",
+                layout.max_rows
+            )));
+        }
+        let mut cmds = vec![self.kernel(
+            &label,
+            self.kernels.get("io_scatter")?,
+            (1, 1, 1),
+            256,
+            &IoScatterParams {
+                staging: self.staging,
+                tokens: self.addr(io.tokens),
+                pos: self.addr(io.pos),
+                len: self.addr(io.len),
+                max_rows: to_i32(layout.max_rows, "max_rows", &label)?,
+            },
+        )];
+        for (i, op) in plan.ops.iter().enumerate() {
+            let label = format!("{} op {i} ({})", plan.phase.label(), op.name());
+            self.op(op, rows, &label, &mut cmds)?;
+        }
+        Ok(Program { cmds })
+    }
+
+    fn op(&self, op: &Op, rows: usize, label: &str, cmds: &mut Vec<Cmd>) -> Result<()> {
+        let t = self.target();
+        let io = &self.compiled.io;
+        let len = self.addr(io.len);
+        let pos = self.addr(io.pos);
+        let r = rows as u32;
+        match op {
+            Op::Embed { table, out } => {
+                let (o, ld_o, od) = self.view(out, rows, label, "out")?;
+                self.expect_dtype(*table, od, label)?;
+                let tb = self.buf(*table);
+                if tb.shape.len() != 2 || tb.shape[1] != out.width {
+                    return Err(Error::Config(format!(
+                        "{label}: table `{}` shape {:?} does not match width {}",
+                        tb.name, tb.shape, out.width
+                    )));
+                }
+                let p = EmbedParams {
+                    tokens: self.addr(io.tokens),
+                    len,
+                    table: self.addr(*table),
+                    out: o,
+                    ld_out: ld_o,
+                    width: to_i32(out.width, "width", label)?,
+                    vocab: to_i32(tb.shape[0], "vocab", label)?,
+                };
+                cmds.push(self.kernel(label, self.kernels.typed("embed", od)?, (r, 1, 1), 256, &p));
+            }
+            Op::RmsNorm {
+                x,
+                weight,
+                weight_kind,
+                out,
+                eps,
+                group,
+            } => {
+                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                if xd != od || x.width != out.width || *group == 0 || x.width % group != 0 {
+                    return Err(Error::Config(format!(
+                        "{label}: x ({} x{}) / out ({} x{}) / group {group} mismatch",
+                        xd.name(),
+                        x.width,
+                        od.name(),
+                        out.width
+                    )));
+                }
+                let w = match weight {
+                    Some(w) => {
+                        self.expect_dtype(*w, DType::F32, label)?;
+                        self.expect_numel(*w, *group, label)?;
+                        self.addr(*w)
+                    }
+                    None => 0,
+                };
+                let p = RmsNormParams {
+                    x: xp,
+                    out: op_,
+                    weight: w,
+                    len,
+                    ld_x,
+                    ld_out: ld_o,
+                    group: to_i32(*group, "group", label)?,
+                    one_plus: (*weight_kind == NormWeight::OnePlus) as i32,
+                    eps: eps.get() as f32,
+                };
+                let groups = (x.width / group) as u32;
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed("rms_norm", xd)?,
+                    (groups, r, 1),
+                    reduce_threads(*group),
+                    &p,
+                ));
+            }
+            Op::Linear {
+                x,
+                w,
+                bias,
+                out,
+                accumulate,
+            } => {
+                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                self.expect_dtype(*w, t, label)?;
+                if xd != t || (od != t && od != DType::F32) {
+                    return Err(Error::Unsupported(format!(
+                        "{label}: linear with input {} and output {} on a {} target",
+                        xd.name(),
+                        od.name(),
+                        t.name()
+                    )));
+                }
+                let wb = self.buf(*w);
+                if wb.shape != [out.width, x.width] {
+                    return Err(Error::Config(format!(
+                        "{label}: weight `{}` has shape {:?}, expected [{}, {}]",
+                        wb.name, wb.shape, out.width, x.width
+                    )));
+                }
+                let wp = self.addr(*w);
+                let shape = GemmShape {
+                    in_dtype: t,
+                    out_dtype: od,
+                    n: out.width as u64,
+                    k: x.width as u64,
+                    rows: rows as u64,
+                    ld_x: ld_x as i64,
+                    ld_out: ld_o as i64,
+                    align_w: gemm::alignment(wp),
+                    align_x: gemm::alignment(xp),
+                    align_out: gemm::alignment(op_),
+                };
+                let g = self.blas.gemm(shape).map_err(|e| match e {
+                    Error::Backend { msg, .. } => Error::Backend {
+                        op: format!("{label} `{}`", wb.name),
+                        msg,
+                    },
+                    e => e,
+                })?;
+                cmds.push(Cmd::Gemm(GemmCmd {
+                    label: format!("{label} `{}`", wb.name),
+                    gemm: g,
+                    w: wp,
+                    x: xp,
+                    out: op_,
+                    accumulate: *accumulate,
+                }));
+                if let Some(b) = bias {
+                    self.expect_dtype(*b, DType::F32, label)?;
+                    self.expect_numel(*b, out.width, label)?;
+                    let p = AddBiasParams {
+                        out: op_,
+                        bias: self.addr(*b),
+                        len,
+                        ld_out: ld_o,
+                        width: to_i32(out.width, "width", label)?,
+                    };
+                    cmds.push(self.kernel(
+                        &format!("{label} bias"),
+                        self.kernels.typed("add_bias", od)?,
+                        (ceil_div(out.width, 256), r, 1),
+                        256,
+                        &p,
+                    ));
+                }
+            }
+            Op::Mul { gate, act, x, out } => {
+                let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
+                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                if gd != xd || xd != od || gate.width != x.width || x.width != out.width {
+                    return Err(Error::Config(format!(
+                        "{label}: operand dtypes or widths differ"
+                    )));
+                }
+                let p = MulParams {
+                    gate: gp,
+                    x: xp,
+                    out: op_,
+                    len,
+                    ld_gate: ld_g,
+                    ld_x,
+                    ld_out: ld_o,
+                    width: to_i32(x.width, "width", label)?,
+                    act: act_code(*act),
+                };
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed("mul", xd)?,
+                    (ceil_div(x.width, 256), r, 1),
+                    256,
+                    &p,
+                ));
+            }
+            Op::Unary { x, act, out } => {
+                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                if xd != od || x.width != out.width {
+                    return Err(Error::Config(format!(
+                        "{label}: operand dtypes or widths differ"
+                    )));
+                }
+                let p = UnaryParams {
+                    x: xp,
+                    out: op_,
+                    len,
+                    ld_x,
+                    ld_out: ld_o,
+                    width: to_i32(x.width, "width", label)?,
+                    act: act_code(*act),
+                };
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed("unary", xd)?,
+                    (ceil_div(x.width, 256), r, 1),
+                    256,
+                    &p,
+                ));
+            }
+            Op::SplitHeads { x, heads, outs } => {
+                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+                if outs.is_empty() || outs.len() > MAX_PARTS {
+                    return Err(Error::Unsupported(format!(
+                        "{label}: {} parts (1..={MAX_PARTS} supported)",
+                        outs.len()
+                    )));
+                }
+                let total: usize = outs.iter().map(|o| o.width).sum();
+                if *heads == 0 || total != x.width || outs.iter().any(|o| o.width % heads != 0) {
+                    return Err(Error::Config(format!(
+                        "{label}: parts {:?} do not split {} columns into {heads} heads",
+                        outs.iter().map(|o| o.width).collect::<Vec<_>>(),
+                        x.width
+                    )));
+                }
+                let mut p = SplitHeadsParams {
+                    x: xp,
+                    out: [0; MAX_PARTS],
+                    len,
+                    ld_x,
+                    ld_out: [0; MAX_PARTS],
+                    part: [0; MAX_PARTS],
+                    nparts: outs.len() as i32,
+                    heads: to_i32(*heads, "heads", label)?,
+                };
+                for (i, o) in outs.iter().enumerate() {
+                    let (a, ld, d) = self.view(o, rows, label, "out")?;
+                    if d != xd {
+                        return Err(Error::Config(format!(
+                            "{label}: part {i} dtype differs from x"
+                        )));
+                    }
+                    p.out[i] = a;
+                    p.ld_out[i] = ld;
+                    p.part[i] = to_i32(o.width / heads, "part width", label)?;
+                }
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed("split_heads", xd)?,
+                    (*heads as u32, r, 1),
+                    128,
+                    &p,
+                ));
+            }
+            Op::Rope {
+                x,
+                heads,
+                head_dim,
+                rotary_dims,
+                theta,
+            } => {
+                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+                if heads * head_dim > x.width || *rotary_dims > *head_dim || rotary_dims % 2 != 0 {
+                    return Err(Error::Config(format!(
+                        "{label}: {heads} heads x {head_dim} (rotary {rotary_dims}) vs width {}",
+                        x.width
+                    )));
+                }
+                let p = RopeParams {
+                    x: xp,
+                    pos,
+                    len,
+                    theta: theta.get(),
+                    ld_x,
+                    head_dim: to_i32(*head_dim, "head_dim", label)?,
+                    rotary_dims: to_i32(*rotary_dims, "rotary_dims", label)?,
+                };
+                let threads = (rotary_dims / 2).next_multiple_of(32).clamp(32, 256) as u32;
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed("rope", xd)?,
+                    (*heads as u32, r, 1),
+                    threads,
+                    &p,
+                ));
+            }
+            Op::Attention {
+                q,
+                k,
+                v,
+                cache_k,
+                cache_v,
+                out,
+                q_heads,
+                kv_heads,
+                head_dim,
+                scale,
+            } => {
+                let (qp, ld_q, qd) = self.view(q, rows, label, "q")?;
+                let (kp, ld_k, kd) = self.view(k, rows, label, "k")?;
+                let (vp, ld_v, vd) = self.view(v, rows, label, "v")?;
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                if [qd, kd, vd, od].iter().any(|&d| d != t) {
+                    return Err(Error::Config(format!(
+                        "{label}: q/k/v/out must be {}",
+                        t.name()
+                    )));
+                }
+                if *kv_heads == 0 || q_heads % kv_heads != 0 {
+                    return Err(Error::Config(format!(
+                        "{label}: {q_heads} query heads vs {kv_heads} KV heads"
+                    )));
+                }
+                let kvw = kv_heads * head_dim;
+                if q.width != q_heads * head_dim
+                    || out.width != q.width
+                    || k.width != kvw
+                    || v.width != kvw
+                {
+                    return Err(Error::Config(format!(
+                        "{label}: view widths do not match the head counts"
+                    )));
+                }
+                let max_seq = self.compiled.layout.max_seq;
+                for c in [cache_k, cache_v] {
+                    self.expect_dtype(*c, t, label)?;
+                    let cb = self.buf(*c);
+                    if cb.shape != [max_seq, *kv_heads, *head_dim] {
+                        return Err(Error::Config(format!(
+                            "{label}: cache `{}` has shape {:?}, expected [{max_seq}, {kv_heads}, {head_dim}]",
+                            cb.name, cb.shape
+                        )));
+                    }
+                }
+                let variant = match head_dim {
+                    0 => return Err(Error::Config(format!("{label}: head_dim 0"))),
+                    1..=64 => "attention_d64",
+                    65..=128 => "attention_d128",
+                    129..=256 => "attention_d256",
+                    257..=512 => "attention_d512",
+                    _ => {
+                        return Err(Error::Unsupported(format!(
+                            "{label}: head_dim {head_dim} > 512"
+                        )));
+                    }
+                };
+                let kw = KvWriteParams {
+                    k: kp,
+                    v: vp,
+                    cache_k: self.addr(*cache_k),
+                    cache_v: self.addr(*cache_v),
+                    pos,
+                    len,
+                    ld_k,
+                    ld_v,
+                    width: to_i32(kvw, "kv width", label)?,
+                    max_seq: to_i32(max_seq, "max_seq", label)?,
+                };
+                cmds.push(self.kernel(
+                    &format!("{label} kv_write"),
+                    self.kernels.typed("kv_write", t)?,
+                    (ceil_div(kvw, 256), r, 1),
+                    256,
+                    &kw,
+                ));
+                // Flash-decoding split: enough blocks for ~4 waves, pieces of >= 16
+                // positions at max_seq, partials within the workspace.
+                let blocks = q_heads * rows;
+                let per_split = blocks * (head_dim + 2) * 4;
+                let splits = (4 * self.sms)
+                    .div_ceil(blocks)
+                    .min(64)
+                    .min(max_seq.div_ceil(16))
+                    .min(gemm::WORKSPACE_BYTES / per_split)
+                    .max(1);
+                let p = AttentionParams {
+                    q: qp,
+                    cache_k: self.addr(*cache_k),
+                    cache_v: self.addr(*cache_v),
+                    out: op_,
+                    pos,
+                    len,
+                    ld_q,
+                    ld_out: ld_o,
+                    q_heads: to_i32(*q_heads, "q_heads", label)?,
+                    kv_heads: to_i32(*kv_heads, "kv_heads", label)?,
+                    head_dim: to_i32(*head_dim, "head_dim", label)?,
+                    max_seq: to_i32(max_seq, "max_seq", label)?,
+                    splits: splits as i32,
+                    scale: scale.get() as f32,
+                    partial: self.workspace,
+                };
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed(variant, t)?,
+                    (*q_heads as u32, r, splits as u32),
+                    128,
+                    &p,
+                ));
+                if splits > 1 {
+                    cmds.push(self.kernel(
+                        &format!("{label} combine ({splits} splits)"),
+                        self.kernels.typed("attention_combine", t)?,
+                        (*q_heads as u32, r, 1),
+                        128,
+                        &p,
+                    ));
+                }
+            }
+            Op::CausalConv1d {
+                x,
+                weight,
+                bias,
+                state,
+                out,
+                act,
+                kernel,
+            } => {
+                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                let c = x.width;
+                if xd != od || out.width != c || *kernel == 0 {
+                    return Err(Error::Config(format!(
+                        "{label}: x/out mismatch or kernel 0"
+                    )));
+                }
+                if x.buf == out.buf {
+                    return Err(Error::Unsupported(format!(
+                        "{label}: out aliases x (not supported by conv_out)"
+                    )));
+                }
+                self.expect_dtype(*weight, DType::F32, label)?;
+                self.expect_numel(*weight, c * kernel, label)?;
+                let bias_p = match bias {
+                    Some(b) => {
+                        self.expect_dtype(*b, DType::F32, label)?;
+                        self.expect_numel(*b, c, label)?;
+                        self.addr(*b)
+                    }
+                    None => 0,
+                };
+                self.expect_dtype(*state, xd, label)?;
+                self.expect_numel(*state, (kernel - 1) * c, label)?;
+                let p = ConvParams {
+                    x: xp,
+                    out: op_,
+                    weight: self.addr(*weight),
+                    bias: bias_p,
+                    state: self.addr(*state),
+                    len,
+                    ld_x,
+                    ld_out: ld_o,
+                    channels: to_i32(c, "channels", label)?,
+                    kernel: to_i32(*kernel, "kernel", label)?,
+                    act: act_code(*act),
+                };
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed("conv_out", xd)?,
+                    (ceil_div(c, 128), r, 1),
+                    128,
+                    &p,
+                ));
+                cmds.push(self.kernel(
+                    &format!("{label} state"),
+                    self.kernels.typed("conv_state", xd)?,
+                    (ceil_div(c, 128), 1, 1),
+                    128,
+                    &p,
+                ));
+            }
+            Op::GatedDeltaNet {
+                qkv,
+                a,
+                b,
+                a_log,
+                dt_bias,
+                state,
+                out,
+                key_heads,
+                value_heads,
+                key_dim,
+                value_dim,
+            } => {
+                let (qp, ld_qkv, qd) = self.view(qkv, rows, label, "qkv")?;
+                let (ap, ld_a, ad) = self.view(a, rows, label, "a")?;
+                let (bp, ld_b, bd) = self.view(b, rows, label, "b")?;
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                if [qd, ad, bd, od].iter().any(|&d| d != t) {
+                    return Err(Error::Config(format!(
+                        "{label}: activations must be {}",
+                        t.name()
+                    )));
+                }
+                if *key_heads == 0 || value_heads % key_heads != 0 {
+                    return Err(Error::Config(format!(
+                        "{label}: {value_heads} value heads vs {key_heads} key heads"
+                    )));
+                }
+                if qkv.width != 2 * key_heads * key_dim + value_heads * value_dim
+                    || a.width != *value_heads
+                    || b.width != *value_heads
+                    || out.width != value_heads * value_dim
+                {
+                    return Err(Error::Config(format!(
+                        "{label}: view widths do not match the head counts"
+                    )));
+                }
+                for p in [a_log, dt_bias] {
+                    self.expect_dtype(*p, DType::F32, label)?;
+                    self.expect_numel(*p, *value_heads, label)?;
+                }
+                self.expect_dtype(*state, DType::F32, label)?;
+                self.expect_numel(*state, value_heads * key_dim * value_dim, label)?;
+                let variant = match key_dim {
+                    0 => return Err(Error::Config(format!("{label}: key_dim 0"))),
+                    1..=64 => "gated_deltanet_k64",
+                    65..=128 => "gated_deltanet_k128",
+                    129..=256 => "gated_deltanet_k256",
+                    _ => {
+                        return Err(Error::Unsupported(format!(
+                            "{label}: key_dim {key_dim} > 256"
+                        )));
+                    }
+                };
+                let p = GdnParams {
+                    qkv: qp,
+                    a: ap,
+                    b: bp,
+                    a_log: self.addr(*a_log),
+                    dt_bias: self.addr(*dt_bias),
+                    state: self.addr(*state),
+                    out: op_,
+                    len,
+                    ld_qkv,
+                    ld_a,
+                    ld_b,
+                    ld_out: ld_o,
+                    key_heads: to_i32(*key_heads, "key_heads", label)?,
+                    value_heads: to_i32(*value_heads, "value_heads", label)?,
+                    key_dim: to_i32(*key_dim, "key_dim", label)?,
+                    value_dim: to_i32(*value_dim, "value_dim", label)?,
+                };
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed(variant, t)?,
+                    (ceil_div(*value_dim, 32), *value_heads as u32, 1),
+                    128,
+                    &p,
+                ));
+            }
+            Op::GatedRmsNorm {
+                x,
+                gate,
+                weight,
+                shared_weight,
+                out,
+                eps,
+                group,
+                order,
+            } => {
+                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+                let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                if xd != gd
+                    || xd != od
+                    || gate.width != x.width
+                    || out.width != x.width
+                    || *group == 0
+                    || x.width % group != 0
+                {
+                    return Err(Error::Config(format!("{label}: x/gate/out/group mismatch")));
+                }
+                self.expect_dtype(*weight, DType::F32, label)?;
+                self.expect_numel(
+                    *weight,
+                    if *shared_weight { *group } else { x.width },
+                    label,
+                )?;
+                let p = GatedRmsNormParams {
+                    x: xp,
+                    gate: gp,
+                    out: op_,
+                    weight: self.addr(*weight),
+                    len,
+                    ld_x,
+                    ld_gate: ld_g,
+                    ld_out: ld_o,
+                    group: to_i32(*group, "group", label)?,
+                    shared_weight: *shared_weight as i32,
+                    gate_then_norm: (*order == GateOrder::GateThenNorm) as i32,
+                    eps: eps.get() as f32,
+                };
+                let groups = (x.width / group) as u32;
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed("gated_rms_norm", xd)?,
+                    (groups, r, 1),
+                    reduce_threads(*group),
+                    &p,
+                ));
+            }
+            Op::StoreLastRow { x, state } => {
+                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+                self.expect_dtype(*state, xd, label)?;
+                self.expect_numel(*state, x.width, label)?;
+                let p = RowStateParams {
+                    x: xp,
+                    out: 0,
+                    state: self.addr(*state),
+                    len,
+                    ld: ld_x,
+                    width: to_i32(x.width, "width", label)?,
+                };
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed("store_last_row", xd)?,
+                    (1, 1, 1),
+                    256,
+                    &p,
+                ));
+            }
+            Op::LoadState { state, out } => {
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                self.expect_dtype(*state, od, label)?;
+                self.expect_numel(*state, out.width, label)?;
+                let p = RowStateParams {
+                    x: 0,
+                    out: op_,
+                    state: self.addr(*state),
+                    len,
+                    ld: ld_o,
+                    width: to_i32(out.width, "width", label)?,
+                };
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed("load_state", od)?,
+                    (ceil_div(out.width, 256), r, 1),
+                    256,
+                    &p,
+                ));
+            }
+            Op::Mamba2Scan {
+                xbc,
+                dt,
+                a_log,
+                d,
+                dt_bias,
+                state,
+                out,
+                heads,
+                head_dim,
+                groups,
+                state_size,
+                dt_min,
+            } => {
+                let (xp, ld_xbc, xd) = self.view(xbc, rows, label, "xbc")?;
+                let (dp, ld_dt, dd) = self.view(dt, rows, label, "dt")?;
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                if [xd, dd, od].iter().any(|&d| d != t) {
+                    return Err(Error::Config(format!(
+                        "{label}: activations must be {}",
+                        t.name()
+                    )));
+                }
+                if *groups == 0 || heads % groups != 0 {
+                    return Err(Error::Config(format!(
+                        "{label}: {heads} heads vs {groups} groups"
+                    )));
+                }
+                if xbc.width != heads * head_dim + 2 * groups * state_size
+                    || dt.width != *heads
+                    || out.width != heads * head_dim
+                {
+                    return Err(Error::Config(format!(
+                        "{label}: view widths do not match the head counts"
+                    )));
+                }
+                for p in [a_log, d, dt_bias] {
+                    self.expect_dtype(*p, DType::F32, label)?;
+                    self.expect_numel(*p, *heads, label)?;
+                }
+                self.expect_dtype(*state, DType::F32, label)?;
+                self.expect_numel(*state, heads * head_dim * state_size, label)?;
+                let variant = match state_size {
+                    0 => return Err(Error::Config(format!("{label}: state size 0"))),
+                    1..=64 => "mamba2_scan_n64",
+                    65..=128 => "mamba2_scan_n128",
+                    129..=256 => "mamba2_scan_n256",
+                    _ => {
+                        return Err(Error::Unsupported(format!(
+                            "{label}: state size {state_size} > 256"
+                        )));
+                    }
+                };
+                let p = Mamba2Params {
+                    xbc: xp,
+                    dt: dp,
+                    a_log: self.addr(*a_log),
+                    d: self.addr(*d),
+                    dt_bias: self.addr(*dt_bias),
+                    state: self.addr(*state),
+                    out: op_,
+                    len,
+                    ld_xbc,
+                    ld_dt,
+                    ld_out: ld_o,
+                    heads: to_i32(*heads, "heads", label)?,
+                    head_dim: to_i32(*head_dim, "head_dim", label)?,
+                    groups: to_i32(*groups, "groups", label)?,
+                    state_size: to_i32(*state_size, "state_size", label)?,
+                    has_dt_min: dt_min.is_some() as i32,
+                    dt_min: dt_min.map_or(0.0, |v| v.get() as f32),
+                };
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed(variant, t)?,
+                    (ceil_div(*head_dim, 16), *heads as u32, 1),
+                    128,
+                    &p,
+                ));
+            }
+        }
+        Ok(())
+    }
+}

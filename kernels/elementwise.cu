@@ -1,0 +1,145 @@
+// flashrt kernels: element-wise ops (plan ops `Mul`, `Unary`, `SplitHeads`, `StoreLastRow`,
+// `LoadState`, and the bias add of `Linear`).
+//
+// All are memory-bound copies with a little arithmetic: grid = (column tiles, rows), 256
+// threads, one element per thread per tile; rows >= io.len exit. Each output element is
+// computed from inputs at the same (row, column) by the same thread, so `out` may alias an
+// input (the plan allows `out == x` / `out == gate`).
+//
+// mul:         out = act(gate) * x
+// unary:       out = act(x)
+// add_bias:    out += bias (f32 bias, one per column; used after the cuBLASLt GEMM)
+// split_heads: de-interleave per-head parts (Qwen3.5's [query | gate] per head)
+//
+// Memory traffic: each input element read once, each output written once.
+#include "common.cuh"
+
+struct MulParams {
+    const void* gate;
+    const void* x;
+    void* out;
+    const int* len;
+    int ld_gate;
+    int ld_x;
+    int ld_out;
+    int width;
+    int act;
+};
+
+template <typename T> static __device__ __forceinline__ void mul_impl(const MulParams& p) {
+    const int row = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= flashrt::load_len(p.len) || c >= p.width) return;
+    const float g = flashrt::to_f32(static_cast<const T*>(p.gate)[(size_t)row * p.ld_gate + c]);
+    const float x = flashrt::to_f32(static_cast<const T*>(p.x)[(size_t)row * p.ld_x + c]);
+    static_cast<T*>(p.out)[(size_t)row * p.ld_out + c] = flashrt::from_f32<T>(flashrt::apply_act(p.act, g) * x);
+}
+
+FLASHRT_ENTRY(mul, MulParams, 256)
+
+struct UnaryParams {
+    const void* x;
+    void* out;
+    const int* len;
+    int ld_x;
+    int ld_out;
+    int width;
+    int act;
+};
+
+template <typename T> static __device__ __forceinline__ void unary_impl(const UnaryParams& p) {
+    const int row = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= flashrt::load_len(p.len) || c >= p.width) return;
+    const float x = flashrt::to_f32(static_cast<const T*>(p.x)[(size_t)row * p.ld_x + c]);
+    static_cast<T*>(p.out)[(size_t)row * p.ld_out + c] = flashrt::from_f32<T>(flashrt::apply_act(p.act, x));
+}
+
+FLASHRT_ENTRY(unary, UnaryParams, 256)
+
+struct AddBiasParams {
+    void* out;
+    const float* bias;
+    const int* len;
+    int ld_out;
+    int width;
+};
+
+template <typename T> static __device__ __forceinline__ void add_bias_impl(const AddBiasParams& p) {
+    const int row = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= flashrt::load_len(p.len) || c >= p.width) return;
+    T* o = static_cast<T*>(p.out) + (size_t)row * p.ld_out + c;
+    *o = flashrt::from_f32<T>(flashrt::to_f32(*o) + p.bias[c]);
+}
+
+FLASHRT_ENTRY(add_bias, AddBiasParams, 256)
+
+#define FLASHRT_MAX_PARTS 4
+
+struct SplitHeadsParams {
+    const void* x;
+    void* out[FLASHRT_MAX_PARTS];
+    const int* len;
+    int ld_x;
+    int ld_out[FLASHRT_MAX_PARTS];
+    int part[FLASHRT_MAX_PARTS]; // per-head width of each part
+    int nparts;
+    int heads;
+};
+
+// grid = (heads, rows): block (h, r) copies head h's parts of row r.
+template <typename T> static __device__ __forceinline__ void split_heads_impl(const SplitHeadsParams& p) {
+    const int h = blockIdx.x, row = blockIdx.y;
+    if (row >= flashrt::load_len(p.len)) return;
+    // Loops over parts are unrolled to the compile-time bound so the parameter arrays are
+    // indexed by constants (no local-memory copy of the struct).
+    int per_head = 0;
+#pragma unroll
+    for (int i = 0; i < FLASHRT_MAX_PARTS; ++i)
+        if (i < p.nparts) per_head += p.part[i];
+    const T* src = static_cast<const T*>(p.x) + (size_t)row * p.ld_x + (size_t)h * per_head;
+    int off = 0;
+#pragma unroll
+    for (int i = 0; i < FLASHRT_MAX_PARTS; ++i) {
+        if (i < p.nparts) {
+            T* dst = static_cast<T*>(p.out[i]) + (size_t)row * p.ld_out[i] + (size_t)h * p.part[i];
+            for (int c = threadIdx.x; c < p.part[i]; c += blockDim.x) dst[c] = src[off + c];
+            off += p.part[i];
+        }
+    }
+}
+
+FLASHRT_ENTRY(split_heads, SplitHeadsParams, 256)
+
+// store_last_row: state[0 .. width] = x[len - 1, :] (plan op `StoreLastRow`: the MTP head's
+// input hidden state). One block; reads len from the device like every kernel.
+// load_state: out[r, :] = state[0 .. width] for rows r < len (plan op `LoadState`).
+// grid = (column tiles, rows).
+struct RowStateParams {
+    const void* x;  // store: source view; load: unused
+    void* out;      // load: destination view; store: unused
+    void* state;    // [width]
+    const int* len;
+    int ld;         // row stride of the view
+    int width;
+};
+
+template <typename T> static __device__ __forceinline__ void store_last_row_impl(const RowStateParams& p) {
+    const int len = flashrt::load_len(p.len);
+    if (len < 1) return;
+    const T* src = static_cast<const T*>(p.x) + (size_t)(len - 1) * p.ld;
+    T* dst = static_cast<T*>(p.state);
+    for (int c = threadIdx.x; c < p.width; c += blockDim.x) dst[c] = src[c];
+}
+
+FLASHRT_ENTRY(store_last_row, RowStateParams, 256)
+
+template <typename T> static __device__ __forceinline__ void load_state_impl(const RowStateParams& p) {
+    const int row = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= flashrt::load_len(p.len) || c >= p.width) return;
+    static_cast<T*>(p.out)[(size_t)row * p.ld + c] = static_cast<const T*>(p.state)[c];
+}
+
+FLASHRT_ENTRY(load_state, RowStateParams, 256)
