@@ -17,6 +17,15 @@ USAGE:
     flashrt check-reference <DIR> [--backend cpu|cuda]
         Check a checkpoint folder against transformers' reference outputs
         (config.json, model.safetensors, reference.safetensors[, state.safetensors]).
+    flashrt serve <model.toml> (--random-weights | --checkpoint DIR) | --checkpoint DIR
+          [--bind 127.0.0.1:8077] [--token BEARER] [--store-dir DIR] [--budget-device BYTES]
+          [--budget-host BYTES] [--budget-disk BYTES] [--max-sessions N] [--tokenizer FILE]
+        Serve a model over HTTP: OpenAI-compatible completions, a sessions API over
+        capsules, a tiered capsule store (`flashrt serve --help` for every option).
+    flashrt bench <model.toml> [--random-weights] [--lengths 2048,4096,8192,16384] [--iters N]
+                  [--decode-steps N] [--json FILE] [--backend cpu|cuda]
+        Cold and restored time-to-first-token, snapshot/restore next to the copy floor,
+        decode step next to the weight-bandwidth floor, per prompt length.
     flashrt help
 ";
 
@@ -31,6 +40,8 @@ fn main() -> ExitCode {
         Some("import-hf") => cmd_import_hf(&args[1..]),
         Some("check-reference") => flashrt::cli::check_reference(&args[1..]),
         Some("demo") => flashrt::cli::demo(&args[1..]),
+        Some("bench") => flashrt::cli::bench(&args[1..]),
+        Some("serve") => flashrt_serve::cli::run(&args[1..]),
         Some(other) => Err(format!("unknown command `{other}`\n\n{USAGE}")),
     };
     match result {
@@ -50,7 +61,10 @@ struct Args {
 
 impl Args {
     fn parse(args: &[String], switches: &[&str], valued: &[&str]) -> Result<Args, String> {
-        let mut out = Args { positional: vec![], flags: vec![] };
+        let mut out = Args {
+            positional: vec![],
+            flags: vec![],
+        };
         let mut it = args.iter();
         while let Some(a) = it.next() {
             if let Some(name) = a.strip_prefix("--") {
@@ -69,7 +83,10 @@ impl Args {
         Ok(out)
     }
     fn get(&self, name: &str) -> Option<&str> {
-        self.flags.iter().find(|(n, _)| n == name).and_then(|(_, v)| v.as_deref())
+        self.flags
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| v.as_deref())
     }
     fn has(&self, name: &str) -> bool {
         self.flags.iter().any(|(n, _)| n == name)
@@ -78,7 +95,10 @@ impl Args {
         match self.positional.as_slice() {
             [p] => Ok(PathBuf::from(p)),
             [] => Err(format!("missing {what}")),
-            _ => Err(format!("expected one {what}, got {}", self.positional.len())),
+            _ => Err(format!(
+                "expected one {what}, got {}",
+                self.positional.len()
+            )),
         }
     }
 }
@@ -91,10 +111,13 @@ fn cmd_compile(args: &[String]) -> Result<ExitCode, String> {
     let a = Args::parse(args, &["ops"], &["target", "emit-rust"])?;
     let path = a.one_path("model file")?;
     let src = read(&path)?;
-    let ir = flashrt::compiler::model_from_toml(&src, &path.display().to_string()).map_err(|d| d.to_string())?;
+    let ir = flashrt::compiler::model_from_toml(&src, &path.display().to_string())
+        .map_err(|d| d.to_string())?;
     let dtype = match a.get("target") {
         None => ir.dtype,
-        Some(t) => flashrt::ir::DType::parse(t).ok_or_else(|| format!("unknown target dtype `{t}`"))?,
+        Some(t) => {
+            flashrt::ir::DType::parse(t).ok_or_else(|| format!("unknown target dtype `{t}`"))?
+        }
     };
     let compiled = flashrt::ir::compile(&ir, flashrt::ir::Target { dtype });
     print!("{}", flashrt::cli::compile_report(&compiled, a.has("ops")));
@@ -110,25 +133,36 @@ fn cmd_import_hf(args: &[String]) -> Result<ExitCode, String> {
     let a = Args::parse(args, &[], &["name", "max-seq", "buckets", "dtype"])?;
     let path = a.one_path("config.json")?;
     let json = read(&path)?;
-    let mut opts = flashrt::ir::hf::HfOptions::default();
-    opts.name = a.get("name").map(str::to_string);
+    let mut opts = flashrt::ir::hf::HfOptions {
+        name: a.get("name").map(str::to_string),
+        ..Default::default()
+    };
     if let Some(m) = a.get("max-seq") {
-        opts.max_seq = Some(m.parse().map_err(|_| format!("--max-seq: `{m}` is not a number"))?);
+        opts.max_seq = Some(
+            m.parse()
+                .map_err(|_| format!("--max-seq: `{m}` is not a number"))?,
+        );
     }
     if let Some(b) = a.get("buckets") {
         let v: Result<Vec<usize>, _> = b.split(',').map(|s| s.trim().parse()).collect();
-        opts.prefill_buckets = Some(v.map_err(|_| format!("--buckets: `{b}` is not a comma-separated list of numbers"))?);
+        opts.prefill_buckets =
+            Some(v.map_err(|_| {
+                format!("--buckets: `{b}` is not a comma-separated list of numbers")
+            })?);
     }
     if let Some(d) = a.get("dtype") {
-        opts.dtype = Some(flashrt::ir::DType::parse(d).ok_or_else(|| format!("unknown dtype `{d}`"))?);
+        opts.dtype =
+            Some(flashrt::ir::DType::parse(d).ok_or_else(|| format!("unknown dtype `{d}`"))?);
     }
     if opts.name.is_none() {
-        opts.name = path
-            .canonicalize()
-            .ok()
-            .and_then(|p| p.parent().and_then(|d| d.file_name()).map(|n| n.to_string_lossy().replace(['-', '.'], "_")));
+        opts.name = path.canonicalize().ok().and_then(|p| {
+            p.parent()
+                .and_then(|d| d.file_name())
+                .map(|n| n.to_string_lossy().replace(['-', '.'], "_"))
+        });
     }
-    let ir = flashrt::ir::hf::ir_from_hf_config(&json, &opts).map_err(|e| format!("{}: {e}", path.display()))?;
+    let ir = flashrt::ir::hf::ir_from_hf_config(&json, &opts)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     print!("{}", flashrt::compiler::ir_to_toml(&ir));
     Ok(ExitCode::SUCCESS)
 }

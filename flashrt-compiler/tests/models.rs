@@ -38,7 +38,17 @@ fn every_model_file_checks_and_lowers() {
         // Checked IR satisfies everything the lowering assumes.
         for dtype in [DType::F32, ir.dtype] {
             let compiled = compile(&ir, Target { dtype });
-            assert_eq!(compiled.plans.len(), ir.prefill_buckets.len() + 1);
+            // Prefill buckets and decode; models with an MTP head add verify[1..=MAX_DRAFT]
+            // and the drafter.
+            let mtp_plans = if ir.mtp.is_some() {
+                flashrt_ir::lower::MAX_DRAFT + 1
+            } else {
+                0
+            };
+            assert_eq!(
+                compiled.plans.len(),
+                ir.prefill_buckets.len() + 1 + mtp_plans
+            );
         }
     }
 }

@@ -15,6 +15,15 @@
 //!   every mismatch; deterministic random weights.
 //! * [`safetensors`]: a strict reader/writer that treats every file as untrusted.
 //! * [`reference`]: checks a runtime against a folder of transformers reference outputs.
+//! * [`sampling`]: greedy / temperature / top-k / top-p sampling whose RNG state lives in the
+//!   capsule, so restored and forked sessions sample the same continuation.
+//! * [`capsule_file`]: the versioned, fingerprinted, checksummed capsule file format (atomic
+//!   writes; an untrusting, never-panicking reader); [`host_state`]: saved state as portable
+//!   host bytes, which every backend restores through one generic path.
+//! * [`store`]: a capsule store with byte budgets per tier (device, host, disk), LRU eviction
+//!   down the tiers, KV rows shared along a conversation, and longest-prefix lookup.
+//! * [`speculative`]: speculative greedy decoding (MTP drafts, one verify pass per round)
+//!   with exact rollback of recurrent, conv and MTP state; drafters and acceptance statistics.
 //!
 //! The contract every backend keeps: a session's state is exactly the layout's `State` arena;
 //! a snapshot copies its regions (KV only up to the position), a restore copies them back, so
@@ -25,11 +34,16 @@
 
 pub mod backend;
 pub mod capsule;
+pub mod capsule_file;
 pub mod error;
+pub mod host_state;
 pub mod loader;
 pub mod reference;
 pub mod safetensors;
+pub mod sampling;
 pub mod session;
+pub mod speculative;
+pub mod store;
 
 pub use flashrt_ir as ir;
 
@@ -37,8 +51,13 @@ pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, SavedState};
 pub use capsule::{Capsule, CapsuleMeta, Counters, LogitsRow, Region, SamplerState};
 pub use error::{Error, Result};
+pub use host_state::HostSaved;
 pub use loader::{load_hf_weights, random_weights};
 pub use reference::{
     CheckLine, ReferenceOptions, ReferenceReport, check_reference, check_reference_with,
 };
 pub use session::{LogitsMode, Model, RegionKey, Session, WeightSource, argmax};
+pub use speculative::{
+    AdversaryDrafter, DraftCx, Drafter, MtpDrafter, OracleDrafter, SpecStats, Speculator,
+};
+pub use store::{CapsuleStore, StoreConfig, Tier};

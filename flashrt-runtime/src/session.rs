@@ -107,9 +107,27 @@ impl Model {
         let host = match weights {
             WeightSource::Host(h) => h,
             WeightSource::HfDir(dir) => loader::load_hf_weights(&compiled, &dir)?,
-            WeightSource::Random(seed) => loader::random_weights(&compiled, seed),
+            // Generated where the weights live (on the device for CUDA: no host copy).
+            WeightSource::Random(seed) => {
+                let device = backend.load_random(compiled.clone(), seed)?;
+                return Ok(Model::assemble(backend, device, compiled));
+            }
         };
         Model::from_compiled(backend, compiled, host)
+    }
+
+    fn assemble(
+        backend: Arc<dyn Backend>,
+        device: Arc<dyn DeviceModel>,
+        compiled: Arc<Compiled>,
+    ) -> Model {
+        Model {
+            inner: Arc::new(ModelInner {
+                backend,
+                device,
+                compiled,
+            }),
+        }
     }
 
     /// A model with deterministic random weights (demo, benchmarks).
@@ -138,13 +156,7 @@ impl Model {
             )));
         }
         let device = backend.load(compiled.clone(), weights)?;
-        Ok(Model {
-            inner: Arc::new(ModelInner {
-                backend,
-                device,
-                compiled,
-            }),
-        })
+        Ok(Model::assemble(backend, device, compiled))
     }
 
     pub fn compiled(&self) -> &Arc<Compiled> {
@@ -361,7 +373,6 @@ impl Session {
     /// through the decode plan. Clears the pending token.
     pub fn append(&mut self, tokens: &[u32]) -> Result<()> {
         self.validate(tokens)?;
-        let vocab = self.model.vocab();
         let buckets = self.model.ir().prefill_buckets.clone();
         let largest = buckets.iter().copied().max().unwrap_or(1).max(1);
         self.logits.clear();
@@ -386,15 +397,14 @@ impl Session {
                 return Err(e);
             }
             let keep_all = self.logits_mode == LogitsMode::All;
-            if keep_all || ci + 1 == n_chunks {
+            if keep_all {
                 let rows = self.dev.logits(chunk.len())?;
-                if keep_all {
-                    self.logits.extend_from_slice(&rows);
-                    self.logits_rows += chunk.len();
-                } else {
-                    self.logits = rows[(chunk.len() - 1) * vocab..].to_vec();
-                    self.logits_rows = 1;
-                }
+                self.logits.extend_from_slice(&rows);
+                self.logits_rows += chunk.len();
+            } else if ci + 1 == n_chunks {
+                // Only the last position's row crosses to the host.
+                self.logits = self.dev.logits_row(chunk.len() - 1)?;
+                self.logits_rows = 1;
             }
             self.pos += chunk.len();
             self.tokens.extend_from_slice(chunk);
@@ -419,6 +429,40 @@ impl Session {
             let t = argmax(self.last_logits()).ok_or_else(|| {
                 Error::Input("no logits to decode from: append tokens first".into())
             })?;
+            self.append(&[t])?;
+            out.push(t);
+        }
+        Ok(out)
+    }
+
+    /// Choose the next token without feeding it: the pending token if there is one, else a
+    /// draw from the last logits with the session's sampler (greedy by default; see
+    /// [`crate::sampling`]), which advances the sampler's RNG.
+    pub fn sample_next(&mut self) -> Result<u32> {
+        self.check_usable()?;
+        if let Some(t) = self.pending {
+            return Ok(t);
+        }
+        let v = self.model.vocab();
+        if self.logits_rows == 0 {
+            return Err(Error::Input(
+                "no logits to sample from: append tokens first".into(),
+            ));
+        }
+        let row = &self.logits[(self.logits_rows - 1) * v..self.logits_rows * v];
+        self.sampler.sample(row).ok_or_else(|| Error::Backend {
+            op: "sample".into(),
+            msg: "the logits row has no finite value".into(),
+        })
+    }
+
+    /// Sample and feed `n` tokens with the session's sampler ([`Session::sample_next`] then
+    /// [`Session::append`] each); with the greedy sampler this equals
+    /// [`Session::decode_greedy`].
+    pub fn generate(&mut self, n: usize) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = self.sample_next()?;
             self.append(&[t])?;
             out.push(t);
         }
@@ -558,8 +602,45 @@ impl Session {
         }
     }
 
+    /// Wait until every queued step, snapshot and restore of this session has completed on
+    /// the device (benchmarks stop their clocks after this).
+    pub fn synchronize(&self) -> Result<()> {
+        self.dev.synchronize()
+    }
+
     /// Bytes a capsule of the current boundary holds (state regions, KV up to `pos`).
     pub fn state_bytes(&self) -> usize {
         self.model.compiled().layout.capsule_bytes(self.pos)
     }
 }
+
+// ---- Hooks for `crate::speculative` (speculative decoding). BEGIN ----
+impl Session {
+    /// The device session and the token history, for a speculative round; errors if a step
+    /// failed half-way earlier.
+    pub(crate) fn spec_parts(&mut self) -> Result<(&mut dyn DeviceSession, &[u32])> {
+        self.check_usable()?;
+        Ok((&mut *self.dev, &self.tokens))
+    }
+
+    /// A speculative round failed half-way: the state is undefined until `reset` or a restore.
+    pub(crate) fn spec_poison(&mut self) {
+        self.poisoned = true;
+        self.logits.clear();
+        self.logits_rows = 0;
+    }
+
+    /// Commit tokens a speculative round fed, leaving exactly what plain decoding of them
+    /// leaves: one decode step per token in the counters, `last_logits` as the one kept
+    /// logits row, no pending token.
+    pub(crate) fn spec_commit(&mut self, tokens: &[u32], last_logits: Vec<f32>) {
+        self.pos += tokens.len();
+        self.tokens.extend_from_slice(tokens);
+        self.logits = last_logits;
+        self.logits_rows = 1;
+        self.counters.steps += tokens.len() as u64;
+        self.counters.decode_tokens += tokens.len() as u64;
+        self.pending = None;
+    }
+}
+// ---- Hooks for `crate::speculative`. END ----

@@ -15,7 +15,7 @@
 //! them (and the token ids) into the I/O arena and then runs the plan unchanged.
 
 use crate::error::Result;
-use flashrt_ir::{BufferId, Compiled, Phase};
+use flashrt_ir::{BufferId, Compiled, Phase, StateKind};
 use std::any::Any;
 use std::sync::Arc;
 
@@ -39,6 +39,28 @@ pub enum RegionSet {
     All,
     /// Only attention K/V regions: the KV-only ablation experiment.
     KvOnly,
+    /// Every region except attention K/V: conv, recurrent and hidden (MTP) state. Fixed size
+    /// whatever the position; what a speculative rollback saves and restores (K/V rows past
+    /// the accepted boundary are dead and get overwritten, so they need no restore).
+    NonKv,
+}
+
+impl RegionSet {
+    /// Whether a state region of `kind` belongs to the set (`None`: not a state region
+    /// kind; only [`RegionSet::All`] takes it).
+    pub fn contains(self, kind: Option<StateKind>) -> bool {
+        let kv = kind.is_some_and(|k| k.per_token());
+        match self {
+            RegionSet::All => true,
+            RegionSet::KvOnly => kv,
+            RegionSet::NonKv => kind.is_some() && !kv,
+        }
+    }
+
+    /// Whether state saved with `self` holds every region a restore of `set` needs.
+    pub fn covers(self, set: RegionSet) -> bool {
+        self == RegionSet::All || self == set
+    }
 }
 
 /// Saved bytes of the state regions at a token boundary, owned by the backend that made
@@ -63,6 +85,30 @@ pub trait Backend: Send + Sync {
     fn target(&self, ir: &flashrt_ir::ModelIr) -> flashrt_ir::Target;
     /// Upload weights; the compiled model must have been compiled for `self.target(..)`.
     fn load(&self, compiled: Arc<Compiled>, weights: HostWeights) -> Result<Arc<dyn DeviceModel>>;
+    /// Deterministic random weights ([`crate::loader::random_weights`]: the same values on
+    /// every backend, up to dtype rounding). Backends with their own memory override this to
+    /// generate the values in place instead of staging them on the host.
+    fn load_random(&self, compiled: Arc<Compiled>, seed: u64) -> Result<Arc<dyn DeviceModel>> {
+        let weights = crate::loader::random_weights(&compiled, seed);
+        self.load(compiled, weights)
+    }
+    /// Seconds one copy of `bytes` within this backend's memory takes (the median of `iters`
+    /// after a warm-up): the floor that snapshots and restores are compared with.
+    fn copy_seconds(&self, bytes: usize, iters: usize) -> Result<f64> {
+        let src = vec![1u8; bytes.max(1)];
+        let mut dst = vec![0u8; bytes.max(1)];
+        let mut times = Vec::with_capacity(iters.max(1));
+        for i in 0..iters.max(1) + 1 {
+            let t = std::time::Instant::now();
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&mut dst);
+            if i > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
 }
 
 /// A model whose weights live on a device.
@@ -80,6 +126,18 @@ pub trait DeviceSession: Send {
     fn step(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<()>;
     /// Logits of rows `0..rows` of the last step, row-major `[rows, vocab]`, as f32.
     fn logits(&self, rows: usize) -> Result<Vec<f32>>;
+    /// Logits of row `row` of the last step (`[vocab]`): what a prefill needs when only the
+    /// last position's distribution is wanted. Backends override it to copy one row only.
+    fn logits_row(&self, row: usize) -> Result<Vec<f32>> {
+        let all = self.logits(row + 1)?;
+        let vocab = all.len() / (row + 1);
+        Ok(all[row * vocab..].to_vec())
+    }
+    /// Block until every step, save and restore queued so far has completed (benchmarks stop
+    /// their clocks after this). Synchronous backends need not override it.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
     /// Zero every state region (a fresh session).
     fn reset(&mut self) -> Result<()>;
     /// Copy the selected regions (KV: only positions `0..pos`) into backend-owned storage.

@@ -757,7 +757,11 @@ impl CpuSession {
                 }
                 Op::StoreLastRow { x, state: st } => {
                     let l = locs[x.buf.index()];
-                    let src = if l.role == Role::Io { &io[..] } else { &scratch[..] };
+                    let src = if l.role == Role::Io {
+                        &io[..]
+                    } else {
+                        &scratch[..]
+                    };
                     let off = l.off + (len - 1) * x.stride + x.col;
                     state[region(*st)].copy_from_slice(&src[off..off + x.width]);
                 }
@@ -989,7 +993,7 @@ impl DeviceSession for CpuSession {
         }
         let chosen: Vec<&flashrt_ir::Buffer> = layout
             .state_buffers()
-            .filter(|b| set == RegionSet::All || b.state.is_some_and(|k| k.per_token()))
+            .filter(|b| set.contains(b.state))
             .collect();
         let total: usize = chosen.iter().map(|b| Self::used_len(b, pos)).sum();
         let mut data = Vec::with_capacity(total);
@@ -1014,12 +1018,17 @@ impl DeviceSession for CpuSession {
     }
 
     fn restore(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
-        let saved = saved.as_any().downcast_ref::<CpuSaved>().ok_or_else(|| {
-            Error::Capsule(format!(
-                "saved state lives on {}, not on the CPU backend",
-                saved.location()
-            ))
-        })?;
+        let Some(saved) = saved.as_any().downcast_ref::<CpuSaved>() else {
+            // Not this backend's own saved state (a capsule file, a store tier): the generic
+            // path through host bytes, every region validated before anything is written.
+            let m = self.model.clone();
+            for (b, bytes) in crate::host_state::host_regions(&m.compiled.layout, saved, set)? {
+                let (l, _) = self.state_loc(b.id)?;
+                let vals = crate::safetensors::bytes_f32(&bytes);
+                self.state[l.off..l.off + vals.len()].copy_from_slice(&vals);
+            }
+            return Ok(());
+        };
         let layout = &self.model.compiled.layout;
         if saved.fingerprint != layout.fingerprint {
             return Err(Error::Capsule(format!(
@@ -1027,14 +1036,15 @@ impl DeviceSession for CpuSession {
                 saved.fingerprint, layout.fingerprint
             )));
         }
-        if set == RegionSet::All && saved.set != RegionSet::All {
-            return Err(Error::Capsule(
-                "saved state holds only K/V regions; a full restore needs every region".into(),
-            ));
+        if !saved.set.covers(set) {
+            return Err(Error::Capsule(format!(
+                "saved state holds {:?} regions; a {set:?} restore needs more",
+                saved.set
+            )));
         }
         for r in &saved.regions {
             let (l, b) = self.state_loc(r.id)?;
-            if set == RegionSet::KvOnly && !b.state.is_some_and(|k| k.per_token()) {
+            if !set.contains(b.state) {
                 continue;
             }
             if r.len != Self::used_len(b, saved.pos) || r.len > l.len {

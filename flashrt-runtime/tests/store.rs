@@ -1,0 +1,392 @@
+//! Sampling through capsules, and the capsule store: tiers, budgets, LRU eviction, KV sharing
+//! along a conversation (byte-exact through chains, in memory and on disk, across a restart),
+//! longest-prefix lookup, deletion of shared bases, and a randomized soak.
+
+mod common;
+
+use common::*;
+use flashrt_runtime::store::valid_id;
+use flashrt_runtime::{CapsuleStore, Model, SamplerState, Session, StoreConfig, Tier};
+use std::collections::HashMap;
+
+const BUCKETS: [usize; 2] = [4, 16];
+
+fn state_of(s: &Session) -> Vec<Vec<u8>> {
+    s.model()
+        .compiled()
+        .layout
+        .state_buffers()
+        .map(|b| s.read_region(b.id).unwrap())
+        .collect()
+}
+
+#[test]
+fn sampled_continuations_survive_restore_and_fork() {
+    for name in FIXTURES {
+        let m = load(name, &BUCKETS);
+        let mut s = m.session().unwrap();
+        s.set_sampler(SamplerState::seeded(1234, 0.8, 50, 0.9));
+        s.append(&tokens(4, 23, m.vocab())).unwrap();
+        s.generate(4).unwrap();
+        let cap = s.snapshot().unwrap();
+        let want = s.generate(12).unwrap();
+        // Not greedy: some token differs from the argmax continuation.
+        let mut g = m.fork(&cap).unwrap();
+        g.set_sampler(SamplerState::greedy());
+        assert_ne!(
+            g.generate(12).unwrap(),
+            want,
+            "{name}: sampling looks greedy"
+        );
+        s.restore(&cap).unwrap();
+        assert_eq!(s.generate(12).unwrap(), want, "{name}: after restore");
+        let mut f = m.fork(&cap).unwrap();
+        assert_eq!(f.generate(12).unwrap(), want, "{name}: fork");
+        // The greedy sampler is exactly decode_greedy.
+        let mut a = m.fork(&cap).unwrap();
+        let mut b = m.fork(&cap).unwrap();
+        a.set_sampler(SamplerState::greedy());
+        assert_eq!(a.generate(6).unwrap(), b.decode_greedy(6).unwrap());
+    }
+}
+
+fn cfg(dev: u64, host: u64, disk: u64, dir: Option<&std::path::Path>) -> StoreConfig {
+    StoreConfig {
+        budget_device: dev,
+        budget_host: host,
+        budget_disk: disk,
+        dir: dir.map(|d| d.to_path_buf()),
+        share_kv: true,
+    }
+}
+
+/// A conversation: one session appending turns, a capsule after each, with its exact state.
+fn conversation(
+    m: &Model,
+    store: &mut CapsuleStore,
+    turns: &[usize],
+    seed: u64,
+) -> Vec<(String, Vec<Vec<u8>>)> {
+    let mut s = m.session().unwrap();
+    let mut out = Vec::new();
+    for (i, &n) in turns.iter().enumerate() {
+        s.append(&tokens(seed + i as u64, n, m.vocab())).unwrap();
+        let id = store.insert(s.snapshot().unwrap(), None).unwrap();
+        out.push((id, state_of(&s)));
+    }
+    out
+}
+
+fn check_restores(m: &Model, store: &mut CapsuleStore, caps: &[(String, Vec<Vec<u8>>)]) {
+    for (id, want) in caps {
+        let mut s = m.session().unwrap();
+        store.restore_into(id, &mut s).unwrap();
+        assert_eq!(&state_of(&s), want, "capsule {id} not byte-exact");
+    }
+}
+
+#[test]
+fn kv_rows_are_shared_along_a_conversation_and_chains_restore_byte_exact() {
+    let m = load("qwen35-public", &BUCKETS);
+    let full = |pos| m.compiled().layout.capsule_bytes(pos) as u64;
+    // No device budget: every capsule goes to the host tier at once.
+    let mut store = CapsuleStore::open(m.clone(), cfg(0, 1 << 30, 0, None)).unwrap();
+    let caps = conversation(&m, &mut store, &[20, 9, 14, 1, 30], 50);
+    for w in caps.windows(2) {
+        let info = store.info(&w[1].0).unwrap();
+        assert_eq!(info.tiers, vec![Tier::Host]);
+        assert_eq!(
+            info.base.as_deref(),
+            Some(w[0].0.as_str()),
+            "base of {}",
+            w[1].0
+        );
+    }
+    let stats = store.stats();
+    let total_full: u64 = [20, 29, 43, 44, 74].iter().map(|&p| full(p)).sum();
+    assert!(
+        stats.bytes[1] < total_full,
+        "sharing saved nothing: {} vs {total_full}",
+        stats.bytes[1]
+    );
+    assert!(stats.shared_bytes > 0);
+    // Restoring through the chain (host tier) is byte-exact; each restore promotes to device
+    // and, with no device budget, straight back down again.
+    check_restores(&m, &mut store, &caps);
+    check_restores(&m, &mut store, &caps);
+}
+
+#[test]
+fn tiers_cascade_within_budgets_and_disk_chains_survive_a_restart() {
+    let m = load("lfm2-public", &BUCKETS);
+    let dir = temp_dir("store-tiers");
+    let one = m.compiled().layout.capsule_bytes(40) as u64;
+    let (bd, bh, bk) = (2 * one, 2 * one, 100 * one);
+    let mut store = CapsuleStore::open(m.clone(), cfg(bd, bh, bk, Some(&dir))).unwrap();
+    let mut all = Vec::new();
+    for c in 0..3 {
+        all.extend(conversation(&m, &mut store, &[25, 8, 7], 100 * c));
+        let s = store.stats();
+        assert!(
+            s.bytes[0] <= bd && s.bytes[1] <= bh && s.bytes[2] <= bk,
+            "{s:?}"
+        );
+    }
+    let s = store.stats();
+    assert!(
+        s.capsules[0] > 0 && s.capsules[1] > 0 && s.capsules[2] > 0,
+        "{s:?}"
+    );
+    assert!(s.evictions[0] > 0 && s.evictions[1] > 0);
+    check_restores(&m, &mut store, &all);
+    let s = store.stats();
+    assert!(s.bytes[0] <= bd && s.bytes[1] <= bh, "{s:?}");
+    // Shut down cleanly (every capsule gets a file), open a new store on the same directory.
+    store.flush().unwrap();
+    drop(store);
+    let mut again = CapsuleStore::open(m.clone(), cfg(bd, bh, bk, Some(&dir))).unwrap();
+    assert_eq!(again.ids().len(), all.len());
+    for (id, _) in &all {
+        assert_eq!(again.info(id).unwrap().tiers, vec![Tier::Disk]);
+    }
+    assert!(
+        again.info(&all[2].0).unwrap().base.is_some(),
+        "delta files after restart"
+    );
+    check_restores(&m, &mut again, &all);
+}
+
+#[test]
+fn longest_prefix_at_any_position() {
+    let m = load("lfm2-public", &BUCKETS);
+    let mut store = CapsuleStore::open(m.clone(), StoreConfig::default()).unwrap();
+    let v = m.vocab();
+    let stream = tokens(7, 60, v);
+    let mut s = m.session().unwrap();
+    let mut ids = HashMap::new();
+    for cut in [5usize, 17, 31] {
+        s.append(&stream[s.pos()..cut]).unwrap();
+        ids.insert(cut, store.insert(s.snapshot().unwrap(), None).unwrap());
+    }
+    // A sibling that diverges after 17 tokens.
+    let mut other = stream[..17].to_vec();
+    other.extend(tokens(99, 10, v));
+    let mut t = m.session().unwrap();
+    t.append(&other).unwrap();
+    let sib = store.insert(t.snapshot().unwrap(), None).unwrap();
+
+    assert_eq!(store.longest_prefix(&stream[..4]), None);
+    assert_eq!(
+        store.longest_prefix(&stream[..5]),
+        Some((ids[&5].clone(), 5))
+    );
+    assert_eq!(
+        store.longest_prefix(&stream[..16]),
+        Some((ids[&5].clone(), 5))
+    );
+    assert_eq!(
+        store.longest_prefix(&stream[..30]),
+        Some((ids[&17].clone(), 17))
+    );
+    assert_eq!(store.longest_prefix(&stream), Some((ids[&31].clone(), 31)));
+    assert_eq!(store.longest_prefix(&other), Some((sib.clone(), 27)));
+    let mut other2 = other.clone();
+    other2[20] = (other2[20] + 1) % v as u32;
+    assert_eq!(store.longest_prefix(&other2), Some((ids[&17].clone(), 17)));
+    // Counted lookups, and reuse: restoring the hit and appending the rest equals a cold run.
+    assert!(store.lookup_prefix(&stream[..40]).is_some());
+    assert!(store.lookup_prefix(&tokens(1000, 9, v)).is_none());
+    let st = store.stats();
+    assert_eq!((st.hits, st.misses, st.hit_tokens), (1, 1, 31));
+    let (hit, p) = store.longest_prefix(&stream[..45]).unwrap();
+    let mut warm = m.session().unwrap();
+    store.restore_into(&hit, &mut warm).unwrap();
+    warm.append(&stream[p..45]).unwrap();
+    let mut cold = m.session().unwrap();
+    cold.append(&stream[..45]).unwrap();
+    assert_eq!(state_of(&warm), state_of(&cold));
+    assert_eq!(warm.last_logits(), cold.last_logits());
+}
+
+#[test]
+fn deleting_a_shared_base_hides_it_until_its_dependents_go() {
+    let m = load("lfm2-public", &BUCKETS);
+    let dir = temp_dir("store-hide");
+    let mut store = CapsuleStore::open(m.clone(), cfg(0, 0, 1 << 30, Some(&dir))).unwrap();
+    let caps = conversation(&m, &mut store, &[12, 6, 6], 3);
+    let (a, b, c) = (&caps[0].0, &caps[1].0, &caps[2].0);
+    assert_eq!(store.info(c).unwrap().base.as_deref(), Some(b.as_str()));
+    store.remove(b).unwrap();
+    assert!(!store.contains(b));
+    assert!(store.get(b).is_err());
+    assert!(store.ids().iter().all(|x| x != b));
+    // Its dependent still restores byte-exactly, also after a restart.
+    check_restores(&m, &mut store, &caps[2..]);
+    drop(store);
+    let mut store = CapsuleStore::open(m.clone(), cfg(0, 0, 1 << 30, Some(&dir))).unwrap();
+    assert!(!store.contains(b) && store.contains(a) && store.contains(c));
+    check_restores(&m, &mut store, &caps[2..]);
+    // Once the dependent goes, so does the hidden base (and its file).
+    store.remove(c).unwrap();
+    assert!(!dir.join(format!("{b}.caps")).exists());
+    assert!(!dir.join(format!("{c}.caps")).exists());
+    assert!(dir.join(format!("{a}.caps")).exists());
+    check_restores(&m, &mut store, &caps[..1]);
+}
+
+#[test]
+fn reopening_sets_aside_corrupt_files_and_removes_interrupted_writes() {
+    let m = load("lfm2-public", &BUCKETS);
+    let dir = temp_dir("store-corrupt");
+    let mut store = CapsuleStore::open(m.clone(), cfg(0, 0, 1 << 30, Some(&dir))).unwrap();
+    let mut s = m.session().unwrap();
+    let mut caps = Vec::new();
+    for i in 0..3 {
+        // Separate conversations: no bases, so one corrupt file takes no other with it.
+        s.reset().unwrap();
+        s.append(&tokens(40 + i, 15, m.vocab())).unwrap();
+        caps.push((
+            store.insert(s.snapshot().unwrap(), None).unwrap(),
+            state_of(&s),
+        ));
+    }
+    drop(store);
+    let victim = dir.join(format!("{}.caps", caps[1].0));
+    let mut bytes = std::fs::read(&victim).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&victim, bytes).unwrap();
+    std::fs::write(
+        dir.join(".0123456789abcdef.caps.77.0.tmp"),
+        b"FLRTCAPS half a file",
+    )
+    .unwrap();
+    // A truncated file under a final name (a filesystem without atomic rename).
+    let full = std::fs::read(dir.join(format!("{}.caps", caps[2].0))).unwrap();
+    std::fs::write(dir.join("fedcba9876543210.caps"), &full[..full.len() / 3]).unwrap();
+
+    let mut store = CapsuleStore::open(m.clone(), cfg(0, 0, 1 << 30, Some(&dir))).unwrap();
+    let ids = store.ids();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert!(!store.contains(&caps[1].0));
+    assert!(!store.contains("fedcba9876543210"));
+    assert_eq!(store.stats().corrupt_files, 2);
+    assert!(dir.join(format!("{}.caps.corrupt", caps[1].0)).exists());
+    assert!(!dir.join(".0123456789abcdef.caps.77.0.tmp").exists());
+    check_restores(&m, &mut store, &[caps[0].clone(), caps[2].clone()]);
+    // A file damaged after opening is refused at load, set aside, and the store goes on.
+    let path = dir.join(format!("{}.caps", caps[0].0));
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = bytes.len();
+    bytes[n - 2] ^= 1;
+    std::fs::write(&path, bytes).unwrap();
+    let mut s = m.session().unwrap();
+    assert!(store.restore_into(&caps[0].0, &mut s).is_err());
+    assert!(!store.contains(&caps[0].0));
+    assert!(dir.join(format!("{}.caps.corrupt", caps[0].0)).exists());
+    check_restores(&m, &mut store, &[caps[2].clone()]);
+}
+
+#[test]
+fn ids_are_file_safe() {
+    assert!(valid_id("0123456789abcdef"));
+    for bad in [
+        "",
+        "../../etc/passwd",
+        "0123456789ABCDEF",
+        "0123456789abcde",
+        "0123456789abcdefg",
+    ] {
+        assert!(!valid_id(bad), "{bad}");
+    }
+}
+
+/// Random inserts, restores, deletes and lookups under tight budgets, with and without a
+/// directory: after every step, budgets hold and every visible capsule restores byte-exactly.
+#[test]
+fn randomized_soak_keeps_budgets_and_exactness() {
+    let m = load("lfm2-public", &BUCKETS);
+    let unit = m.compiled().layout.capsule_bytes(30) as u64;
+    for with_dir in [false, true] {
+        let dir = temp_dir("store-soak");
+        let c = cfg(3 * unit, 3 * unit, 6 * unit, with_dir.then_some(&*dir));
+        let mut store = CapsuleStore::open(m.clone(), c.clone()).unwrap();
+        let mut states: HashMap<String, Vec<Vec<u8>>> = HashMap::new();
+        let mut rng = 0x1234_5678u64 + with_dir as u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut s = m.session().unwrap();
+        for step in 0..60 {
+            match next() % 6 {
+                0..=2 => {
+                    if s.pos() > 60 || next() % 4 == 0 {
+                        // Branch: go back to a stored capsule, or start over.
+                        let ids = store.ids();
+                        if ids.is_empty() || next() % 3 == 0 {
+                            s.reset().unwrap();
+                        } else {
+                            let id = &ids[(next() % ids.len() as u64) as usize];
+                            store.restore_into(id, &mut s).unwrap();
+                        }
+                    }
+                    let n = 1 + (next() % 9) as usize;
+                    s.append(&tokens(next(), n, m.vocab())).unwrap();
+                    match store.insert(s.snapshot().unwrap(), None) {
+                        Ok(id) => {
+                            states.insert(id, state_of(&s));
+                        }
+                        Err(e) => panic!("step {step}: insert: {e}"),
+                    }
+                }
+                3 => {
+                    let ids = store.ids();
+                    if let Some(id) = ids.get((next() % (ids.len() as u64 + 1)) as usize) {
+                        store.remove(id).unwrap();
+                        states.remove(id);
+                    }
+                }
+                4 => {
+                    let q: Vec<u32> = s.tokens().to_vec();
+                    if let Some((id, p)) = store.lookup_prefix(&q) {
+                        assert_eq!(&store.tokens(&id).unwrap()[..], &q[..p]);
+                    }
+                }
+                _ => {
+                    let ids = store.ids();
+                    if !ids.is_empty() {
+                        let id = &ids[(next() % ids.len() as u64) as usize];
+                        let mut t = m.session().unwrap();
+                        store.restore_into(id, &mut t).unwrap();
+                        assert_eq!(&state_of(&t), &states[id], "step {step}: {id}");
+                    }
+                }
+            }
+            let st = store.stats();
+            assert!(st.bytes[0] <= c.budget_device, "step {step}: {st:?}");
+            assert!(st.bytes[1] <= c.budget_host, "step {step}: {st:?}");
+            if with_dir {
+                assert!(st.bytes[2] <= c.budget_disk, "step {step}: {st:?}");
+            }
+            states.retain(|id, _| store.contains(id));
+        }
+        let st = store.stats();
+        eprintln!(
+            "soak (disk: {with_dir}): {} capsules left, {st:?}",
+            states.len()
+        );
+        assert!(st.evictions[0] > 0 && st.evictions[1] > 0 && st.shared_bytes > 0);
+        assert!(!states.is_empty());
+        for (id, want) in states {
+            // A restore promotes, which may evict (and, without a disk, drop) others.
+            if store.contains(&id) {
+                let mut t = m.session().unwrap();
+                store.restore_into(&id, &mut t).unwrap();
+                assert_eq!(state_of(&t), want, "{id}");
+            }
+        }
+    }
+}

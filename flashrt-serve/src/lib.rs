@@ -1,0 +1,259 @@
+//! # flashrt-serve: an HTTP server for one model, batch 1, with sessions and capsules
+//!
+//! `flashrt serve` puts a model behind a local HTTP API (127.0.0.1 by default, optional
+//! bearer token). Three layers:
+//!
+//! * [`http`]: axum routes. Handlers parse and validate requests, then talk to the worker over
+//!   a bounded channel; they never touch model state.
+//! * [`worker`]: one thread that owns the model, every session and the
+//!   `CapsuleStore` ([`flashrt_runtime::store`]). Commands run one at a time, so
+//!   concurrent requests on one session are serialized and cannot corrupt it.
+//! * [`metrics`]: counters, gauges and a restore-latency histogram, read lock-free by
+//!   `/metrics` and `/health`.
+//!
+//! ## Endpoints
+//!
+//! Every body is JSON; every error is `{"error": {"message", "type", "code"}}` with a 4xx
+//! status for anything the client can fix (5xx only for server faults). Ids are 16 hex
+//! digits. Token lists may be text instead when the server has a tokenizer.
+//!
+//! | method, path | body | answer |
+//! |---|---|---|
+//! | `GET /health` (no auth) | | `{status, model, fingerprint, backend, vocab, max_seq, sessions, capsules{device,host,disk}}` |
+//! | `GET /metrics` | | Prometheus text |
+//! | `GET /v1/models` | | OpenAI model list |
+//! | `POST /v1/completions` | OpenAI: `prompt` (ids), `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, `stream` | OpenAI `text_completion` (+ `token_ids`), SSE chunks when streaming |
+//! | `POST /v1/chat/completions` | OpenAI: `messages` (content: ids, or text with a tokenizer: ChatML) | OpenAI `chat.completion` / chunks |
+//! | `POST /v1/sessions` | `{tokens?, capsule?, sampler?{temperature,top_k,top_p,seed}, reuse?=true}` | `{session, pos, reused_tokens, from_capsule}` |
+//! | `GET /v1/sessions` | | `{sessions: [{session, pos}]}` |
+//! | `GET /v1/sessions/{id}` | | `{session, pos, tokens, sampler, counters}` |
+//! | `DELETE /v1/sessions/{id}` | | `{deleted}` |
+//! | `POST /v1/sessions/{id}/append` | `{tokens}` | `{session, pos}` |
+//! | `POST /v1/sessions/{id}/generate` | `{max_tokens?=16, sampler?, stop_token_ids?, ignore_eos?, stream?}` | `{session, tokens, finish_reason, pos}`; SSE `{token}` … `{done, result}` |
+//! | `POST /v1/sessions/{id}/snapshot` | `{persist?, label?}` | `{capsule, pos, tiers, bytes{device,host,disk}, base, label}` |
+//! | `POST /v1/sessions/{id}/restore` | `{capsule}` | `{session, capsule, pos, from_tier, restore_us}` |
+//! | `POST /v1/sessions/{id}/rollback` | `{capsule}` or `{pos}` (a stored boundary of this history) | `{session, capsule, pos}` |
+//! | `POST /v1/sessions/{id}/fork` | | `{session, forked_from, pos}` (a new, independent session) |
+//! | `GET /v1/capsules` | | `{capsules: [...]}` |
+//! | `GET /v1/capsules/{id}` | | `{capsule, pos, tiers, bytes, base, label, tokens}` |
+//! | `DELETE /v1/capsules/{id}` | | `{deleted}` |
+//! | `POST /v1/capsules/{id}/persist` | | the capsule, now with a file in the store directory |
+//! | `POST /v1/capsules/{id}/export` | `{file}` (a plain name in the files directory) | `{capsule, path, bytes}` |
+//! | `GET /v1/capsules/{id}/file` | | the standalone capsule file (`application/octet-stream`) |
+//! | `POST /v1/capsules/import` | `{file}`, or the file itself as `application/octet-stream` | the new capsule |
+//!
+//! OpenAI completions reuse stored capsules automatically: the prompt's longest stored prefix
+//! (at any position) is restored instead of prefilled, and the prompt boundary and the end of
+//! each completion are stored (label `auto`) for the next request.
+
+pub mod cli;
+pub mod http;
+pub mod metrics;
+pub mod tokenizer;
+pub mod worker;
+
+use flashrt_runtime::{CapsuleStore, Model, StoreConfig};
+use metrics::Metrics;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use tokenizer::Tokenizer;
+use worker::{Cmd, Job, Worker, WorkerConfig};
+
+/// Everything a server needs besides the model.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// Where to listen; port 0 picks a free port ([`Server::addr`] says which).
+    pub bind: SocketAddr,
+    /// Required as `Authorization: Bearer <token>` on everything but `/health`.
+    pub token: Option<String>,
+    pub store: StoreConfig,
+    /// Where export/import by file name go; defaults to `<store dir>/files`.
+    pub files_dir: Option<PathBuf>,
+    pub max_sessions: usize,
+    /// Jobs waiting for the worker before requests are refused with 503.
+    pub queue: usize,
+    /// Completions store capsules at the prompt boundary and after generation.
+    pub auto_cache: bool,
+    /// Stop tokens applied unless a request sets `ignore_eos`.
+    pub eos: Vec<u32>,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            bind: SocketAddr::from(([127, 0, 0, 1], 8077)),
+            token: None,
+            store: StoreConfig::default(),
+            files_dir: None,
+            max_sessions: 64,
+            queue: 1024,
+            auto_cache: true,
+            eos: Vec::new(),
+        }
+    }
+}
+
+/// A running server: an HTTP thread (tokio, current-thread) and the model worker thread.
+pub struct Server {
+    addr: SocketAddr,
+    jobs: std::sync::mpsc::SyncSender<Job>,
+    stop_http: Option<tokio::sync::oneshot::Sender<()>>,
+    http: Option<std::thread::JoinHandle<()>>,
+    worker: Option<std::thread::JoinHandle<()>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Server {
+    /// Open the store (loading its directory), start the worker and the HTTP listener.
+    pub fn start(
+        model: Model,
+        tokenizer: Option<Tokenizer>,
+        cfg: ServeConfig,
+    ) -> Result<Server, String> {
+        let store = CapsuleStore::open(model.clone(), cfg.store.clone())
+            .map_err(|e| format!("opening the capsule store: {e}"))?;
+        let files_dir = cfg
+            .files_dir
+            .clone()
+            .or_else(|| cfg.store.dir.as_ref().map(|d| d.join("files")));
+        if let Some(d) = &files_dir {
+            std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+        }
+        let listener = std::net::TcpListener::bind(cfg.bind)
+            .map_err(|e| format!("cannot listen on {}: {e}", cfg.bind))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+
+        let metrics = Arc::new(Metrics::default());
+        let tokenizer = tokenizer.map(Arc::new);
+        let (jobs, rx) = std::sync::mpsc::sync_channel(cfg.queue.max(1));
+        let worker = Worker::new(
+            model.clone(),
+            store,
+            metrics.clone(),
+            tokenizer.clone(),
+            WorkerConfig {
+                max_sessions: cfg.max_sessions,
+                auto_cache: cfg.auto_cache,
+            },
+        );
+        metrics
+            .worker_alive
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let worker = std::thread::Builder::new()
+            .name("flashrt-worker".into())
+            .spawn(move || worker.run(rx))
+            .map_err(|e| e.to_string())?;
+
+        let max_file = flashrt_runtime::capsule_file::max_file_len(model.compiled());
+        let state = Arc::new(http::AppState {
+            jobs: jobs.clone(),
+            metrics: metrics.clone(),
+            token: cfg.token.clone(),
+            tokenizer,
+            model_name: model.name().to_string(),
+            fingerprint: model.fingerprint().to_string(),
+            backend: model.backend_name(),
+            vocab: model.vocab(),
+            max_seq: model.max_seq(),
+            eos: cfg.eos.clone(),
+            files_dir,
+            max_body: (max_file as usize).saturating_add(1 << 20).max(8 << 20),
+            started: std::time::Instant::now(),
+            next_id: AtomicU64::new(0),
+        });
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
+        let http = std::thread::Builder::new()
+            .name("flashrt-http".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let listener = match tokio::net::TcpListener::from_std(listener) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e.to_string()));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok(()));
+                    let app = http::router(state);
+                    let _ = axum::serve(listener, app)
+                        .with_graceful_shutdown(async {
+                            let _ = stop_rx.await;
+                        })
+                        .await;
+                });
+            })
+            .map_err(|e| e.to_string())?;
+        ready_rx
+            .recv()
+            .map_err(|_| "the HTTP thread died while starting".to_string())??;
+        Ok(Server {
+            addr,
+            jobs,
+            stop_http: Some(stop_tx),
+            http: Some(http),
+            worker: Some(worker),
+            metrics,
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Stop accepting requests, let the worker persist the store (when it has a directory),
+    /// and wait for both threads.
+    pub fn shutdown(mut self) -> Result<(), String> {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> Result<(), String> {
+        if let Some(tx) = self.stop_http.take() {
+            let _ = tx.send(());
+        }
+        if let Some(h) = self.http.take() {
+            let _ = h.join();
+        }
+        let mut result = Ok(());
+        if let Some(w) = self.worker.take() {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            if self
+                .jobs
+                .send(Job {
+                    cmd: Cmd::Shutdown,
+                    reply: tx,
+                })
+                .is_ok()
+                && let Ok(Err(e)) = rx.blocking_recv()
+            {
+                result = Err(format!("persisting the capsule store: {}", e.message));
+            }
+            let _ = w.join();
+        }
+        result
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}

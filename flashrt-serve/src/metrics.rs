@@ -1,0 +1,240 @@
+//! Server metrics: lock-free counters and gauges shared by the worker (which updates them) and
+//! the HTTP handlers (which read them for `/metrics` and `/health` without waiting on the
+//! model), rendered in the Prometheus text exposition format.
+
+use flashrt_runtime::store::{StoreStats, Tier};
+use std::fmt::Write;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds (seconds) of the restore latency histogram buckets.
+pub const RESTORE_BUCKETS: [f64; 14] = [
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
+    1.0,
+];
+
+/// A fixed-bucket histogram.
+#[derive(Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; RESTORE_BUCKETS.len()],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        for (b, &le) in self.buckets.iter().zip(&RESTORE_BUCKETS) {
+            if s <= le {
+                b.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    }
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+}
+
+/// Everything `/metrics` reports.
+#[derive(Default)]
+pub struct Metrics {
+    pub http_requests: AtomicU64,
+    pub http_4xx: AtomicU64,
+    pub http_5xx: AtomicU64,
+    pub prefill_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub sessions: AtomicU64,
+    pub session_bytes: AtomicU64,
+    pub capsules: [AtomicU64; 3],
+    pub tier_bytes: [AtomicU64; 3],
+    pub tier_budget: [AtomicU64; 3],
+    pub evictions: [AtomicU64; 3],
+    pub hits: AtomicU64,
+    pub hit_tokens: AtomicU64,
+    pub misses: AtomicU64,
+    pub dropped: AtomicU64,
+    pub shared_bytes: AtomicU64,
+    pub corrupt_files: AtomicU64,
+    /// Peak of the sum of the three tiers' bytes.
+    pub peak_tier_bytes: [AtomicU64; 3],
+    pub restore: [Histogram; 3],
+    pub worker_alive: AtomicBool,
+}
+
+fn get(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+impl Metrics {
+    /// Copy the store's counters and gauges.
+    pub fn publish_store(&self, s: &StoreStats) {
+        for i in 0..3 {
+            self.capsules[i].store(s.capsules[i] as u64, Ordering::Relaxed);
+            self.tier_bytes[i].store(s.bytes[i], Ordering::Relaxed);
+            self.tier_budget[i].store(s.budgets[i], Ordering::Relaxed);
+            self.evictions[i].store(s.evictions[i], Ordering::Relaxed);
+            self.peak_tier_bytes[i].fetch_max(s.bytes[i], Ordering::Relaxed);
+        }
+        self.hits.store(s.hits, Ordering::Relaxed);
+        self.hit_tokens.store(s.hit_tokens, Ordering::Relaxed);
+        self.misses.store(s.misses, Ordering::Relaxed);
+        self.dropped.store(s.dropped, Ordering::Relaxed);
+        self.shared_bytes.store(s.shared_bytes, Ordering::Relaxed);
+        self.corrupt_files.store(s.corrupt_files, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut o = String::new();
+        let mut one = |name: &str, kind: &str, help: &str, v: u64| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+        };
+        one(
+            "flashrt_http_requests_total",
+            "counter",
+            "HTTP requests received.",
+            get(&self.http_requests),
+        );
+        one(
+            "flashrt_http_client_errors_total",
+            "counter",
+            "Responses with a 4xx status.",
+            get(&self.http_4xx),
+        );
+        one(
+            "flashrt_http_server_errors_total",
+            "counter",
+            "Responses with a 5xx status.",
+            get(&self.http_5xx),
+        );
+        one(
+            "flashrt_prefill_tokens_total",
+            "counter",
+            "Prompt tokens run through the model.",
+            get(&self.prefill_tokens),
+        );
+        one(
+            "flashrt_generated_tokens_total",
+            "counter",
+            "Tokens sampled and fed.",
+            get(&self.generated_tokens),
+        );
+        one(
+            "flashrt_sessions",
+            "gauge",
+            "Open sessions.",
+            get(&self.sessions),
+        );
+        one(
+            "flashrt_session_bytes",
+            "gauge",
+            "Bytes of the arenas of open sessions.",
+            get(&self.session_bytes),
+        );
+        one(
+            "flashrt_store_hits_total",
+            "counter",
+            "Prefix lookups that reused a stored capsule.",
+            get(&self.hits),
+        );
+        one(
+            "flashrt_store_hit_tokens_total",
+            "counter",
+            "Prompt tokens not prefilled thanks to reuse.",
+            get(&self.hit_tokens),
+        );
+        one(
+            "flashrt_store_misses_total",
+            "counter",
+            "Prefix lookups that found no capsule.",
+            get(&self.misses),
+        );
+        one(
+            "flashrt_store_dropped_total",
+            "counter",
+            "Capsules dropped by eviction.",
+            get(&self.dropped),
+        );
+        one(
+            "flashrt_store_shared_bytes_total",
+            "counter",
+            "Bytes not copied to host or disk thanks to KV sharing.",
+            get(&self.shared_bytes),
+        );
+        one(
+            "flashrt_store_corrupt_files_total",
+            "counter",
+            "Capsule files found corrupt and set aside.",
+            get(&self.corrupt_files),
+        );
+        let mut tiered = |name: &str, kind: &str, help: &str, v: &[AtomicU64; 3]| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for t in Tier::ALL {
+                let _ = writeln!(o, "{name}{{tier=\"{}\"}} {}", t.name(), get(&v[t as usize]));
+            }
+        };
+        tiered(
+            "flashrt_store_bytes",
+            "gauge",
+            "Bytes of capsules held per tier.",
+            &self.tier_bytes,
+        );
+        tiered(
+            "flashrt_store_peak_bytes",
+            "gauge",
+            "Highest bytes held per tier since start.",
+            &self.peak_tier_bytes,
+        );
+        tiered(
+            "flashrt_store_budget_bytes",
+            "gauge",
+            "Byte budget per tier.",
+            &self.tier_budget,
+        );
+        tiered(
+            "flashrt_store_capsules",
+            "gauge",
+            "Capsules held per tier.",
+            &self.capsules,
+        );
+        tiered(
+            "flashrt_store_evictions_total",
+            "counter",
+            "Capsules evicted out of each tier.",
+            &self.evictions,
+        );
+        let name = "flashrt_restore_seconds";
+        let _ = writeln!(
+            o,
+            "# HELP {name} Latency of restoring a session from a stored capsule, by source tier.\n# TYPE {name} histogram"
+        );
+        for t in Tier::ALL {
+            let h = &self.restore[t as usize];
+            for (b, le) in h.buckets.iter().zip(RESTORE_BUCKETS) {
+                let _ = writeln!(
+                    o,
+                    "{name}_bucket{{tier=\"{}\",le=\"{le}\"}} {}",
+                    t.name(),
+                    get(b)
+                );
+            }
+            let _ = writeln!(
+                o,
+                "{name}_bucket{{tier=\"{}\",le=\"+Inf\"}} {}",
+                t.name(),
+                h.count()
+            );
+            let _ = writeln!(
+                o,
+                "{name}_sum{{tier=\"{}\"}} {}",
+                t.name(),
+                get(&h.sum_ns) as f64 * 1e-9
+            );
+            let _ = writeln!(o, "{name}_count{{tier=\"{}\"}} {}", t.name(), h.count());
+        }
+        o
+    }
+}

@@ -1,0 +1,683 @@
+//! End to end over real HTTP against servers started in-process on 127.0.0.1 (port 0), on the
+//! CPU backend with the LFM2 fixture: sessions, capsules, forks, rollbacks, export/import
+//! through files, a restart from the disk tier, OpenAI completions with prefix reuse and
+//! streaming, and hostile input.
+
+mod common;
+
+use common::*;
+use flashrt_runtime::{SamplerState, capsule_file};
+use serde_json::{Value, json};
+
+/// What the library itself samples from `prompt` with `sampler`: the reference every server
+/// answer must match token for token.
+fn local(m: &flashrt_runtime::Model, prompt: &[u32], sampler: SamplerState, n: usize) -> Vec<u32> {
+    let mut s = m.session().unwrap();
+    s.set_sampler(sampler);
+    s.append(prompt).unwrap();
+    s.generate(n).unwrap()
+}
+
+#[test]
+fn sessions_capsules_forks_rollbacks_files_and_a_restart() {
+    let m = lfm2();
+    let v = m.vocab();
+    let dir = temp_dir("e2e");
+    let server = start(&m, config(Some(&dir), Some("s3cret")));
+    let c = Client::new(server.addr(), Some("s3cret"));
+
+    let prompt = tokens(1, 30, v);
+    let sampler = json!({"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 7});
+    let r = c.ok(
+        "/v1/sessions",
+        &json!({"tokens": prompt, "sampler": sampler}),
+    );
+    let sid = r["session"].as_str().unwrap().to_string();
+    assert_eq!(r["pos"], 30);
+    let g1 = ids(&c.ok(
+        &format!("/v1/sessions/{sid}/generate"),
+        &json!({"max_tokens": 8}),
+    )["tokens"]);
+    let snap = c.ok(&format!("/v1/sessions/{sid}/snapshot"), &json!({}));
+    let cap = snap["capsule"].as_str().unwrap().to_string();
+    assert_eq!(snap["pos"], 38);
+    let g2 = ids(&c.ok(
+        &format!("/v1/sessions/{sid}/generate"),
+        &json!({"max_tokens": 8}),
+    )["tokens"]);
+    // The server samples exactly what the library samples.
+    let all = local(&m, &prompt, SamplerState::seeded(7, 0.8, 40, 0.95), 16);
+    assert_eq!([g1.clone(), g2.clone()].concat(), all);
+
+    // Fork two branches from the capsule: both continue exactly like the original did.
+    let b1 = c.ok("/v1/sessions", &json!({"capsule": cap}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let b2 = c.ok(&format!("/v1/sessions/{b1}/fork"), &json!({}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for b in [&b1, &b2] {
+        let g = ids(&c.ok(
+            &format!("/v1/sessions/{b}/generate"),
+            &json!({"max_tokens": 8}),
+        )["tokens"]);
+        assert_eq!(g, g2, "branch {b}");
+    }
+    // The branches are independent: one goes its own way, the other is untouched.
+    let b3 = c.ok("/v1/sessions", &json!({"capsule": cap}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    c.ok(
+        &format!("/v1/sessions/{b3}/append"),
+        &json!({"tokens": tokens(9, 5, v)}),
+    );
+    let g3 = ids(&c.ok(
+        &format!("/v1/sessions/{b3}/generate"),
+        &json!({"max_tokens": 8}),
+    )["tokens"]);
+    assert_ne!(g3, g2);
+    let b4 = c.ok("/v1/sessions", &json!({"capsule": cap}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        ids(&c.ok(
+            &format!("/v1/sessions/{b4}/generate"),
+            &json!({"max_tokens": 8})
+        )["tokens"]),
+        g2
+    );
+
+    // Roll back the original session to the capsule (a boundary of its history), twice.
+    c.ok(
+        &format!("/v1/sessions/{sid}/rollback"),
+        &json!({"capsule": cap}),
+    );
+    assert_eq!(
+        ids(&c.ok(
+            &format!("/v1/sessions/{sid}/generate"),
+            &json!({"max_tokens": 8})
+        )["tokens"]),
+        g2
+    );
+    c.ok(&format!("/v1/sessions/{sid}/rollback"), &json!({"pos": 38}));
+    assert_eq!(c.ok_get(&format!("/v1/sessions/{sid}"))["pos"], 38);
+    assert_eq!(
+        ids(&c.ok(
+            &format!("/v1/sessions/{sid}/generate"),
+            &json!({"max_tokens": 8})
+        )["tokens"]),
+        g2
+    );
+    // Restore (not a rollback) works from any state, e.g. another branch's session.
+    let r = c.ok(
+        &format!("/v1/sessions/{b3}/restore"),
+        &json!({"capsule": cap}),
+    );
+    assert_eq!(r["pos"], 38);
+    assert_eq!(
+        ids(&c.ok(
+            &format!("/v1/sessions/{b3}/generate"),
+            &json!({"max_tokens": 8})
+        )["tokens"]),
+        g2
+    );
+
+    // A greedy session: the default sampler.
+    let greedy = c.ok("/v1/sessions", &json!({"tokens": prompt}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let gg = ids(&c.ok(
+        &format!("/v1/sessions/{greedy}/generate"),
+        &json!({"max_tokens": 10}),
+    )["tokens"]);
+    assert_eq!(gg, local(&m, &prompt, SamplerState::greedy(), 10));
+
+    // Export through a file, import it back, restore from the import.
+    let e = c.ok(
+        &format!("/v1/capsules/{cap}/export"),
+        &json!({"file": "branch.caps"}),
+    );
+    let path = std::path::PathBuf::from(e["path"].as_str().unwrap());
+    assert!(path.starts_with(&*dir) && path.is_file());
+    let imp = c.ok("/v1/capsules/import", &json!({"file": "branch.caps"}));
+    let cap2 = imp["capsule"].as_str().unwrap().to_string();
+    assert_ne!(cap2, cap);
+    let s2 = c.ok("/v1/sessions", &json!({"capsule": cap2}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        ids(&c.ok(
+            &format!("/v1/sessions/{s2}/generate"),
+            &json!({"max_tokens": 8})
+        )["tokens"]),
+        g2
+    );
+    // The same through raw bytes.
+    let bytes = c.get(&format!("/v1/capsules/{cap}/file"));
+    assert_eq!(bytes.status, 200);
+    assert_eq!(
+        bytes.header("content-type"),
+        Some("application/octet-stream")
+    );
+    let imp = c.raw(
+        "POST",
+        "/v1/capsules/import",
+        "application/octet-stream",
+        &bytes.body,
+    );
+    assert_eq!(imp.status, 200, "{}", String::from_utf8_lossy(&imp.body));
+    let cap3 = imp.json()["capsule"].as_str().unwrap().to_string();
+    let s3 = c.ok("/v1/sessions", &json!({"capsule": cap3}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        ids(&c.ok(
+            &format!("/v1/sessions/{s3}/generate"),
+            &json!({"max_tokens": 8})
+        )["tokens"]),
+        g2
+    );
+    // The library reads the exported file too.
+    let lib = capsule_file::read_capsule(&path, &m).unwrap();
+    assert_eq!(lib.pos(), 38);
+
+    let list = c.ok_get("/v1/capsules");
+    assert!(list["capsules"].as_array().unwrap().len() >= 3);
+    let health = c.ok_get("/health");
+    assert_eq!(health["status"], "ok");
+    assert_eq!(health["model"], m.name());
+    let metrics = String::from_utf8(c.get("/metrics").body).unwrap();
+    for name in [
+        "flashrt_store_hits_total",
+        "flashrt_store_misses_total",
+        "flashrt_store_bytes{tier=\"device\"}",
+        "flashrt_store_bytes{tier=\"host\"}",
+        "flashrt_store_bytes{tier=\"disk\"}",
+        "flashrt_restore_seconds_bucket{tier=\"device\",le=\"0.001\"}",
+        "flashrt_restore_seconds_count{tier=\"device\"}",
+    ] {
+        assert!(metrics.contains(name), "/metrics lacks {name}");
+    }
+
+    // Restart: a new server on the same store directory restores from disk.
+    server.shutdown().unwrap();
+    let server = start(&m, config(Some(&dir), Some("s3cret")));
+    let c = Client::new(server.addr(), Some("s3cret"));
+    let info = c.ok_get(&format!("/v1/capsules/{cap}"));
+    assert_eq!(info["tiers"], json!(["disk"]));
+    let s4 = c.ok("/v1/sessions", &json!({}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = c.ok(
+        &format!("/v1/sessions/{s4}/restore"),
+        &json!({"capsule": cap}),
+    );
+    assert_eq!(r["from_tier"], "disk");
+    assert_eq!(
+        ids(&c.ok(
+            &format!("/v1/sessions/{s4}/generate"),
+            &json!({"max_tokens": 8})
+        )["tokens"]),
+        g2
+    );
+    // Restored from disk once, the capsule is back on the device tier.
+    assert_eq!(
+        c.ok_get(&format!("/v1/capsules/{cap}"))["tiers"][0],
+        "device"
+    );
+    for cc in [&cap2, &cap3] {
+        let s = c.ok("/v1/sessions", &json!({"capsule": cc}))["session"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            ids(&c.ok(
+                &format!("/v1/sessions/{s}/generate"),
+                &json!({"max_tokens": 8})
+            )["tokens"]),
+            g2
+        );
+    }
+    // Streaming generation from a restored session.
+    let s5 = c.ok("/v1/sessions", &json!({"capsule": cap}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = c.post(
+        &format!("/v1/sessions/{s5}/generate"),
+        &json!({"max_tokens": 8, "stream": true}),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let ev = r.events();
+    let streamed: Vec<u32> = ev
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| v["token"].as_u64().map(|t| t as u32))
+        .collect();
+    assert_eq!(streamed, g2);
+    assert!(ev.last().unwrap().contains("\"done\":true"));
+    server.shutdown().unwrap();
+}
+
+#[test]
+fn openai_completions_reuse_prefixes_and_stream() {
+    let m = lfm2();
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let c = Client::new(server.addr(), None);
+    let prompt = tokens(21, 40, v);
+    let body = json!({"model": m.name(), "prompt": prompt, "max_tokens": 6, "temperature": 0});
+    let a = c.ok("/v1/completions", &body);
+    assert_eq!(a["object"], "text_completion");
+    let ta = ids(&a["choices"][0]["token_ids"]);
+    assert_eq!(ta, local(&m, &prompt, SamplerState::greedy(), 6));
+    assert_eq!(a["usage"]["prompt_tokens"], 40);
+    assert_eq!(a["usage"]["completion_tokens"], 6);
+    assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // The same prompt again: restored from the stored prompt boundary, not prefilled.
+    let b = c.ok("/v1/completions", &body);
+    assert_eq!(ids(&b["choices"][0]["token_ids"]), ta);
+    assert_eq!(b["usage"]["prompt_tokens_details"]["cached_tokens"], 40);
+    // A longer prompt that extends prompt + completion reuses the whole previous turn.
+    let mut longer = prompt.clone();
+    longer.extend(&ta);
+    longer.extend(tokens(22, 7, v));
+    let l = c.ok(
+        "/v1/completions",
+        &json!({"prompt": longer, "max_tokens": 5, "temperature": 0}),
+    );
+    assert_eq!(l["usage"]["prompt_tokens_details"]["cached_tokens"], 46);
+    assert_eq!(
+        ids(&l["choices"][0]["token_ids"]),
+        local(&m, &longer, SamplerState::greedy(), 5)
+    );
+    // Seeded sampling equals the library's, through reuse too.
+    let sb =
+        json!({"prompt": prompt, "max_tokens": 9, "temperature": 0.9, "top_p": 0.9, "seed": 5});
+    let s1 = ids(&c.ok("/v1/completions", &sb)["choices"][0]["token_ids"]);
+    assert_eq!(
+        s1,
+        local(&m, &prompt, SamplerState::seeded(5, 0.9, 0, 0.9), 9)
+    );
+    // Streaming gives the same tokens, chunk by chunk, then [DONE].
+    let mut sbs = sb.clone();
+    sbs["stream"] = json!(true);
+    let r = c.post("/v1/completions", &sbs);
+    assert_eq!(r.status, 200);
+    let ev = r.events();
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
+    let streamed: Vec<u32> = ev[..ev.len() - 1]
+        .iter()
+        .flat_map(|e| ids(&serde_json::from_str::<Value>(e).unwrap()["choices"][0]["token_ids"]))
+        .collect();
+    assert_eq!(streamed, s1);
+    // Chat completions with token-id contents (no tokenizer in this build of the test).
+    let chat = c.ok(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(chat["object"], "chat.completion");
+    assert_eq!(
+        ids(&chat["choices"][0]["message"]["token_ids"]),
+        ta[..4].to_vec()
+    );
+    let r = c.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 3, "temperature": 0, "stream": true}),
+    );
+    let ev = r.events();
+    let first: Value = serde_json::from_str(&ev[0]).unwrap();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    // A stop token ends generation early, including the stop token.
+    let stop = ta[2];
+    let st = c.ok(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "stop_token_ids": [stop]}),
+    );
+    assert_eq!(st["choices"][0]["finish_reason"], "stop");
+    let got = ids(&st["choices"][0]["token_ids"]);
+    assert_eq!(got.last(), Some(&stop));
+    // Reuse is counted.
+    let metrics = String::from_utf8(c.get("/metrics").body).unwrap();
+    let hits: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("flashrt_store_hits_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(hits >= 3, "{hits} hits");
+    server.shutdown().unwrap();
+}
+
+fn assert_4xx(r: &Resp, status: u16, code: &str) {
+    assert_eq!(r.status, status, "{}", String::from_utf8_lossy(&r.body));
+    let j = r.json();
+    assert_eq!(j["error"]["code"], code, "{j}");
+    assert!(!j["error"]["message"].as_str().unwrap().is_empty());
+}
+
+#[test]
+fn hostile_input_gets_a_clear_4xx_and_the_server_keeps_serving() {
+    let m = lfm2();
+    let v = m.vocab();
+    let dir = temp_dir("hostile");
+    let server = start(&m, config(Some(&dir), Some("tok")));
+    let c = Client::new(server.addr(), Some("tok"));
+    let sid = c.ok("/v1/sessions", &json!({"tokens": tokens(3, 12, v)}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // Authentication.
+    let anon = Client::new(server.addr(), None);
+    assert_4xx(&anon.post("/v1/sessions", &json!({})), 401, "unauthorized");
+    assert_4xx(
+        &Client::new(server.addr(), Some("nope")).get("/v1/capsules"),
+        401,
+        "unauthorized",
+    );
+    assert_eq!(anon.get("/health").status, 200);
+    // Malformed JSON, wrong types, unknown fields.
+    let r = c.raw(
+        "POST",
+        "/v1/sessions",
+        "application/json",
+        b"{\"tokens\": [1, 2,",
+    );
+    assert_4xx(&r, 400, "invalid_json");
+    assert_4xx(
+        &c.raw("POST", "/v1/completions", "application/json", b"\xff\xfe"),
+        400,
+        "invalid_json",
+    );
+    assert_4xx(
+        &c.post("/v1/sessions", &json!({"tokens": [-1]})),
+        400,
+        "invalid_json",
+    );
+    assert_4xx(
+        &c.post("/v1/sessions", &json!({"tokens": "text"})),
+        400,
+        "no_tokenizer",
+    );
+    assert_4xx(
+        &c.post("/v1/sessions", &json!({"tokns": [1]})),
+        400,
+        "invalid_json",
+    );
+    assert_4xx(
+        &c.post(
+            &format!("/v1/sessions/{sid}/generate"),
+            &json!({"max_tokens": "many"}),
+        ),
+        400,
+        "invalid_json",
+    );
+    assert_4xx(
+        &c.post("/v1/completions", &json!({"prompt": {"a": 1}})),
+        400,
+        "invalid_prompt",
+    );
+    assert_4xx(
+        &c.post("/v1/completions", &json!({"prompt": [1.5]})),
+        400,
+        "invalid_tokens",
+    );
+    assert_4xx(
+        &c.post("/v1/completions", &json!({"prompt": [1], "n": 3})),
+        400,
+        "unsupported",
+    );
+    assert_4xx(
+        &c.post("/v1/completions", &json!({"prompt": []})),
+        400,
+        "invalid_tokens",
+    );
+    // Unknown ids, and ids that are not ids at all.
+    assert_4xx(
+        &c.post(
+            "/v1/sessions/0123456789abcdef/append",
+            &json!({"tokens": [5]}),
+        ),
+        404,
+        "unknown_session",
+    );
+    assert_4xx(&c.get("/v1/sessions/..%2f..%2fetc"), 404, "unknown_session");
+    assert_4xx(
+        &c.post(
+            &format!("/v1/sessions/{sid}/restore"),
+            &json!({"capsule": "0123456789abcdef"}),
+        ),
+        404,
+        "unknown_capsule",
+    );
+    assert_4xx(
+        &c.post(
+            &format!("/v1/sessions/{sid}/restore"),
+            &json!({"capsule": "../../x"}),
+        ),
+        404,
+        "unknown_capsule",
+    );
+    assert_4xx(
+        &c.delete("/v1/capsules/ffffffffffffffff"),
+        404,
+        "unknown_capsule",
+    );
+    assert_4xx(&c.get("/v2/nothing"), 404, "unknown_route");
+    assert_4xx(
+        &c.raw("PUT", "/v1/sessions", "application/json", b"{}"),
+        405,
+        "method_not_allowed",
+    );
+    // Token ids outside the vocabulary; prompts longer than max_seq.
+    assert_4xx(
+        &c.post(
+            &format!("/v1/sessions/{sid}/append"),
+            &json!({"tokens": [1, v]}),
+        ),
+        400,
+        "invalid_tokens",
+    );
+    assert_4xx(
+        &c.post("/v1/completions", &json!({"prompt": [u32::MAX]})),
+        400,
+        "invalid_tokens",
+    );
+    assert_4xx(
+        &c.post("/v1/completions", &json!({"prompt": tokens(4, 257, v)})),
+        400,
+        "context_length_exceeded",
+    );
+    assert_4xx(
+        &c.post(
+            &format!("/v1/sessions/{sid}/append"),
+            &json!({"tokens": tokens(4, 250, v)}),
+        ),
+        400,
+        "context_length_exceeded",
+    );
+    assert_4xx(
+        &c.post("/v1/sessions", &json!({"tokens": tokens(4, 300, v)})),
+        400,
+        "context_length_exceeded",
+    );
+    assert_4xx(
+        &c.post(
+            &format!("/v1/sessions/{sid}/generate"),
+            &json!({"max_tokens": 100000}),
+        ),
+        400,
+        "invalid_request",
+    );
+    assert_4xx(
+        &c.post(
+            &format!("/v1/sessions/{sid}/generate"),
+            &json!({"sampler": {"top_p": 2.0}}),
+        ),
+        400,
+        "invalid_sampler",
+    );
+    assert_4xx(
+        &c.post(
+            &format!("/v1/sessions/{sid}/generate"),
+            &json!({"sampler": {"temperature": -1}}),
+        ),
+        400,
+        "invalid_sampler",
+    );
+    let empty = c.ok("/v1/sessions", &json!({}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_4xx(
+        &c.post(&format!("/v1/sessions/{empty}/generate"), &json!({})),
+        400,
+        "empty_session",
+    );
+    // Rollback to a capsule that is not a boundary of the session's history.
+    let other = c.ok("/v1/sessions", &json!({"tokens": tokens(77, 9, v)}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let oc = c.ok(&format!("/v1/sessions/{other}/snapshot"), &json!({}))["capsule"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_4xx(
+        &c.post(
+            &format!("/v1/sessions/{sid}/rollback"),
+            &json!({"capsule": oc}),
+        ),
+        409,
+        "not_a_prefix",
+    );
+    assert_4xx(
+        &c.post(&format!("/v1/sessions/{sid}/rollback"), &json!({"pos": 5})),
+        409,
+        "no_capsule_at_position",
+    );
+    // File names that try to leave the files directory.
+    for bad in ["../x.caps", "/etc/passwd", ".hidden", "a/b", ""] {
+        assert_4xx(
+            &c.post(&format!("/v1/capsules/{oc}/export"), &json!({"file": bad})),
+            400,
+            "invalid_file_name",
+        );
+    }
+    assert_4xx(
+        &c.post("/v1/capsules/import", &json!({"file": "missing.caps"})),
+        404,
+        "file_not_found",
+    );
+
+    // Capsule files: another model's, truncated, bit-flipped, garbage, oversized.
+    let q = model("qwen35-public", 64);
+    let mut qs = q.session().unwrap();
+    qs.append(&tokens(5, 10, q.vocab())).unwrap();
+    let foreign = capsule_file::capsule_to_vec(&qs.snapshot().unwrap()).unwrap();
+    let up = |b: &[u8]| c.raw("POST", "/v1/capsules/import", "application/octet-stream", b);
+    assert_4xx(&up(&foreign), 400, "fingerprint_mismatch");
+    std::fs::write(dir.join("files").join("foreign.caps"), &foreign).unwrap();
+    assert_4xx(
+        &c.post("/v1/capsules/import", &json!({"file": "foreign.caps"})),
+        400,
+        "fingerprint_mismatch",
+    );
+    let good = c.get(&format!("/v1/capsules/{oc}/file")).body;
+    assert_4xx(&up(&good[..good.len() / 2]), 400, "invalid_capsule");
+    assert_4xx(&up(&good[..20]), 400, "invalid_capsule");
+    let mut flipped = good.clone();
+    let i = flipped.len() - 100;
+    flipped[i] ^= 0x08;
+    assert_4xx(&up(&flipped), 400, "invalid_capsule");
+    let mut flipped = good.clone();
+    flipped[60] ^= 0x01;
+    assert_4xx(&up(&flipped), 400, "invalid_capsule");
+    assert_4xx(
+        &up(b"PK\x03\x04 definitely not a capsule"),
+        400,
+        "invalid_capsule",
+    );
+    assert_4xx(&up(&[]), 400, "invalid_capsule");
+    let huge = vec![0u8; 10 << 20];
+    assert_4xx(&up(&huge), 413, "body_too_large");
+    // A good upload still works after all that.
+    assert_eq!(up(&good).status, 200);
+
+    // Concurrent requests on one session: serialized, none lost, state consistent.
+    let before = c.ok_get(&format!("/v1/sessions/{sid}"))["pos"]
+        .as_u64()
+        .unwrap();
+    let threads: Vec<_> = (0..8)
+        .map(|i| {
+            let c = c.clone();
+            let sid = sid.clone();
+            std::thread::spawn(move || {
+                for j in 0..3 {
+                    let r = c.post(
+                        &format!("/v1/sessions/{sid}/append"),
+                        &json!({"tokens": [3 + i * 3 + j]}),
+                    );
+                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                    let r = c.post(
+                        &format!("/v1/sessions/{sid}/generate"),
+                        &json!({"max_tokens": 2}),
+                    );
+                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let info = c.ok_get(&format!("/v1/sessions/{sid}"));
+    assert_eq!(info["pos"].as_u64().unwrap(), before + 8 * 3 * 3);
+    // The interleaved session equals a cold run of its own history.
+    let history = ids(&info["tokens"]);
+    let cold = c.ok("/v1/sessions", &json!({"tokens": history, "reuse": false}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let a = ids(&c.ok(
+        &format!("/v1/sessions/{sid}/generate"),
+        &json!({"max_tokens": 5}),
+    )["tokens"]);
+    let b = ids(&c.ok(
+        &format!("/v1/sessions/{cold}/generate"),
+        &json!({"max_tokens": 5}),
+    )["tokens"]);
+    assert_eq!(a, b);
+
+    // Still serving, and the errors were counted as client errors, never server errors.
+    assert_eq!(c.ok_get("/health")["status"], "ok");
+    let r = c.ok(
+        "/v1/completions",
+        &json!({"prompt": tokens(8, 10, v), "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!(ids(&r["choices"][0]["token_ids"]).len(), 3);
+    let metrics = String::from_utf8(c.get("/metrics").body).unwrap();
+    let get = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    assert!(get("flashrt_http_client_errors_total ") >= 40);
+    assert_eq!(get("flashrt_http_server_errors_total "), 0);
+    server.shutdown().unwrap();
+}
