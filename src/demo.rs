@@ -33,7 +33,9 @@ pub struct DemoReport {
 
 impl DemoReport {
     pub fn passed(&self) -> bool {
-        self.rows.iter().all(|r| r.check.as_ref().is_none_or(|(ok, _)| ok.unwrap_or(true)))
+        self.rows
+            .iter()
+            .all(|r| r.check.as_ref().is_none_or(|(ok, _)| ok.unwrap_or(true)))
     }
 }
 
@@ -69,21 +71,39 @@ fn state_equals(s: &Session, c: &Capsule) -> runtime::Result<bool> {
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Run the demo on `backend`.
 pub fn run(backend: Arc<dyn Backend>, prompt_len: usize) -> runtime::Result<DemoReport> {
     let ir = Demo::ir();
     let mut rows = Vec::new();
-    let mut row = |op: &str, ms: Option<f64>, bytes: Option<usize>, check: Option<(Option<bool>, String)>| {
-        rows.push(Row { op: op.to_string(), ms, bytes, check })
-    };
+    let mut row =
+        |op: &str, ms: Option<f64>, bytes: Option<usize>, check: Option<(Option<bool>, String)>| {
+            rows.push(Row {
+                op: op.to_string(),
+                ms,
+                bytes,
+                check,
+            })
+        };
 
     let (model, ms) = timed(|| TypedModel::<Demo>::random(backend.clone(), 7))?;
-    let weights = model.untyped().compiled().layout.arena_bytes(crate::ir::Role::Weight);
+    let weights = model
+        .untyped()
+        .compiled()
+        .layout
+        .arena_bytes(crate::ir::Role::Weight);
     let exact_dtype = model.untyped().compiled().layout.target.dtype == crate::ir::DType::F32;
-    row("load demo model (random weights)", Some(ms), Some(weights), None);
+    row(
+        "load demo model (random weights)",
+        Some(ms),
+        Some(weights),
+        None,
+    );
 
     let prompt = tokens(1, prompt_len, ir.vocab);
     let s1 = tokens(2, 9, ir.vocab);
@@ -94,7 +114,12 @@ pub fn run(backend: Arc<dyn Backend>, prompt_len: usize) -> runtime::Result<Demo
     // Cold prefill of the prompt.
     let mut session = model.session()?;
     let (_, cold_ms) = timed(|| session.prefill(&prompt))?;
-    row(&format!("prefill {prompt_len}-token prompt (cold)"), Some(cold_ms), None, None);
+    row(
+        &format!("prefill {prompt_len}-token prompt (cold)"),
+        Some(cold_ms),
+        None,
+        None,
+    );
 
     // Snapshot A at the prompt boundary.
     let (cap_a, ms) = timed(|| session.snapshot())?;
@@ -109,20 +134,33 @@ pub fn run(backend: Arc<dyn Backend>, prompt_len: usize) -> runtime::Result<Demo
 
     // The uninterrupted continuation.
     let (reference, ms) = timed(|| session.decode_greedy(n_decode))?;
-    row(&format!("greedy decode {n_decode} tokens"), Some(ms), None, None);
+    row(
+        &format!("greedy decode {n_decode} tokens"),
+        Some(ms),
+        None,
+        None,
+    );
 
     // Dirty the session with an unrelated prompt, then restore A.
     session.untyped().reset()?;
     session.prefill(&other)?;
     let (_, ms) = timed(|| session.restore(&cap_a))?;
     let exact = state_equals(session.untyped(), &untyped_a)?;
-    row("restore A into a dirtied session", Some(ms), Some(untyped_a.bytes()), Some((Some(exact), "every state byte equal".into())));
+    row(
+        "restore A into a dirtied session",
+        Some(ms),
+        Some(untyped_a.bytes()),
+        Some((Some(exact), "every state byte equal".into())),
+    );
     let (again, ms) = timed(|| session.decode_greedy(n_decode))?;
     row(
         &format!("decode {n_decode} after restore"),
         Some(ms),
         None,
-        Some((Some(again == reference), "tokens identical to uninterrupted decode".into())),
+        Some((
+            Some(again == reference),
+            "tokens identical to uninterrupted decode".into(),
+        )),
     );
 
     // Restored TTFT: restore + first token vs cold prefill.
@@ -134,7 +172,10 @@ pub fn run(backend: Arc<dyn Backend>, prompt_len: usize) -> runtime::Result<Demo
         "restored TTFT (restore + 1 token)",
         Some(ms),
         None,
-        Some((None, format!("{:.1}x faster than cold prefill", cold_ms / ms.max(1e-9)))),
+        Some((
+            None,
+            format!("{:.1}x faster than cold prefill", cold_ms / ms.max(1e-9)),
+        )),
     );
 
     // Two forks from A, each compared with a cold run of the whole sequence.
@@ -153,13 +194,22 @@ pub fn run(backend: Arc<dyn Backend>, prompt_len: usize) -> runtime::Result<Demo
         // The f32 CPU reference computes every row identically whatever the chunking, so the
         // fork must equal the cold run bit for bit; reduced-precision backends may round
         // differently per chunk shape, so they get a bf16-sized relative tolerance.
-        let scale = cold_tail.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
+        let scale = cold_tail
+            .iter()
+            .fold(0.0f32, |m, x| m.max(x.abs()))
+            .max(1e-6);
         let tol = if exact_dtype { 0.0 } else { 3e-2 * scale };
         row(
             &format!("{name}: fork A + {} tokens", suffix.len()),
             Some(ms),
             None,
-            Some((Some(toks == cold_toks && d <= tol), format!("= cold prefill of {} tokens (max |dlogit| {d:.1e})", full.len()))),
+            Some((
+                Some(toks == cold_toks && d <= tol),
+                format!(
+                    "= cold prefill of {} tokens (max |dlogit| {d:.1e})",
+                    full.len()
+                ),
+            )),
         );
     }
 
@@ -173,7 +223,10 @@ pub fn run(backend: Arc<dyn Backend>, prompt_len: usize) -> runtime::Result<Demo
         &format!("rollback {} tokens to A", n_decode),
         Some(ms),
         Some(untyped_a.bytes()),
-        Some((Some(exact && toks == reference), "byte-exact, same continuation".into())),
+        Some((
+            Some(exact && toks == reference),
+            "byte-exact, same continuation".into(),
+        )),
     );
 
     // The KV-only ablation must diverge: recurrent and conv state are load-bearing.
@@ -181,28 +234,53 @@ pub fn run(backend: Arc<dyn Backend>, prompt_len: usize) -> runtime::Result<Demo
     session.prefill(&other)?;
     session.untyped().restore_kv_only(&untyped_a)?;
     let ablated = session.decode_greedy(n_decode)?;
-    let same = ablated.iter().zip(&reference).take_while(|(a, b)| a == b).count();
+    let same = ablated
+        .iter()
+        .zip(&reference)
+        .take_while(|(a, b)| a == b)
+        .count();
     row(
         "KV-only restore (ablation)",
         None,
         None,
-        Some((Some(ablated != reference), format!("diverges as expected ({same}/{n_decode} tokens agree)"))),
+        Some((
+            Some(ablated != reference),
+            format!("diverges as expected ({same}/{n_decode} tokens agree)"),
+        )),
     );
 
-    Ok(DemoReport { backend: model.untyped().backend_name(), model: describe(ir), rows })
+    Ok(DemoReport {
+        backend: model.untyped().backend_name(),
+        model: describe(ir),
+        rows,
+    })
 }
 
 fn describe(ir: &crate::ir::ModelIr) -> String {
     let mut kinds: Vec<(String, usize)> = Vec::new();
     for l in &ir.layers {
-        let k = l.mixer.as_ref().map_or("mlp", |m| m.kind_name()).to_string();
+        let k = l
+            .mixer
+            .as_ref()
+            .map_or("mlp", |m| m.kind_name())
+            .to_string();
         match kinds.iter_mut().find(|(n, _)| *n == k) {
             Some((_, c)) => *c += 1,
             None => kinds.push((k, 1)),
         }
     }
-    let parts = kinds.iter().map(|(k, c)| format!("{c} {k}")).collect::<Vec<_>>().join(" + ");
-    format!("{} ({} layers: {parts}; hidden {}, vocab {})", ir.name, ir.layers.len(), ir.hidden, ir.vocab)
+    let parts = kinds
+        .iter()
+        .map(|(k, c)| format!("{c} {k}"))
+        .collect::<Vec<_>>()
+        .join(" + ");
+    format!(
+        "{} ({} layers: {parts}; hidden {}, vocab {})",
+        ir.name,
+        ir.layers.len(),
+        ir.hidden,
+        ir.vocab
+    )
 }
 
 /// The table `flashrt demo` prints.
@@ -211,11 +289,33 @@ pub fn render(r: &DemoReport) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "flashrt demo — {}", r.model);
     let _ = writeln!(s, "backend: {}\n", r.backend);
-    let w = r.rows.iter().map(|x| x.op.chars().count()).max().unwrap_or(10);
-    let _ = writeln!(s, "  {:<w$}  {:>10}  {:>10}  check", "operation", "time", "bytes");
-    let _ = writeln!(s, "  {}  {}  {}  {}", "-".repeat(w), "-".repeat(10), "-".repeat(10), "-".repeat(40));
+    let w = r
+        .rows
+        .iter()
+        .map(|x| x.op.chars().count())
+        .max()
+        .unwrap_or(10);
+    let _ = writeln!(
+        s,
+        "  {:<w$}  {:>10}  {:>10}  check",
+        "operation", "time", "bytes"
+    );
+    let _ = writeln!(
+        s,
+        "  {}  {}  {}  {}",
+        "-".repeat(w),
+        "-".repeat(10),
+        "-".repeat(10),
+        "-".repeat(40)
+    );
     for x in &r.rows {
-        let time = x.ms.map_or("".to_string(), |m| if m < 1.0 { format!("{:.0} µs", m * 1e3) } else { format!("{m:.2} ms") });
+        let time = x.ms.map_or("".to_string(), |m| {
+            if m < 1.0 {
+                format!("{:.0} µs", m * 1e3)
+            } else {
+                format!("{m:.2} ms")
+            }
+        });
         let bytes = x.bytes.map_or("".to_string(), crate::cli::human_bytes);
         let check = match &x.check {
             None => String::new(),
@@ -228,7 +328,11 @@ pub fn render(r: &DemoReport) -> String {
     let _ = writeln!(
         s,
         "\n{}",
-        if r.passed() { "all checks passed" } else { "SOME CHECKS FAILED" }
+        if r.passed() {
+            "all checks passed"
+        } else {
+            "SOME CHECKS FAILED"
+        }
     );
     s
 }

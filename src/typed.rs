@@ -58,7 +58,10 @@ pub struct TypedModel<M: Model> {
 
 impl<M: Model> Clone for TypedModel<M> {
     fn clone(&self) -> Self {
-        Self { inner: self.inner.clone(), _m: PhantomData }
+        Self {
+            inner: self.inner.clone(),
+            _m: PhantomData,
+        }
     }
 }
 
@@ -66,22 +69,34 @@ impl<M: Model> TypedModel<M> {
     /// Load a Hugging Face checkpoint folder (safetensors, HF tensor names).
     pub fn load(backend: Arc<dyn runtime::Backend>, dir: impl AsRef<Path>) -> Result<Self> {
         let inner = runtime::Model::load_ir_dir(backend, M::ir().clone(), dir.as_ref())?;
-        Ok(Self { inner, _m: PhantomData })
+        Ok(Self {
+            inner,
+            _m: PhantomData,
+        })
     }
     /// Deterministic random weights (demos, benchmarks).
     pub fn random(backend: Arc<dyn runtime::Backend>, seed: u64) -> Result<Self> {
         let inner = runtime::Model::with_random_weights(backend, M::ir(), seed)?;
-        Ok(Self { inner, _m: PhantomData })
+        Ok(Self {
+            inner,
+            _m: PhantomData,
+        })
     }
     pub fn untyped(&self) -> &runtime::Model {
         &self.inner
     }
     pub fn session(&self) -> Result<TypedSession<M>> {
-        Ok(TypedSession { inner: self.inner.session()?, _m: PhantomData })
+        Ok(TypedSession {
+            inner: self.inner.session()?,
+            _m: PhantomData,
+        })
     }
     /// An independent session starting from the capsule's boundary.
     pub fn fork<C: CapsuleOf<M>>(&self, capsule: &C) -> Result<TypedSession<M>> {
-        Ok(TypedSession { inner: self.inner.fork(&capsule.to_untyped()?)?, _m: PhantomData })
+        Ok(TypedSession {
+            inner: self.inner.fork(&capsule.to_untyped()?)?,
+            _m: PhantomData,
+        })
     }
 }
 
@@ -146,7 +161,10 @@ pub mod __private {
         }
     }
 
-    pub fn split_regions<M: Model>(capsule: UntypedCapsule, n: usize) -> Result<(CapsuleMeta, Regions)> {
+    pub fn split_regions<M: Model>(
+        capsule: UntypedCapsule,
+        n: usize,
+    ) -> Result<(CapsuleMeta, Regions)> {
         if capsule.meta().model != M::NAME {
             return Err(Error::Capsule(format!(
                 "capsule of model `{}` cannot become a capsule of `{}`",
@@ -163,7 +181,10 @@ pub mod __private {
             )));
         }
         let meta = capsule.meta().clone();
-        let regions = ids.into_iter().map(|id| capsule.region_handle(id)).collect();
+        let regions = ids
+            .into_iter()
+            .map(|id| capsule.region_handle(id))
+            .collect();
         Ok((meta, Regions { regions }))
     }
 
@@ -171,13 +192,20 @@ pub mod __private {
         let first = regions
             .first()
             .ok_or_else(|| Error::Capsule("a capsule needs at least one state region".into()))?;
-        if let Some(other) = regions.iter().find(|r| !std::sync::Arc::ptr_eq(r.saved(), first.saved())) {
+        if let Some(other) = regions
+            .iter()
+            .find(|r| !std::sync::Arc::ptr_eq(r.saved(), first.saved()))
+        {
             return Err(Error::Capsule(format!(
                 "capsule fields come from different snapshots (`{}` and `{}`); restore them separately",
                 first.name(),
                 other.name()
             )));
         }
-        UntypedCapsule::from_parts(meta.clone(), first.saved().clone(), first.compiled().clone())
+        UntypedCapsule::from_parts(
+            meta.clone(),
+            first.saved().clone(),
+            first.compiled().clone(),
+        )
     }
 }

@@ -32,7 +32,10 @@ fn expected_main() -> (usize, usize) {
 
 /// The MTP head's regions: its own K/V per token, and the hidden vector it drafts from.
 fn expected_mtp() -> (usize, usize) {
-    (HIDDEN * BF16, MTP_LAYERS * KV_HEADS * ATTN_HEAD_DIM * 2 * BF16)
+    (
+        HIDDEN * BF16,
+        MTP_LAYERS * KV_HEADS * ATTN_HEAD_DIM * 2 * BF16,
+    )
 }
 
 fn expected() -> (usize, usize) {
@@ -53,7 +56,11 @@ fn qwen36_27b_capsule_bytes_match_the_config_facts() {
     let (fixed, per_token) = expected();
     let c = compiled();
     assert_eq!(c.layout.capsule_fixed_bytes(), fixed, "fixed bytes");
-    assert_eq!(c.layout.capsule_bytes_per_token(), per_token, "bytes per token");
+    assert_eq!(
+        c.layout.capsule_bytes_per_token(),
+        per_token,
+        "bytes per token"
+    );
     // A 16k-token capsule is about 1 GiB of KV plus ~147 MiB of recurrent/conv state.
     assert_eq!(c.layout.capsule_bytes(16384), fixed + 16384 * per_token);
     // The main stack's share is exactly the figure derived from the config facts alone.
@@ -62,7 +69,15 @@ fn qwen36_27b_capsule_bytes_match_the_config_facts() {
         c.layout
             .state_buffers()
             .filter(|b| b.name.starts_with("layers."))
-            .map(|b| if per { b.bytes_per_token() } else if b.bytes_per_token() == 0 { b.bytes } else { 0 })
+            .map(|b| {
+                if per {
+                    b.bytes_per_token()
+                } else if b.bytes_per_token() == 0 {
+                    b.bytes
+                } else {
+                    0
+                }
+            })
             .sum()
     };
     assert_eq!(main(false), main_fixed);
@@ -73,14 +88,29 @@ fn qwen36_27b_capsule_bytes_match_the_config_facts() {
 fn flashrt_compile_prints_the_same_two_numbers() {
     let (fixed, per_token) = expected();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_flashrt"))
-        .args(["compile", concat!(env!("CARGO_MANIFEST_DIR"), "/models/qwen36-27b.toml")])
+        .args([
+            "compile",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/models/qwen36-27b.toml"),
+        ])
         .output()
         .expect("run flashrt compile");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     let field = |label: &str| -> usize {
-        let line = text.lines().find(|l| l.trim_start().starts_with(label)).unwrap_or_else(|| panic!("no `{label}` line in:\n{text}"));
-        line.trim_start()[label.len()..].split_whitespace().next().unwrap().parse().unwrap()
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap_or_else(|| panic!("no `{label}` line in:\n{text}"));
+        line.trim_start()[label.len()..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
     };
     assert_eq!(field("fixed bytes"), fixed);
     assert_eq!(field("bytes per token"), per_token);

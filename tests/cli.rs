@@ -12,12 +12,20 @@ fn flashrt(args: &[&str]) -> Output {
 }
 
 fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 fn fixtures() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures");
-    assert!(p.is_dir(), "the reference fixtures are expected at {} (shared/ beside the repository)", p.display());
+    assert!(
+        p.is_dir(),
+        "the reference fixtures are expected at {} (shared/ beside the repository)",
+        p.display()
+    );
     p
 }
 
@@ -28,10 +36,25 @@ fn check_reference_passes_on_every_fixture() {
         let out = flashrt(&["check-reference", dir.to_str().unwrap()]);
         let t = text(&out);
         assert!(out.status.success(), "{name}:\n{t}");
-        assert!(t.contains("all") && t.contains("checks passed"), "{name}:\n{t}");
+        assert!(
+            t.contains("all") && t.contains("checks passed"),
+            "{name}:\n{t}"
+        );
         // One line per check with its measured error.
-        for check in ["prompt_logits", "greedy_ids", "greedy_logits", "fork_s1_logits", "fork_s1_greedy_ids", "fork_s2_logits", "fork_s2_greedy_ids", "state layers.0"] {
-            let line = t.lines().find(|l| l.trim_start().starts_with(check)).unwrap_or_else(|| panic!("{name}: no `{check}` line:\n{t}"));
+        for check in [
+            "prompt_logits",
+            "greedy_ids",
+            "greedy_logits",
+            "fork_s1_logits",
+            "fork_s1_greedy_ids",
+            "fork_s2_logits",
+            "fork_s2_greedy_ids",
+            "state layers.0",
+        ] {
+            let line = t
+                .lines()
+                .find(|l| l.trim_start().starts_with(check))
+                .unwrap_or_else(|| panic!("{name}: no `{check}` line:\n{t}"));
             assert!(line.split_whitespace().any(|w| w == "ok"), "{name}: {line}");
         }
     }
@@ -40,7 +63,10 @@ fn check_reference_passes_on_every_fixture() {
 /// Copy a fixture folder, then flip one value of `prompt_logits` in reference.safetensors.
 fn perturbed_copy(name: &str) -> PathBuf {
     let src = fixtures().join(name);
-    let dst = std::env::temp_dir().join(format!("flashrt-cli-perturbed-{name}-{}", std::process::id()));
+    let dst = std::env::temp_dir().join(format!(
+        "flashrt-cli-perturbed-{name}-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dst);
     std::fs::create_dir_all(&dst).unwrap();
     for f in ["config.json", "model.safetensors", "reference.safetensors"] {
@@ -74,7 +100,11 @@ fn check_reference_fails_on_a_perturbed_reference() {
 fn check_reference_on_a_missing_folder_is_a_clear_error() {
     let out = flashrt(&["check-reference", "/nonexistent/flashrt-fixture"]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out).contains("/nonexistent/flashrt-fixture"), "{}", text(&out));
+    assert!(
+        text(&out).contains("/nonexistent/flashrt-fixture"),
+        "{}",
+        text(&out)
+    );
 }
 
 #[test]
@@ -83,7 +113,14 @@ fn demo_passes_every_check() {
     let t = text(&out);
     assert!(out.status.success(), "{t}");
     assert!(t.contains("all checks passed"), "{t}");
-    for row in ["snapshot A", "restore A", "fork branch 1", "fork branch 2", "rollback", "KV-only"] {
+    for row in [
+        "snapshot A",
+        "restore A",
+        "fork branch 1",
+        "fork branch 2",
+        "rollback",
+        "KV-only",
+    ] {
         assert!(t.contains(row), "missing `{row}` row:\n{t}");
     }
     assert!(!t.contains("FAIL"), "{t}");
@@ -96,9 +133,13 @@ fn import_hf_prints_toml_that_compiles_to_the_same_ir() {
         let out = flashrt(&["import-hf", config.to_str().unwrap()]);
         assert!(out.status.success(), "{}", text(&out));
         let toml = String::from_utf8(out.stdout).unwrap();
-        let from_toml = flashrt::compiler::model_from_toml(&toml, "imported.toml").unwrap_or_else(|d| panic!("{d}\n{toml}"));
+        let from_toml = flashrt::compiler::model_from_toml(&toml, "imported.toml")
+            .unwrap_or_else(|d| panic!("{d}\n{toml}"));
         let json = std::fs::read_to_string(&config).unwrap();
-        let opts = flashrt::ir::hf::HfOptions { name: Some(from_toml.name.clone()), ..Default::default() };
+        let opts = flashrt::ir::hf::HfOptions {
+            name: Some(from_toml.name.clone()),
+            ..Default::default()
+        };
         let direct = flashrt::ir::hf::ir_from_hf_config(&json, &opts).unwrap();
         assert_eq!(from_toml, direct, "{name}");
     }
@@ -108,10 +149,22 @@ fn import_hf_prints_toml_that_compiles_to_the_same_ir() {
 fn compile_emits_rust_that_parses() {
     let out_file = std::env::temp_dir().join(format!("flashrt-emit-{}.rs", std::process::id()));
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/nemotronh-tiny.toml");
-    let out = flashrt(&["compile", model.to_str().unwrap(), "--emit-rust", out_file.to_str().unwrap()]);
+    let out = flashrt(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--emit-rust",
+        out_file.to_str().unwrap(),
+    ]);
     let t = text(&out);
     assert!(out.status.success(), "{t}");
-    for part in ["layout", "plans", "prefill[16]", "decode", "capsule", "bytes per token"] {
+    for part in [
+        "layout",
+        "plans",
+        "prefill[16]",
+        "decode",
+        "capsule",
+        "bytes per token",
+    ] {
         assert!(t.contains(part), "no `{part}` in:\n{t}");
     }
     let code = std::fs::read_to_string(&out_file).unwrap();
@@ -134,6 +187,9 @@ fn compile_reports_errors_with_file_line_col_and_exit_code_2() {
 #[test]
 fn unknown_commands_and_options_are_usage_errors() {
     assert_eq!(flashrt(&["frobnicate"]).status.code(), Some(2));
-    assert_eq!(flashrt(&["compile", "x.toml", "--bogus"]).status.code(), Some(2));
+    assert_eq!(
+        flashrt(&["compile", "x.toml", "--bogus"]).status.code(),
+        Some(2)
+    );
     assert!(flashrt(&["help"]).status.success());
 }

@@ -17,7 +17,10 @@ fn models() -> Vec<PathBuf> {
         .filter(|p| p.extension().is_some_and(|e| e == "toml"))
         .collect();
     v.sort();
-    assert!(v.len() >= 5, "expected the fixture models, the 27B shape and the demo in models/");
+    assert!(
+        v.len() >= 5,
+        "expected the fixture models, the 27B shape and the demo in models/"
+    );
     v
 }
 
@@ -41,7 +44,10 @@ fn check(path: &Path, actual: &str, failures: &mut Vec<String>) {
                 line + 1
             ));
         }
-        Err(_) => failures.push(format!("{} is missing; run with FLASHRT_BLESS=1", path.display())),
+        Err(_) => failures.push(format!(
+            "{} is missing; run with FLASHRT_BLESS=1",
+            path.display()
+        )),
     }
 }
 
@@ -55,9 +61,21 @@ fn compiler_output_matches_golden_snapshots() {
         let stem = model.file_stem().unwrap().to_string_lossy().into_owned();
         let compiled = flashrt::ir::compile(&ir, flashrt::ir::Target { dtype: ir.dtype });
         let golden = root().join("tests/golden");
-        check(&golden.join(format!("{stem}.layout.txt")), &flashrt::compiler::emit::layout_summary(&compiled), &mut failures);
-        check(&golden.join(format!("{stem}.plan.txt")), &flashrt::compiler::emit::plan_summary(&compiled), &mut failures);
-        check(&golden.join(format!("{stem}.rs")), &flashrt::compiler::emit::rust_source(&ir), &mut failures);
+        check(
+            &golden.join(format!("{stem}.layout.txt")),
+            &flashrt::compiler::emit::layout_summary(&compiled),
+            &mut failures,
+        );
+        check(
+            &golden.join(format!("{stem}.plan.txt")),
+            &flashrt::compiler::emit::plan_summary(&compiled),
+            &mut failures,
+        );
+        check(
+            &golden.join(format!("{stem}.rs")),
+            &flashrt::compiler::emit::rust_source(&ir),
+            &mut failures,
+        );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -80,8 +98,16 @@ fn generated_capsule_fields_are_exactly_the_state_regions() {
                 _ => None,
             })
             .unwrap_or_else(|| panic!("no struct {capsule_name} in generated code"));
-        let fields: Vec<String> = st.fields.iter().map(|f| f.ident.as_ref().unwrap().to_string()).collect();
-        let mut expected: Vec<String> = compiled.layout.state_buffers().map(|b| b.field_name()).collect();
+        let fields: Vec<String> = st
+            .fields
+            .iter()
+            .map(|f| f.ident.as_ref().unwrap().to_string())
+            .collect();
+        let mut expected: Vec<String> = compiled
+            .layout
+            .state_buffers()
+            .map(|b| b.field_name())
+            .collect();
         expected.push("meta".into());
         assert_eq!(fields, expected, "{}", model.display());
     }

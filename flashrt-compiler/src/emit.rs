@@ -14,7 +14,7 @@
 //!
 //! [`Region`]: ../../flashrt/struct.Region.html
 
-use crate::ir::{compile, Compiled, ModelIr, Phase, Target};
+use crate::ir::{Compiled, ModelIr, Phase, Target, compile};
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{format_ident, quote};
 
@@ -40,8 +40,14 @@ pub fn bench_targets(ir: &ModelIr) -> Vec<BenchTarget> {
             what: format!("one full prefill chunk of {b} tokens (plan `prefill[{b}]`)"),
         });
     }
-    out.push(BenchTarget { name: "snapshot".into(), what: "snapshot of every state region".into() });
-    out.push(BenchTarget { name: "restore".into(), what: "restore of every state region".into() });
+    out.push(BenchTarget {
+        name: "snapshot".into(),
+        what: "snapshot of every state region".into(),
+    });
+    out.push(BenchTarget {
+        name: "restore".into(),
+        what: "restore of every state region".into(),
+    });
     out
 }
 
@@ -57,9 +63,16 @@ pub fn model_impls(ir: &ModelIr, ty: &Ident, vis: &TokenStream) -> TokenStream {
     let capsule = format_ident!("{}Capsule", ty);
     let name = &ir.name;
     let json = serde_json::to_string(ir).expect("IR serialises");
-    let regions: Vec<String> = compiled.layout.state_buffers().map(|b| b.name.clone()).collect();
-    let fields: Vec<Ident> =
-        compiled.layout.state_buffers().map(|b| Ident::new(&b.field_name(), Span::call_site())).collect();
+    let regions: Vec<String> = compiled
+        .layout
+        .state_buffers()
+        .map(|b| b.name.clone())
+        .collect();
+    let fields: Vec<Ident> = compiled
+        .layout
+        .state_buffers()
+        .map(|b| Ident::new(&b.field_name(), Span::call_site()))
+        .collect();
     let field_docs: Vec<String> = compiled
         .layout
         .state_buffers()
@@ -70,7 +83,13 @@ pub fn model_impls(ir: &ModelIr, ty: &Ident, vis: &TokenStream) -> TokenStream {
             } else {
                 format!("{} bytes", b.bytes)
             };
-            format!("`{}`: layer {} {kind} state, shape {:?} ({per} in {}).", b.name, b.layer.unwrap_or(0), b.shape, b.dtype.name())
+            format!(
+                "`{}`: layer {} {kind} state, shape {:?} ({per} in {}).",
+                b.name,
+                b.layer.unwrap_or(0),
+                b.shape,
+                b.dtype.name()
+            )
         })
         .collect();
     let idx: Vec<usize> = (0..fields.len()).collect();
@@ -133,7 +152,10 @@ pub fn model_impls(ir: &ModelIr, ty: &Ident, vis: &TokenStream) -> TokenStream {
 /// `include_str!` so cargo rebuilds when the file changes.
 pub fn include_model_items(ir: &ModelIr, source_path: Option<&str>) -> TokenStream {
     let ty = Ident::new(&ir.type_name(), Span::call_site());
-    let doc = format!("The `{}` model (compiled by flashrt from its description).", ir.name);
+    let doc = format!(
+        "The `{}` model (compiled by flashrt from its description).",
+        ir.name
+    );
     let vis = quote!(pub);
     let impls = model_impls(ir, &ty, &vis);
     let track = source_path.map(|p| quote! { const _: &str = include_str!(#p); });
@@ -167,11 +189,21 @@ pub fn layout_summary(c: &Compiled) -> String {
     use std::fmt::Write;
     let l = &c.layout;
     let mut s = String::new();
-    let _ = writeln!(s, "model {} target {} fingerprint {}", l.model, l.target.dtype.name(), l.fingerprint);
+    let _ = writeln!(
+        s,
+        "model {} target {} fingerprint {}",
+        l.model,
+        l.target.dtype.name(),
+        l.fingerprint
+    );
     for a in &l.arenas {
         let _ = writeln!(s, "arena {:<8} {:>16} bytes", a.role.name(), a.bytes);
     }
-    let _ = writeln!(s, "{:<5} {:<36} {:<8} {:<5} {:<22} {:>14} {:>14}", "id", "buffer", "role", "dtype", "shape", "offset", "bytes");
+    let _ = writeln!(
+        s,
+        "{:<5} {:<36} {:<8} {:<5} {:<22} {:>14} {:>14}",
+        "id", "buffer", "role", "dtype", "shape", "offset", "bytes"
+    );
     for b in &l.buffers {
         let _ = writeln!(
             s,
@@ -199,13 +231,28 @@ pub fn plan_summary(c: &Compiled) -> String {
     use std::fmt::Write;
     let mut s = String::new();
     for p in &c.plans {
-        let counts = p.op_counts().iter().map(|(n, k)| format!("{n}x{k}")).collect::<Vec<_>>().join(" ");
-        let _ = writeln!(s, "{:<16} rows {:>5} ops {:>5}: {counts}", p.phase.label(), p.phase.rows(), p.ops.len());
+        let counts = p
+            .op_counts()
+            .iter()
+            .map(|(n, k)| format!("{n}x{k}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let _ = writeln!(
+            s,
+            "{:<16} rows {:>5} ops {:>5}: {counts}",
+            p.phase.label(),
+            p.phase.rows(),
+            p.ops.len()
+        );
     }
     if let Some(p) = c.plan(Phase::Decode) {
         let _ = writeln!(s, "decode op order:");
         for (i, op) in p.ops.iter().enumerate() {
-            let bufs: Vec<&str> = op.buffers().iter().map(|&b| c.layout.buffer(b).name.as_str()).collect();
+            let bufs: Vec<&str> = op
+                .buffers()
+                .iter()
+                .map(|&b| c.layout.buffer(b).name.as_str())
+                .collect();
             let _ = writeln!(s, "  {i:>4} {:<15} {}", op.name(), bufs.join(" "));
         }
     }

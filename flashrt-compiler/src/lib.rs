@@ -132,9 +132,9 @@
 //! Here `model.name` may be omitted: the caller supplies a default (the macro passes the
 //! snake_case of the item's name).
 
-pub mod emit;
 pub mod canonical;
 pub mod check;
+pub mod emit;
 pub mod rust_front;
 pub mod spec;
 pub mod toml_front;

@@ -269,7 +269,11 @@ pub struct ModelIr {
 impl ModelIr {
     /// A stable 64-bit hash of the IR (FNV-1a over its canonical JSON form).
     pub fn ir_hash(&self) -> u64 {
-        fnv1a(serde_json::to_string(self).expect("IR serialises").as_bytes())
+        fnv1a(
+            serde_json::to_string(self)
+                .expect("IR serialises")
+                .as_bytes(),
+        )
     }
 
     /// The generated Rust type name (`qwen36_27b` -> `Qwen3627b`).

@@ -170,7 +170,10 @@ impl Layout {
         self.find(name).map(|b| b.id)
     }
     pub fn arena_bytes(&self, role: Role) -> usize {
-        self.arenas.iter().find(|a| a.role == role).map_or(0, |a| a.bytes)
+        self.arenas
+            .iter()
+            .find(|a| a.role == role)
+            .map_or(0, |a| a.bytes)
     }
     /// The capsule regions, in layout order.
     pub fn state_buffers(&self) -> impl Iterator<Item = &Buffer> {
@@ -243,10 +246,20 @@ impl LayoutBuilder {
         id
     }
 
-    pub fn finish(self, model: &str, target: Target, max_rows: usize, max_seq: usize, ir_hash: u64) -> Layout {
+    pub fn finish(
+        self,
+        model: &str,
+        target: Target,
+        max_rows: usize,
+        max_seq: usize,
+        ir_hash: u64,
+    ) -> Layout {
         let arenas = Role::ALL
             .iter()
-            .map(|&role| Arena { role, bytes: self.cursor[role_index(role)] })
+            .map(|&role| Arena {
+                role,
+                bytes: self.cursor[role_index(role)],
+            })
             .collect();
         let mut layout = Layout {
             model: model.to_string(),

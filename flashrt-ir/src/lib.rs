@@ -32,6 +32,6 @@ pub mod lower;
 pub mod plan;
 
 pub use ir::*;
-pub use layout::{Arena, Buffer, BufferId, Layout, Role, StateKind, Target, ALIGN, KERNEL_VERSION};
-pub use lower::{compile, Compiled, IoIds};
+pub use layout::{ALIGN, Arena, Buffer, BufferId, KERNEL_VERSION, Layout, Role, StateKind, Target};
+pub use lower::{Compiled, IoIds, compile};
 pub use plan::{Act, Op, Phase, Plan, View};

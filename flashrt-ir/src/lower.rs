@@ -55,12 +55,23 @@ pub fn compile(ir: &ModelIr, target: Target) -> Compiled {
     let io = cx.io();
     let (embed, head) = cx.embeddings();
     let ops = cx.lower_body(io, embed, head);
-    let draft = ir.mtp.as_ref().map(|mtp| cx.lower_mtp_draft(io, embed, head, mtp));
+    let draft = ir
+        .mtp
+        .as_ref()
+        .map(|mtp| cx.lower_mtp_draft(io, embed, head, mtp));
     // Scratch buffers are created last so their widths are the maxima over every use.
     let scratch_ids = cx.materialise_scratch();
-    let ops = ops.into_iter().map(|op| resolve(op, &scratch_ids)).collect::<Vec<_>>();
-    let draft = draft.map(|d| d.into_iter().map(|op| resolve(op, &scratch_ids)).collect::<Vec<_>>());
-    let layout = cx.b.finish(&ir.name, target, max_rows, ir.max_seq, ir.ir_hash());
+    let ops = ops
+        .into_iter()
+        .map(|op| resolve(op, &scratch_ids))
+        .collect::<Vec<_>>();
+    let draft = draft.map(|d| {
+        d.into_iter()
+            .map(|op| resolve(op, &scratch_ids))
+            .collect::<Vec<_>>()
+    });
+    let layout =
+        cx.b.finish(&ir.name, target, max_rows, ir.max_seq, ir.ir_hash());
     let mut phases: Vec<Phase> = ir
         .prefill_buckets
         .iter()
@@ -72,12 +83,23 @@ pub fn compile(ir: &ModelIr, target: Target) -> Compiled {
     }
     let mut plans: Vec<Plan> = phases
         .into_iter()
-        .map(|phase| Plan { phase, ops: ops.clone() })
+        .map(|phase| Plan {
+            phase,
+            ops: ops.clone(),
+        })
         .collect();
     if let Some(ops) = draft {
-        plans.push(Plan { phase: Phase::MtpDraft, ops });
+        plans.push(Plan {
+            phase: Phase::MtpDraft,
+            ops,
+        });
     }
-    Compiled { ir: ir.clone(), layout, io, plans }
+    Compiled {
+        ir: ir.clone(),
+        layout,
+        io,
+        plans,
+    }
 }
 
 /// Verify plans are compiled for 1..=MAX_DRAFT drafted tokens.
@@ -99,12 +121,48 @@ struct Lower<'a> {
 impl<'a> Lower<'a> {
     fn io(&mut self) -> IoIds {
         let r = self.max_rows;
-        let tokens = self.b.push("io.tokens".into(), Role::Io, DType::I32, vec![r], None, None, None);
-        let logits =
-            self.b.push("io.logits".into(), Role::Io, DType::F32, vec![r, self.ir.vocab], None, None, None);
-        let pos = self.b.push("io.pos".into(), Role::Io, DType::I32, vec![1], None, None, None);
-        let len = self.b.push("io.len".into(), Role::Io, DType::I32, vec![1], None, None, None);
-        IoIds { tokens, logits, pos, len }
+        let tokens = self.b.push(
+            "io.tokens".into(),
+            Role::Io,
+            DType::I32,
+            vec![r],
+            None,
+            None,
+            None,
+        );
+        let logits = self.b.push(
+            "io.logits".into(),
+            Role::Io,
+            DType::F32,
+            vec![r, self.ir.vocab],
+            None,
+            None,
+            None,
+        );
+        let pos = self.b.push(
+            "io.pos".into(),
+            Role::Io,
+            DType::I32,
+            vec![1],
+            None,
+            None,
+            None,
+        );
+        let len = self.b.push(
+            "io.len".into(),
+            Role::Io,
+            DType::I32,
+            vec![1],
+            None,
+            None,
+            None,
+        );
+        IoIds {
+            tokens,
+            logits,
+            pos,
+            len,
+        }
     }
 
     /// A scratch view of `width` columns; the buffer's width is the max over all requests.
@@ -112,12 +170,21 @@ impl<'a> Lower<'a> {
         let next = self.scratch_widths.len() as u32;
         let entry = self.scratch_widths.entry(name).or_insert((next, 0));
         entry.1 = entry.1.max(width);
-        View { buf: BufferId(SCRATCH_BASE + entry.0), col: 0, width, stride: usize::MAX }
+        View {
+            buf: BufferId(SCRATCH_BASE + entry.0),
+            col: 0,
+            width,
+            stride: usize::MAX,
+        }
     }
 
     fn materialise_scratch(&mut self) -> BTreeMap<u32, (BufferId, usize)> {
         let mut out = BTreeMap::new();
-        let mut entries: Vec<_> = self.scratch_widths.iter().map(|(n, &(s, w))| (s, *n, w)).collect();
+        let mut entries: Vec<_> = self
+            .scratch_widths
+            .iter()
+            .map(|(n, &(s, w))| (s, *n, w))
+            .collect();
         entries.sort();
         for (slot, name, width) in entries {
             let dtype = self.act_dtype();
@@ -139,14 +206,35 @@ impl<'a> Lower<'a> {
         self.target.dtype
     }
 
-    fn weight(&mut self, name: String, shape: Vec<usize>, layer: Option<usize>, source: String) -> BufferId {
+    fn weight(
+        &mut self,
+        name: String,
+        shape: Vec<usize>,
+        layer: Option<usize>,
+        source: String,
+    ) -> BufferId {
         let dtype = self.target.dtype;
-        self.b.push(name, Role::Weight, dtype, shape, layer, None, Some(source))
+        self.b
+            .push(name, Role::Weight, dtype, shape, layer, None, Some(source))
     }
 
     /// Small per-channel parameters (norm scales, A_log, dt_bias, D, biases) stay f32.
-    fn param(&mut self, name: String, shape: Vec<usize>, layer: Option<usize>, source: String) -> BufferId {
-        self.b.push(name, Role::Weight, DType::F32, shape, layer, None, Some(source))
+    fn param(
+        &mut self,
+        name: String,
+        shape: Vec<usize>,
+        layer: Option<usize>,
+        source: String,
+    ) -> BufferId {
+        self.b.push(
+            name,
+            Role::Weight,
+            DType::F32,
+            shape,
+            layer,
+            None,
+            Some(source),
+        )
     }
 
     fn state(&mut self, layer: usize, kind: StateKind, shape: Vec<usize>) -> BufferId {
@@ -154,14 +242,26 @@ impl<'a> Lower<'a> {
             StateKind::Recurrent => DType::F32,
             _ => self.target.dtype,
         };
-        self.b.push(format!("{}.{}", self.lname(layer), kind.name()), Role::State, dtype, shape, Some(layer), Some(kind), None)
+        self.b.push(
+            format!("{}.{}", self.lname(layer), kind.name()),
+            Role::State,
+            dtype,
+            shape,
+            Some(layer),
+            Some(kind),
+            None,
+        )
     }
 
     /// Buffer-name prefix of layer `i`: `layers.{i}` in the main stack, `mtp.{j}` for MTP layer
     /// `j` (layer index `layers.len() + j`).
     fn lname(&self, i: usize) -> String {
         let n = self.ir.layers.len();
-        if i < n { format!("layers.{i}") } else { format!("mtp.{}", i - n) }
+        if i < n {
+            format!("layers.{i}")
+        } else {
+            format!("mtp.{}", i - n)
+        }
     }
 
     fn hf(&self, layer: usize, rest: &str) -> String {
@@ -183,11 +283,21 @@ impl<'a> Lower<'a> {
             WeightNaming::Qwen35 | WeightNaming::Lfm2 => "model.embed_tokens.weight",
             WeightNaming::NemotronH => "backbone.embeddings.weight",
         };
-        let embed = self.weight("embed".into(), vec![ir.vocab, ir.hidden], None, embed_src.into());
+        let embed = self.weight(
+            "embed".into(),
+            vec![ir.vocab, ir.hidden],
+            None,
+            embed_src.into(),
+        );
         let head = if ir.tied_embeddings {
             embed
         } else {
-            self.weight("lm_head".into(), vec![ir.vocab, ir.hidden], None, "lm_head.weight".into())
+            self.weight(
+                "lm_head".into(),
+                vec![ir.vocab, ir.hidden],
+                None,
+                "lm_head.weight".into(),
+            )
         };
         (embed, head)
     }
@@ -202,7 +312,10 @@ impl<'a> Lower<'a> {
             WeightNaming::NemotronH => "backbone.norm_f.weight",
         };
         let x = self.scratch("x", h);
-        ops.push(Op::Embed { table: embed, out: x });
+        ops.push(Op::Embed {
+            table: embed,
+            out: x,
+        });
         for (i, layer) in ir.layers.iter().enumerate() {
             self.lower_layer(i, layer, x, &mut ops);
         }
@@ -219,10 +332,24 @@ impl<'a> Lower<'a> {
         if ir.mtp.is_some() {
             // The MTP head drafts from the target's final-normed hidden of the newest token.
             let hidden = self.mtp_hidden();
-            ops.push(Op::StoreLastRow { x: hn, state: hidden });
+            ops.push(Op::StoreLastRow {
+                x: hn,
+                state: hidden,
+            });
         }
-        let logits = View { buf: io.logits, col: 0, width: ir.vocab, stride: ir.vocab };
-        ops.push(Op::Linear { x: hn, w: head, bias: None, out: logits, accumulate: false });
+        let logits = View {
+            buf: io.logits,
+            col: 0,
+            width: ir.vocab,
+            stride: ir.vocab,
+        };
+        ops.push(Op::Linear {
+            x: hn,
+            w: head,
+            bias: None,
+            out: logits,
+            accumulate: false,
+        });
         ops
     }
 
@@ -232,44 +359,119 @@ impl<'a> Lower<'a> {
             return b.id;
         }
         let dtype = self.act_dtype();
-        self.b.push("mtp.hidden".into(), Role::State, dtype, vec![self.ir.hidden], None, Some(StateKind::Hidden), None)
+        self.b.push(
+            "mtp.hidden".into(),
+            Role::State,
+            dtype,
+            vec![self.ir.hidden],
+            None,
+            Some(StateKind::Hidden),
+            None,
+        )
     }
 
     /// The MTP drafter (Qwen3.5/3.6): `x = fc([norm_e(embed(t)) ; norm_h(hidden)])`, the MTP
     /// decoder layers (own KV regions), `h = norm(x)`; `h` becomes the next `mtp.hidden` and
     /// the shared LM head gives the draft logits.
-    fn lower_mtp_draft(&mut self, io: IoIds, embed: BufferId, head: BufferId, mtp: &MtpIr) -> Vec<Op> {
+    fn lower_mtp_draft(
+        &mut self,
+        io: IoIds,
+        embed: BufferId,
+        head: BufferId,
+        mtp: &MtpIr,
+    ) -> Vec<Op> {
         let ir = self.ir;
         let h = ir.hidden;
         let mut ops = Vec::new();
         let hidden = self.mtp_hidden();
         let e = self.scratch("h", h);
-        ops.push(Op::Embed { table: embed, out: e });
+        ops.push(Op::Embed {
+            table: embed,
+            out: e,
+        });
         let cat = self.scratch("mtp_cat", 2 * h);
         let nw = |cx: &mut Self, name: &str| {
-            cx.param(format!("mtp.{name}"), vec![h], None, format!("mtp.{name}.weight"))
+            cx.param(
+                format!("mtp.{name}"),
+                vec![h],
+                None,
+                format!("mtp.{name}.weight"),
+            )
         };
         let w_e = nw(self, "pre_fc_norm_embedding");
         let w_h = nw(self, "pre_fc_norm_hidden");
         let eps = ir.norm.eps;
         let kind = ir.norm.weight;
-        ops.push(Op::RmsNorm { x: e, weight: Some(w_e), weight_kind: kind, out: View { width: h, ..cat }, eps, group: h });
+        ops.push(Op::RmsNorm {
+            x: e,
+            weight: Some(w_e),
+            weight_kind: kind,
+            out: View { width: h, ..cat },
+            eps,
+            group: h,
+        });
         let hin = self.scratch("mix", h);
-        ops.push(Op::LoadState { state: hidden, out: hin });
-        ops.push(Op::RmsNorm { x: hin, weight: Some(w_h), weight_kind: kind, out: View { col: h, width: h, ..cat }, eps, group: h });
-        let fc = self.weight("mtp.fc".into(), vec![h, 2 * h], None, "mtp.fc.weight".into());
+        ops.push(Op::LoadState {
+            state: hidden,
+            out: hin,
+        });
+        ops.push(Op::RmsNorm {
+            x: hin,
+            weight: Some(w_h),
+            weight_kind: kind,
+            out: View {
+                col: h,
+                width: h,
+                ..cat
+            },
+            eps,
+            group: h,
+        });
+        let fc = self.weight(
+            "mtp.fc".into(),
+            vec![h, 2 * h],
+            None,
+            "mtp.fc.weight".into(),
+        );
         let x = self.scratch("x", h);
-        ops.push(Op::Linear { x: cat, w: fc, bias: None, out: x, accumulate: false });
+        ops.push(Op::Linear {
+            x: cat,
+            w: fc,
+            bias: None,
+            out: x,
+            accumulate: false,
+        });
         let base = ir.layers.len();
         for (j, layer) in mtp.layers.iter().enumerate() {
             self.lower_layer(base + j, layer, x, &mut ops);
         }
         let w_n = nw(self, "norm");
         let hn = self.scratch("h", h);
-        ops.push(Op::RmsNorm { x, weight: Some(w_n), weight_kind: kind, out: hn, eps, group: h });
-        ops.push(Op::StoreLastRow { x: hn, state: hidden });
-        let logits = View { buf: io.logits, col: 0, width: ir.vocab, stride: ir.vocab };
-        ops.push(Op::Linear { x: hn, w: head, bias: None, out: logits, accumulate: false });
+        ops.push(Op::RmsNorm {
+            x,
+            weight: Some(w_n),
+            weight_kind: kind,
+            out: hn,
+            eps,
+            group: h,
+        });
+        ops.push(Op::StoreLastRow {
+            x: hn,
+            state: hidden,
+        });
+        let logits = View {
+            buf: io.logits,
+            col: 0,
+            width: ir.vocab,
+            stride: ir.vocab,
+        };
+        ops.push(Op::Linear {
+            x: hn,
+            w: head,
+            bias: None,
+            out: logits,
+            accumulate: false,
+        });
         ops
     }
 
@@ -317,13 +519,39 @@ impl<'a> Lower<'a> {
         }
     }
 
-    fn linear(&mut self, i: usize, name: &str, src: &str, xin: View, out: View, bias: bool, ops: &mut Vec<Op>, accumulate: bool) {
-        let w = self.weight(format!("{}.{name}", self.lname(i)), vec![out.width, xin.width], Some(i), self.hf(i, &format!("{src}.weight")));
+    fn linear(
+        &mut self,
+        i: usize,
+        name: &str,
+        src: &str,
+        xin: View,
+        out: View,
+        bias: bool,
+        ops: &mut Vec<Op>,
+        accumulate: bool,
+    ) {
+        let w = self.weight(
+            format!("{}.{name}", self.lname(i)),
+            vec![out.width, xin.width],
+            Some(i),
+            self.hf(i, &format!("{src}.weight")),
+        );
         let bias = bias.then(|| {
             let s = self.hf(i, &format!("{src}.bias"));
-            self.param(format!("{}.{name}_bias", self.lname(i)), vec![out.width], Some(i), s)
+            self.param(
+                format!("{}.{name}_bias", self.lname(i)),
+                vec![out.width],
+                Some(i),
+                s,
+            )
         });
-        ops.push(Op::Linear { x: xin, w, bias, out, accumulate });
+        ops.push(Op::Linear {
+            x: xin,
+            w,
+            bias,
+            out,
+            accumulate,
+        });
     }
 
     fn attention(&mut self, i: usize, a: &AttentionIr, hn: View, x: View, ops: &mut Vec<Op>) {
@@ -339,19 +567,64 @@ impl<'a> Lower<'a> {
         let gate = a.output_gate.then(|| self.scratch("gate", qw));
         if let Some(gate) = gate {
             let qg = self.scratch("q_gate", 2 * qw);
-            self.linear(i, "attn.q_proj", &format!("{p}.q_proj"), hn, qg, false, ops, false);
-            ops.push(Op::SplitHeads { x: qg, heads: a.q_heads, outs: vec![q, gate] });
+            self.linear(
+                i,
+                "attn.q_proj",
+                &format!("{p}.q_proj"),
+                hn,
+                qg,
+                false,
+                ops,
+                false,
+            );
+            ops.push(Op::SplitHeads {
+                x: qg,
+                heads: a.q_heads,
+                outs: vec![q, gate],
+            });
         } else {
-            self.linear(i, "attn.q_proj", &format!("{p}.q_proj"), hn, q, false, ops, false);
+            self.linear(
+                i,
+                "attn.q_proj",
+                &format!("{p}.q_proj"),
+                hn,
+                q,
+                false,
+                ops,
+                false,
+            );
         }
         let k = self.scratch("k", kvw);
         let v = self.scratch("v", kvw);
-        self.linear(i, "attn.k_proj", &format!("{p}.k_proj"), hn, k, false, ops, false);
-        self.linear(i, "attn.v_proj", &format!("{p}.v_proj"), hn, v, false, ops, false);
+        self.linear(
+            i,
+            "attn.k_proj",
+            &format!("{p}.k_proj"),
+            hn,
+            k,
+            false,
+            ops,
+            false,
+        );
+        self.linear(
+            i,
+            "attn.v_proj",
+            &format!("{p}.v_proj"),
+            hn,
+            v,
+            false,
+            ops,
+            false,
+        );
         if a.qk_norm {
             for (t, nm) in [(q, qn), (k, kn)] {
                 let src = self.hf(i, &format!("{p}.{nm}.weight"));
-                let w = self.param(format!("{}.attn.{nm}", self.lname(i)), vec![a.head_dim], Some(i), src);
+                let w = self.param(
+                    format!("{}.attn.{nm}", self.lname(i)),
+                    vec![a.head_dim],
+                    Some(i),
+                    src,
+                );
                 ops.push(Op::RmsNorm {
                     x: t,
                     weight: Some(w),
@@ -363,8 +636,20 @@ impl<'a> Lower<'a> {
             }
         }
         if let Some(rope) = &a.rope {
-            ops.push(Op::Rope { x: q, heads: a.q_heads, head_dim: a.head_dim, rotary_dims: rope.rotary_dims, theta: rope.theta });
-            ops.push(Op::Rope { x: k, heads: a.kv_heads, head_dim: a.head_dim, rotary_dims: rope.rotary_dims, theta: rope.theta });
+            ops.push(Op::Rope {
+                x: q,
+                heads: a.q_heads,
+                head_dim: a.head_dim,
+                rotary_dims: rope.rotary_dims,
+                theta: rope.theta,
+            });
+            ops.push(Op::Rope {
+                x: k,
+                heads: a.kv_heads,
+                head_dim: a.head_dim,
+                rotary_dims: rope.rotary_dims,
+                theta: rope.theta,
+            });
         }
         let shape = vec![self.ir.max_seq, a.kv_heads, a.head_dim];
         let cache_k = self.state(i, StateKind::Key, shape.clone());
@@ -383,9 +668,23 @@ impl<'a> Lower<'a> {
             scale: F64((a.head_dim as f64).powf(-0.5)),
         });
         if let Some(gate) = gate {
-            ops.push(Op::Mul { gate, act: Act::Sigmoid, x: o, out: o });
+            ops.push(Op::Mul {
+                gate,
+                act: Act::Sigmoid,
+                x: o,
+                out: o,
+            });
         }
-        self.linear(i, "attn.o_proj", &format!("{p}.{o_name}"), o, x, false, ops, true);
+        self.linear(
+            i,
+            "attn.o_proj",
+            &format!("{p}.{o_name}"),
+            o,
+            x,
+            false,
+            ops,
+            true,
+        );
     }
 
     fn gdn(&mut self, i: usize, g: &GatedDeltaNetIr, hn: View, x: View, ops: &mut Vec<Op>) {
@@ -395,17 +694,80 @@ impl<'a> Lower<'a> {
         let z = self.scratch("z", vw);
         let bv = self.scratch("b", g.value_heads);
         let av = self.scratch("a", g.value_heads);
-        self.linear(i, "gdn.in_proj_qkv", "linear_attn.in_proj_qkv", hn, raw, false, ops, false);
-        self.linear(i, "gdn.in_proj_z", "linear_attn.in_proj_z", hn, z, false, ops, false);
-        self.linear(i, "gdn.in_proj_b", "linear_attn.in_proj_b", hn, bv, false, ops, false);
-        self.linear(i, "gdn.in_proj_a", "linear_attn.in_proj_a", hn, av, false, ops, false);
-        let conv_w = self.param(format!("{}.gdn.conv1d", self.lname(i)), vec![c, g.conv], Some(i), self.hf(i, "linear_attn.conv1d.weight"));
+        self.linear(
+            i,
+            "gdn.in_proj_qkv",
+            "linear_attn.in_proj_qkv",
+            hn,
+            raw,
+            false,
+            ops,
+            false,
+        );
+        self.linear(
+            i,
+            "gdn.in_proj_z",
+            "linear_attn.in_proj_z",
+            hn,
+            z,
+            false,
+            ops,
+            false,
+        );
+        self.linear(
+            i,
+            "gdn.in_proj_b",
+            "linear_attn.in_proj_b",
+            hn,
+            bv,
+            false,
+            ops,
+            false,
+        );
+        self.linear(
+            i,
+            "gdn.in_proj_a",
+            "linear_attn.in_proj_a",
+            hn,
+            av,
+            false,
+            ops,
+            false,
+        );
+        let conv_w = self.param(
+            format!("{}.gdn.conv1d", self.lname(i)),
+            vec![c, g.conv],
+            Some(i),
+            self.hf(i, "linear_attn.conv1d.weight"),
+        );
         let conv_state = self.state(i, StateKind::Conv, vec![g.conv - 1, c]);
         let qkv = self.scratch("conv", c);
-        ops.push(Op::CausalConv1d { x: raw, weight: conv_w, bias: None, state: conv_state, out: qkv, act: Act::Silu, kernel: g.conv });
-        let a_log = self.param(format!("{}.gdn.A_log", self.lname(i)), vec![g.value_heads], Some(i), self.hf(i, "linear_attn.A_log"));
-        let dt_bias = self.param(format!("{}.gdn.dt_bias", self.lname(i)), vec![g.value_heads], Some(i), self.hf(i, "linear_attn.dt_bias"));
-        let state = self.state(i, StateKind::Recurrent, vec![g.value_heads, g.key_dim, g.value_dim]);
+        ops.push(Op::CausalConv1d {
+            x: raw,
+            weight: conv_w,
+            bias: None,
+            state: conv_state,
+            out: qkv,
+            act: Act::Silu,
+            kernel: g.conv,
+        });
+        let a_log = self.param(
+            format!("{}.gdn.A_log", self.lname(i)),
+            vec![g.value_heads],
+            Some(i),
+            self.hf(i, "linear_attn.A_log"),
+        );
+        let dt_bias = self.param(
+            format!("{}.gdn.dt_bias", self.lname(i)),
+            vec![g.value_heads],
+            Some(i),
+            self.hf(i, "linear_attn.dt_bias"),
+        );
+        let state = self.state(
+            i,
+            StateKind::Recurrent,
+            vec![g.value_heads, g.key_dim, g.value_dim],
+        );
         let o = self.scratch("mix", vw);
         ops.push(Op::GatedDeltaNet {
             qkv,
@@ -420,7 +782,12 @@ impl<'a> Lower<'a> {
             key_dim: g.key_dim,
             value_dim: g.value_dim,
         });
-        let nw = self.param(format!("{}.gdn.norm", self.lname(i)), vec![g.value_dim], Some(i), self.hf(i, "linear_attn.norm.weight"));
+        let nw = self.param(
+            format!("{}.gdn.norm", self.lname(i)),
+            vec![g.value_dim],
+            Some(i),
+            self.hf(i, "linear_attn.norm.weight"),
+        );
         let gated = self.scratch("gated", vw);
         ops.push(Op::GatedRmsNorm {
             x: o,
@@ -432,27 +799,81 @@ impl<'a> Lower<'a> {
             group: g.value_dim,
             order: g.norm_order,
         });
-        self.linear(i, "gdn.out_proj", "linear_attn.out_proj", gated, x, false, ops, true);
+        self.linear(
+            i,
+            "gdn.out_proj",
+            "linear_attn.out_proj",
+            gated,
+            x,
+            false,
+            ops,
+            true,
+        );
     }
 
     fn short_conv(&mut self, i: usize, c: &ShortConvIr, hn: View, x: View, ops: &mut Vec<Op>) {
         let h = self.ir.hidden;
         let bcx = self.scratch("proj", 3 * h);
-        self.linear(i, "conv.in_proj", "conv.in_proj", hn, bcx, c.bias, ops, false);
+        self.linear(
+            i,
+            "conv.in_proj",
+            "conv.in_proj",
+            hn,
+            bcx,
+            c.bias,
+            ops,
+            false,
+        );
         let bpart = View { width: h, ..bcx };
-        let cpart = View { col: h, width: h, ..bcx };
-        let xpart = View { col: 2 * h, width: h, ..bcx };
+        let cpart = View {
+            col: h,
+            width: h,
+            ..bcx
+        };
+        let xpart = View {
+            col: 2 * h,
+            width: h,
+            ..bcx
+        };
         let bx = self.scratch("z", h);
-        ops.push(Op::Mul { gate: bpart, act: Act::Identity, x: xpart, out: bx });
-        let w = self.param(format!("{}.conv.conv", self.lname(i)), vec![h, c.conv], Some(i), self.hf(i, "conv.conv.weight"));
+        ops.push(Op::Mul {
+            gate: bpart,
+            act: Act::Identity,
+            x: xpart,
+            out: bx,
+        });
+        let w = self.param(
+            format!("{}.conv.conv", self.lname(i)),
+            vec![h, c.conv],
+            Some(i),
+            self.hf(i, "conv.conv.weight"),
+        );
         let bias = c.bias.then(|| {
             let s = self.hf(i, "conv.conv.bias");
-            self.param(format!("{}.conv.conv_bias", self.lname(i)), vec![h], Some(i), s)
+            self.param(
+                format!("{}.conv.conv_bias", self.lname(i)),
+                vec![h],
+                Some(i),
+                s,
+            )
         });
         let state = self.state(i, StateKind::Conv, vec![c.conv - 1, h]);
         let y = self.scratch("conv", h);
-        ops.push(Op::CausalConv1d { x: bx, weight: w, bias, state, out: y, act: Act::Identity, kernel: c.conv });
-        ops.push(Op::Mul { gate: cpart, act: Act::Identity, x: y, out: y });
+        ops.push(Op::CausalConv1d {
+            x: bx,
+            weight: w,
+            bias,
+            state,
+            out: y,
+            act: Act::Identity,
+            kernel: c.conv,
+        });
+        ops.push(Op::Mul {
+            gate: cpart,
+            act: Act::Identity,
+            x: y,
+            out: y,
+        });
         self.linear(i, "conv.out_proj", "conv.out_proj", y, x, c.bias, ops, true);
     }
 
@@ -461,21 +882,74 @@ impl<'a> Lower<'a> {
         let cd = m.conv_channels();
         let total = inner + cd + m.heads;
         let proj = self.scratch("proj", total);
-        self.linear(i, "mamba.in_proj", "mixer.in_proj", hn, proj, false, ops, false);
-        let z = View { width: inner, ..proj };
-        let xbc_raw = View { col: inner, width: cd, ..proj };
-        let dt = View { col: inner + cd, width: m.heads, ..proj };
-        let w = self.param(format!("{}.mamba.conv1d", self.lname(i)), vec![cd, m.conv], Some(i), self.hf(i, "mixer.conv1d.weight"));
+        self.linear(
+            i,
+            "mamba.in_proj",
+            "mixer.in_proj",
+            hn,
+            proj,
+            false,
+            ops,
+            false,
+        );
+        let z = View {
+            width: inner,
+            ..proj
+        };
+        let xbc_raw = View {
+            col: inner,
+            width: cd,
+            ..proj
+        };
+        let dt = View {
+            col: inner + cd,
+            width: m.heads,
+            ..proj
+        };
+        let w = self.param(
+            format!("{}.mamba.conv1d", self.lname(i)),
+            vec![cd, m.conv],
+            Some(i),
+            self.hf(i, "mixer.conv1d.weight"),
+        );
         let bias = m.conv_bias.then(|| {
             let s = self.hf(i, "mixer.conv1d.bias");
-            self.param(format!("{}.mamba.conv1d_bias", self.lname(i)), vec![cd], Some(i), s)
+            self.param(
+                format!("{}.mamba.conv1d_bias", self.lname(i)),
+                vec![cd],
+                Some(i),
+                s,
+            )
         });
         let conv_state = self.state(i, StateKind::Conv, vec![m.conv - 1, cd]);
         let xbc = self.scratch("conv", cd);
-        ops.push(Op::CausalConv1d { x: xbc_raw, weight: w, bias, state: conv_state, out: xbc, act: Act::Silu, kernel: m.conv });
-        let a_log = self.param(format!("{}.mamba.A_log", self.lname(i)), vec![m.heads], Some(i), self.hf(i, "mixer.A_log"));
-        let d = self.param(format!("{}.mamba.D", self.lname(i)), vec![m.heads], Some(i), self.hf(i, "mixer.D"));
-        let dt_bias = self.param(format!("{}.mamba.dt_bias", self.lname(i)), vec![m.heads], Some(i), self.hf(i, "mixer.dt_bias"));
+        ops.push(Op::CausalConv1d {
+            x: xbc_raw,
+            weight: w,
+            bias,
+            state: conv_state,
+            out: xbc,
+            act: Act::Silu,
+            kernel: m.conv,
+        });
+        let a_log = self.param(
+            format!("{}.mamba.A_log", self.lname(i)),
+            vec![m.heads],
+            Some(i),
+            self.hf(i, "mixer.A_log"),
+        );
+        let d = self.param(
+            format!("{}.mamba.D", self.lname(i)),
+            vec![m.heads],
+            Some(i),
+            self.hf(i, "mixer.D"),
+        );
+        let dt_bias = self.param(
+            format!("{}.mamba.dt_bias", self.lname(i)),
+            vec![m.heads],
+            Some(i),
+            self.hf(i, "mixer.dt_bias"),
+        );
         let state = self.state(i, StateKind::Recurrent, vec![m.heads, m.head_dim, m.state]);
         let y = self.scratch("mix", inner);
         ops.push(Op::Mamba2Scan {
@@ -492,7 +966,12 @@ impl<'a> Lower<'a> {
             state_size: m.state,
             dt_min: m.dt_min,
         });
-        let nw = self.param(format!("{}.mamba.norm", self.lname(i)), vec![inner], Some(i), self.hf(i, "mixer.norm.weight"));
+        let nw = self.param(
+            format!("{}.mamba.norm", self.lname(i)),
+            vec![inner],
+            Some(i),
+            self.hf(i, "mixer.norm.weight"),
+        );
         let gated = self.scratch("gated", inner);
         ops.push(Op::GatedRmsNorm {
             x: y,
@@ -504,7 +983,16 @@ impl<'a> Lower<'a> {
             group: inner / m.groups,
             order: m.norm_order,
         });
-        self.linear(i, "mamba.out_proj", "mixer.out_proj", gated, x, false, ops, true);
+        self.linear(
+            i,
+            "mamba.out_proj",
+            "mixer.out_proj",
+            gated,
+            x,
+            false,
+            ops,
+            true,
+        );
     }
 
     fn mlp(&mut self, i: usize, mlp: &MlpIr, hn: View, x: View, ops: &mut Vec<Op>) {
@@ -514,14 +1002,21 @@ impl<'a> Lower<'a> {
             MlpIr::Swiglu { .. } => {
                 let (gate_n, up_n, down_n) = match naming {
                     WeightNaming::Lfm2 => ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2"),
-                    WeightNaming::NemotronH => ("mixer.gate_proj", "mixer.up_proj", "mixer.down_proj"),
+                    WeightNaming::NemotronH => {
+                        ("mixer.gate_proj", "mixer.up_proj", "mixer.down_proj")
+                    }
                     WeightNaming::Qwen35 => ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
                 };
                 let g = self.scratch("mlp_gate", inter);
                 let u = self.scratch("mlp_up", inter);
                 self.linear(i, "mlp.gate_proj", gate_n, hn, g, false, ops, false);
                 self.linear(i, "mlp.up_proj", up_n, hn, u, false, ops, false);
-                ops.push(Op::Mul { gate: g, act: Act::Silu, x: u, out: u });
+                ops.push(Op::Mul {
+                    gate: g,
+                    act: Act::Silu,
+                    x: u,
+                    out: u,
+                });
                 self.linear(i, "mlp.down_proj", down_n, u, x, false, ops, true);
             }
             MlpIr::Relu2 { .. } => {
@@ -531,7 +1026,11 @@ impl<'a> Lower<'a> {
                 };
                 let u = self.scratch("mlp_up", inter);
                 self.linear(i, "mlp.up_proj", up_n, hn, u, false, ops, false);
-                ops.push(Op::Unary { x: u, act: Act::Relu2, out: u });
+                ops.push(Op::Unary {
+                    x: u,
+                    act: Act::Relu2,
+                    out: u,
+                });
                 self.linear(i, "mlp.down_proj", down_n, u, x, false, ops, true);
             }
         }
@@ -540,7 +1039,11 @@ impl<'a> Lower<'a> {
 
 fn fix(v: View, ids: &BTreeMap<u32, (BufferId, usize)>) -> View {
     match ids.get(&v.buf.0) {
-        Some(&(id, width)) => View { buf: id, stride: width, ..v },
+        Some(&(id, width)) => View {
+            buf: id,
+            stride: width,
+            ..v
+        },
         None => v,
     }
 }
@@ -549,15 +1052,75 @@ fn resolve(op: Op, ids: &BTreeMap<u32, (BufferId, usize)>) -> Op {
     let f = |v: View| fix(v, ids);
     match op {
         Op::Embed { table, out } => Op::Embed { table, out: f(out) },
-        Op::RmsNorm { x, weight, weight_kind, out, eps, group } => {
-            Op::RmsNorm { x: f(x), weight, weight_kind, out: f(out), eps, group }
-        }
-        Op::Linear { x, w, bias, out, accumulate } => Op::Linear { x: f(x), w, bias, out: f(out), accumulate },
-        Op::Mul { gate, act, x, out } => Op::Mul { gate: f(gate), act, x: f(x), out: f(out) },
-        Op::Unary { x, act, out } => Op::Unary { x: f(x), act, out: f(out) },
-        Op::SplitHeads { x, heads, outs } => Op::SplitHeads { x: f(x), heads, outs: outs.into_iter().map(f).collect() },
-        Op::Rope { x, heads, head_dim, rotary_dims, theta } => Op::Rope { x: f(x), heads, head_dim, rotary_dims, theta },
-        Op::Attention { q, k, v, cache_k, cache_v, out, q_heads, kv_heads, head_dim, scale } => Op::Attention {
+        Op::RmsNorm {
+            x,
+            weight,
+            weight_kind,
+            out,
+            eps,
+            group,
+        } => Op::RmsNorm {
+            x: f(x),
+            weight,
+            weight_kind,
+            out: f(out),
+            eps,
+            group,
+        },
+        Op::Linear {
+            x,
+            w,
+            bias,
+            out,
+            accumulate,
+        } => Op::Linear {
+            x: f(x),
+            w,
+            bias,
+            out: f(out),
+            accumulate,
+        },
+        Op::Mul { gate, act, x, out } => Op::Mul {
+            gate: f(gate),
+            act,
+            x: f(x),
+            out: f(out),
+        },
+        Op::Unary { x, act, out } => Op::Unary {
+            x: f(x),
+            act,
+            out: f(out),
+        },
+        Op::SplitHeads { x, heads, outs } => Op::SplitHeads {
+            x: f(x),
+            heads,
+            outs: outs.into_iter().map(f).collect(),
+        },
+        Op::Rope {
+            x,
+            heads,
+            head_dim,
+            rotary_dims,
+            theta,
+        } => Op::Rope {
+            x: f(x),
+            heads,
+            head_dim,
+            rotary_dims,
+            theta,
+        },
+        Op::Attention {
+            q,
+            k,
+            v,
+            cache_k,
+            cache_v,
+            out,
+            q_heads,
+            kv_heads,
+            head_dim,
+            scale,
+        } => Op::Attention {
             q: f(q),
             k: f(k),
             v: f(v),
@@ -569,44 +1132,95 @@ fn resolve(op: Op, ids: &BTreeMap<u32, (BufferId, usize)>) -> Op {
             head_dim,
             scale,
         },
-        Op::CausalConv1d { x, weight, bias, state, out, act, kernel } => {
-            Op::CausalConv1d { x: f(x), weight, bias, state, out: f(out), act, kernel }
-        }
-        Op::GatedDeltaNet { qkv, a, b, a_log, dt_bias, state, out, key_heads, value_heads, key_dim, value_dim } => {
-            Op::GatedDeltaNet {
-                qkv: f(qkv),
-                a: f(a),
-                b: f(b),
-                a_log,
-                dt_bias,
-                state,
-                out: f(out),
-                key_heads,
-                value_heads,
-                key_dim,
-                value_dim,
-            }
-        }
-        Op::GatedRmsNorm { x, gate, weight, shared_weight, out, eps, group, order } => {
-            Op::GatedRmsNorm { x: f(x), gate: f(gate), weight, shared_weight, out: f(out), eps, group, order }
-        }
+        Op::CausalConv1d {
+            x,
+            weight,
+            bias,
+            state,
+            out,
+            act,
+            kernel,
+        } => Op::CausalConv1d {
+            x: f(x),
+            weight,
+            bias,
+            state,
+            out: f(out),
+            act,
+            kernel,
+        },
+        Op::GatedDeltaNet {
+            qkv,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            state,
+            out,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+        } => Op::GatedDeltaNet {
+            qkv: f(qkv),
+            a: f(a),
+            b: f(b),
+            a_log,
+            dt_bias,
+            state,
+            out: f(out),
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+        },
+        Op::GatedRmsNorm {
+            x,
+            gate,
+            weight,
+            shared_weight,
+            out,
+            eps,
+            group,
+            order,
+        } => Op::GatedRmsNorm {
+            x: f(x),
+            gate: f(gate),
+            weight,
+            shared_weight,
+            out: f(out),
+            eps,
+            group,
+            order,
+        },
         Op::StoreLastRow { x, state } => Op::StoreLastRow { x: f(x), state },
         Op::LoadState { state, out } => Op::LoadState { state, out: f(out) },
-        Op::Mamba2Scan { xbc, dt, a_log, d, dt_bias, state, out, heads, head_dim, groups, state_size, dt_min } => {
-            Op::Mamba2Scan {
-                xbc: f(xbc),
-                dt: f(dt),
-                a_log,
-                d,
-                dt_bias,
-                state,
-                out: f(out),
-                heads,
-                head_dim,
-                groups,
-                state_size,
-                dt_min,
-            }
-        }
+        Op::Mamba2Scan {
+            xbc,
+            dt,
+            a_log,
+            d,
+            dt_bias,
+            state,
+            out,
+            heads,
+            head_dim,
+            groups,
+            state_size,
+            dt_min,
+        } => Op::Mamba2Scan {
+            xbc: f(xbc),
+            dt: f(dt),
+            a_log,
+            d,
+            dt_bias,
+            state,
+            out: f(out),
+            heads,
+            head_dim,
+            groups,
+            state_size,
+            dt_min,
+        },
     }
 }

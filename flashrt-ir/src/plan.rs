@@ -79,13 +79,22 @@ pub enum Op {
     },
     /// `out = act(gate) * x` element-wise (SwiGLU, output gates, LFM2's B·x and C·y).
     /// `out` may alias `x` or `gate`.
-    Mul { gate: View, act: Act, x: View, out: View },
+    Mul {
+        gate: View,
+        act: Act,
+        x: View,
+        out: View,
+    },
     /// `out = act(x)` element-wise. `out` may alias `x`.
     Unary { x: View, act: Act, out: View },
     /// De-interleave per-head parts: `x` holds `heads` blocks of `sum(outs[i].width) / heads`
     /// columns; part `i` of head `h` (width `outs[i].width / heads`) goes to head `h` of
     /// `outs[i]`. (Qwen3.5's `q_proj` emits `[query | gate]` per head.)
-    SplitHeads { x: View, heads: usize, outs: Vec<View> },
+    SplitHeads {
+        x: View,
+        heads: usize,
+        outs: Vec<View>,
+    },
     /// Rotary embedding in place on `heads` heads of `head_dim`: the first `rotary_dims` dims
     /// of each head rotate (rotate-half pairs `i` and `i + rotary_dims/2`) by angle
     /// `p * theta^(-2i / rotary_dims)` with `p = io.pos + r`; the rest pass through.
@@ -202,7 +211,9 @@ impl Op {
                 o(*weight);
                 o(Some(out.buf));
             }
-            Op::Linear { x, w, bias, out, .. } => {
+            Op::Linear {
+                x, w, bias, out, ..
+            } => {
                 o(Some(x.buf));
                 o(Some(*w));
                 o(*bias);
@@ -224,29 +235,68 @@ impl Op {
                 }
             }
             Op::Rope { x, .. } => o(Some(x.buf)),
-            Op::Attention { q, k, v: vv, cache_k, cache_v, out, .. } => {
+            Op::Attention {
+                q,
+                k,
+                v: vv,
+                cache_k,
+                cache_v,
+                out,
+                ..
+            } => {
                 for b in [q.buf, k.buf, vv.buf, *cache_k, *cache_v, out.buf] {
                     o(Some(b));
                 }
             }
-            Op::CausalConv1d { x, weight, bias, state, out, .. } => {
+            Op::CausalConv1d {
+                x,
+                weight,
+                bias,
+                state,
+                out,
+                ..
+            } => {
                 o(Some(x.buf));
                 o(Some(*weight));
                 o(*bias);
                 o(Some(*state));
                 o(Some(out.buf));
             }
-            Op::GatedDeltaNet { qkv, a, b, a_log, dt_bias, state, out, .. } => {
+            Op::GatedDeltaNet {
+                qkv,
+                a,
+                b,
+                a_log,
+                dt_bias,
+                state,
+                out,
+                ..
+            } => {
                 for id in [qkv.buf, a.buf, b.buf, *a_log, *dt_bias, *state, out.buf] {
                     o(Some(id));
                 }
             }
-            Op::GatedRmsNorm { x, gate, weight, out, .. } => {
+            Op::GatedRmsNorm {
+                x,
+                gate,
+                weight,
+                out,
+                ..
+            } => {
                 for id in [x.buf, gate.buf, *weight, out.buf] {
                     o(Some(id));
                 }
             }
-            Op::Mamba2Scan { xbc, dt, a_log, d, dt_bias, state, out, .. } => {
+            Op::Mamba2Scan {
+                xbc,
+                dt,
+                a_log,
+                d,
+                dt_bias,
+                state,
+                out,
+                ..
+            } => {
                 for id in [xbc.buf, dt.buf, *a_log, *d, *dt_bias, *state, out.buf] {
                     o(Some(id));
                 }

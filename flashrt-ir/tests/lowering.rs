@@ -1,27 +1,40 @@
 //! Structural invariants of layouts and plans, for every reference family and for a model
 //! with an MTP head.
 
-use flashrt_ir::hf::{ir_from_hf_config, HfOptions};
+use flashrt_ir::hf::{HfOptions, ir_from_hf_config};
 use flashrt_ir::*;
 use std::path::PathBuf;
 
 fn fixture_ir(name: &str) -> ModelIr {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures").join(name);
-    let json = std::fs::read_to_string(dir.join("config.json"))
-        .unwrap_or_else(|e| panic!("fixture {name} (expected beside the repository in shared/fixtures): {e}"));
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/fixtures")
+        .join(name);
+    let json = std::fs::read_to_string(dir.join("config.json")).unwrap_or_else(|e| {
+        panic!("fixture {name} (expected beside the repository in shared/fixtures): {e}")
+    });
     ir_from_hf_config(&json, &HfOptions::default()).unwrap()
 }
 
 /// The Qwen3.5 fixture shape plus one MTP layer of its attention kind.
 fn with_mtp() -> ModelIr {
     let mut ir = fixture_ir("qwen35-public");
-    let attn = ir.layers.iter().find(|l| matches!(l.mixer, Some(MixerIr::Attention(_)))).unwrap().clone();
+    let attn = ir
+        .layers
+        .iter()
+        .find(|l| matches!(l.mixer, Some(MixerIr::Attention(_))))
+        .unwrap()
+        .clone();
     ir.mtp = Some(MtpIr { layers: vec![attn] });
     ir
 }
 
 fn all() -> Vec<ModelIr> {
-    vec![fixture_ir("qwen35-public"), fixture_ir("lfm2-public"), fixture_ir("nemotronh-public"), with_mtp()]
+    vec![
+        fixture_ir("qwen35-public"),
+        fixture_ir("lfm2-public"),
+        fixture_ir("nemotronh-public"),
+        with_mtp(),
+    ]
 }
 
 fn check_layout(c: &Compiled) {
@@ -29,10 +42,18 @@ fn check_layout(c: &Compiled) {
     let mut names = std::collections::BTreeSet::new();
     for (i, b) in l.buffers.iter().enumerate() {
         assert_eq!(b.id.index(), i, "ids are indices");
-        assert!(names.insert(b.name.clone()), "duplicate buffer name {}", b.name);
+        assert!(
+            names.insert(b.name.clone()),
+            "duplicate buffer name {}",
+            b.name
+        );
         assert_eq!(b.bytes, b.numel() * b.dtype.size(), "{}", b.name);
         assert_eq!(b.offset % ALIGN, 0, "{} misaligned", b.name);
-        assert!(b.offset + b.bytes <= l.arena_bytes(b.role), "{} outside its arena", b.name);
+        assert!(
+            b.offset + b.bytes <= l.arena_bytes(b.role),
+            "{} outside its arena",
+            b.name
+        );
         assert_eq!(b.role == Role::State, b.state.is_some(), "{}", b.name);
         assert_eq!(b.role == Role::Weight, b.source.is_some(), "{}", b.name);
         if b.state.is_some_and(|k| k.per_token()) {
@@ -44,8 +65,12 @@ fn check_layout(c: &Compiled) {
     }
     // No two buffers of one arena overlap.
     for role in Role::ALL {
-        let mut spans: Vec<(usize, usize, &str)> =
-            l.buffers.iter().filter(|b| b.role == role).map(|b| (b.offset, b.offset + b.bytes, b.name.as_str())).collect();
+        let mut spans: Vec<(usize, usize, &str)> = l
+            .buffers
+            .iter()
+            .filter(|b| b.role == role)
+            .map(|b| (b.offset, b.offset + b.bytes, b.name.as_str()))
+            .collect();
         spans.sort();
         for w in spans.windows(2) {
             assert!(w[0].1 <= w[1].0, "{} overlaps {}", w[0].2, w[1].2);
@@ -55,17 +80,36 @@ fn check_layout(c: &Compiled) {
 
 fn check_view(c: &Compiled, v: &View, rows: usize) {
     let b = c.layout.buffer(v.buf);
-    assert!(matches!(b.role, Role::Scratch | Role::Io), "views address scratch/io, not {}", b.name);
+    assert!(
+        matches!(b.role, Role::Scratch | Role::Io),
+        "views address scratch/io, not {}",
+        b.name
+    );
     assert_eq!(b.shape.len(), 2, "{}", b.name);
-    assert_eq!(b.shape[1], v.stride, "{}: stride is the column count", b.name);
-    assert!(v.col + v.width <= v.stride, "{}: window inside the row", b.name);
-    assert!(b.shape[0] >= rows, "{}: {} rows < plan rows {rows}", b.name, b.shape[0]);
+    assert_eq!(
+        b.shape[1], v.stride,
+        "{}: stride is the column count",
+        b.name
+    );
+    assert!(
+        v.col + v.width <= v.stride,
+        "{}: window inside the row",
+        b.name
+    );
+    assert!(
+        b.shape[0] >= rows,
+        "{}: {} rows < plan rows {rows}",
+        b.name,
+        b.shape[0]
+    );
 }
 
 fn views(op: &Op) -> Vec<View> {
     match op {
         Op::Embed { out, .. } => vec![*out],
-        Op::RmsNorm { x, out, .. } | Op::Linear { x, out, .. } | Op::Unary { x, out, .. } => vec![*x, *out],
+        Op::RmsNorm { x, out, .. } | Op::Linear { x, out, .. } | Op::Unary { x, out, .. } => {
+            vec![*x, *out]
+        }
         Op::Mul { gate, x, out, .. } => vec![*gate, *x, *out],
         Op::SplitHeads { x, outs, .. } => std::iter::once(*x).chain(outs.iter().copied()).collect(),
         Op::Rope { x, .. } => vec![*x],
@@ -95,7 +139,11 @@ fn every_op_addresses_valid_buffers_and_views() {
         for plan in &c.plans {
             for op in &plan.ops {
                 for b in op.buffers() {
-                    assert!(b.index() < c.layout.buffers.len(), "{}: dangling buffer id", op.name());
+                    assert!(
+                        b.index() < c.layout.buffers.len(),
+                        "{}: dangling buffer id",
+                        op.name()
+                    );
                 }
                 for v in views(op) {
                     check_view(&c, &v, plan.phase.rows());
@@ -114,7 +162,12 @@ fn every_op_addresses_valid_buffers_and_views() {
 fn phases_cover_buckets_decode_and_mtp() {
     let plain = compile(&fixture_ir("lfm2-public"), Target { dtype: DType::F32 });
     let phases: Vec<Phase> = plain.plans.iter().map(|p| p.phase).collect();
-    let mut expected: Vec<Phase> = plain.ir.prefill_buckets.iter().map(|&bucket| Phase::Prefill { bucket }).collect();
+    let mut expected: Vec<Phase> = plain
+        .ir
+        .prefill_buckets
+        .iter()
+        .map(|&bucket| Phase::Prefill { bucket })
+        .collect();
     expected.push(Phase::Decode);
     assert_eq!(phases, expected);
 
@@ -132,7 +185,9 @@ fn phases_cover_buckets_decode_and_mtp() {
         .ops
         .iter()
         .filter_map(|op| match op {
-            Op::Attention { cache_k, cache_v, .. } => Some([*cache_k, *cache_v]),
+            Op::Attention {
+                cache_k, cache_v, ..
+            } => Some([*cache_k, *cache_v]),
             _ => None,
         })
         .flatten()
@@ -140,19 +195,34 @@ fn phases_cover_buckets_decode_and_mtp() {
         .collect();
     assert_eq!(att_state, ["mtp.0.key", "mtp.0.value"]);
     let hidden = mtp.layout.find("mtp.hidden").expect("mtp.hidden region");
-    assert_eq!((hidden.role, hidden.state), (Role::State, Some(StateKind::Hidden)));
+    assert_eq!(
+        (hidden.role, hidden.state),
+        (Role::State, Some(StateKind::Hidden))
+    );
     // Main plans keep the newest hidden for the drafter.
     let decode = mtp.plan(Phase::Decode).unwrap();
-    assert!(decode.ops.iter().any(|op| matches!(op, Op::StoreLastRow { state, .. } if *state == hidden.id)));
+    assert!(
+        decode
+            .ops
+            .iter()
+            .any(|op| matches!(op, Op::StoreLastRow { state, .. } if *state == hidden.id))
+    );
     // MTP weights carry the checkpoint's names.
     for (buf, src) in [
         ("mtp.fc", "mtp.fc.weight"),
-        ("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_embedding.weight"),
+        (
+            "mtp.pre_fc_norm_embedding",
+            "mtp.pre_fc_norm_embedding.weight",
+        ),
         ("mtp.0.attn.q_proj", "mtp.layers.0.self_attn.q_proj.weight"),
         ("mtp.0.mlp.down_proj", "mtp.layers.0.mlp.down_proj.weight"),
         ("mtp.norm", "mtp.norm.weight"),
     ] {
-        assert_eq!(mtp.layout.find(buf).and_then(|b| b.source.as_deref()), Some(src), "{buf}");
+        assert_eq!(
+            mtp.layout.find(buf).and_then(|b| b.source.as_deref()),
+            Some(src),
+            "{buf}"
+        );
     }
 }
 
@@ -160,12 +230,27 @@ fn phases_cover_buckets_decode_and_mtp() {
 fn fingerprints_name_ir_and_target() {
     let a = fixture_ir("qwen35-public");
     let f = |ir: &ModelIr, dtype| compile(ir, Target { dtype }).layout.fingerprint;
-    assert_eq!(f(&a, DType::Bf16), f(&a.clone(), DType::Bf16), "deterministic");
-    assert_ne!(f(&a, DType::Bf16), f(&a, DType::F32), "target dtype is part of the fingerprint");
+    assert_eq!(
+        f(&a, DType::Bf16),
+        f(&a.clone(), DType::Bf16),
+        "deterministic"
+    );
+    assert_ne!(
+        f(&a, DType::Bf16),
+        f(&a, DType::F32),
+        "target dtype is part of the fingerprint"
+    );
     let mut b = a.clone();
     b.max_seq += 1;
-    assert_ne!(f(&a, DType::Bf16), f(&b, DType::Bf16), "IR is part of the fingerprint");
-    assert_eq!(compile(&a, Target { dtype: DType::F32 }), compile(&a, Target { dtype: DType::F32 }));
+    assert_ne!(
+        f(&a, DType::Bf16),
+        f(&b, DType::Bf16),
+        "IR is part of the fingerprint"
+    );
+    assert_eq!(
+        compile(&a, Target { dtype: DType::F32 }),
+        compile(&a, Target { dtype: DType::F32 })
+    );
 }
 
 #[test]
@@ -176,7 +261,12 @@ fn capsule_bytes_grow_linearly_with_position() {
         for pos in [0, 1, 37, l.max_seq] {
             assert_eq!(l.capsule_bytes(pos), fixed + per * pos);
         }
-        assert_eq!(l.capsule_bytes(l.max_seq), l.arena_bytes(Role::State) - padding(&l), "{}", ir.name);
+        assert_eq!(
+            l.capsule_bytes(l.max_seq),
+            l.arena_bytes(Role::State) - padding(&l),
+            "{}",
+            ir.name
+        );
     }
 }
 

@@ -11,7 +11,7 @@
 
 use proc_macro::TokenStream;
 use quote::quote;
-use syn::{parse_macro_input, ItemStruct, LitStr};
+use syn::{ItemStruct, LitStr, parse_macro_input};
 
 /// Declare a model on a unit struct; the struct becomes the model type and a
 /// `<Name>Capsule` type is generated beside it.
@@ -54,8 +54,12 @@ fn include_model_impl(lit: &LitStr) -> syn::Result<proc_macro2::TokenStream> {
             "model paths must be relative to the crate root (CARGO_MANIFEST_DIR), not absolute",
         ));
     }
-    let root = std::env::var("CARGO_MANIFEST_DIR")
-        .map_err(|_| syn::Error::new(lit.span(), "CARGO_MANIFEST_DIR is not set; include_model! must run under cargo"))?;
+    let root = std::env::var("CARGO_MANIFEST_DIR").map_err(|_| {
+        syn::Error::new(
+            lit.span(),
+            "CARGO_MANIFEST_DIR is not set; include_model! must run under cargo",
+        )
+    })?;
     let path = std::path::Path::new(&root).join(rel_path);
     let src = std::fs::read_to_string(&path)
         .map_err(|e| syn::Error::new(lit.span(), format!("cannot read model file `{rel}`: {e}")))?;
@@ -79,4 +83,3 @@ fn snake_case(s: &str) -> String {
     }
     out
 }
-

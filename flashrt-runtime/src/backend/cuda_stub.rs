@@ -18,7 +18,9 @@ impl CudaBackend {
         false
     }
     pub fn new(_ordinal: usize) -> Result<Self> {
-        Err(Error::Unsupported("flashrt was not compiled with CUDA (build with `--features cuda`)".into()))
+        Err(Error::Unsupported(
+            "flashrt was not compiled with CUDA (build with `--features cuda`)".into(),
+        ))
     }
 }
 
