@@ -1,8 +1,8 @@
 //! The command implementations behind `flashrt` (kept in the library so tests can call them).
 
+use crate::runtime::Backend;
 use flashrt_ir::{Compiled, Role};
 use std::fmt::Write;
-use crate::runtime::Backend;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -15,7 +15,11 @@ pub fn human_bytes(b: usize) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{b} B") } else { format!("{v:.2} {}", UNITS[u]) }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
 }
 
 /// What `flashrt compile` prints: layout, plans, capsule size.
@@ -27,12 +31,18 @@ pub fn compile_report(c: &Compiled, ops: bool) -> String {
         "model {} ({} layers{}), target {}, fingerprint {}",
         c.ir.name,
         c.ir.layers.len(),
-        c.ir.mtp.as_ref().map_or(String::new(), |m| format!(" + {} MTP", m.layers.len())),
+        c.ir.mtp
+            .as_ref()
+            .map_or(String::new(), |m| format!(" + {} MTP", m.layers.len())),
         l.target.dtype.name(),
         l.fingerprint
     );
     let _ = writeln!(s, "\nlayout ({} buffers)", l.buffers.len());
-    let _ = writeln!(s, "  {:<40} {:<8} {:<5} {:<24} {:>12}", "buffer", "role", "dtype", "shape", "bytes");
+    let _ = writeln!(
+        s,
+        "  {:<40} {:<8} {:<5} {:<24} {:>12}",
+        "buffer", "role", "dtype", "shape", "bytes"
+    );
     for b in &l.buffers {
         let _ = writeln!(
             s,
@@ -47,12 +57,28 @@ pub fn compile_report(c: &Compiled, ops: bool) -> String {
     let _ = writeln!(s, "\narenas");
     for role in Role::ALL {
         let bytes = l.arena_bytes(role);
-        let _ = writeln!(s, "  {:<8} {:>16} bytes  {:>11}", role.name(), bytes, human_bytes(bytes));
+        let _ = writeln!(
+            s,
+            "  {:<8} {:>16} bytes  {:>11}",
+            role.name(),
+            bytes,
+            human_bytes(bytes)
+        );
     }
     let _ = writeln!(s, "\nplans");
     for p in &c.plans {
-        let counts = p.op_counts().iter().map(|(n, k)| format!("{n} {k}")).collect::<Vec<_>>().join(", ");
-        let _ = writeln!(s, "  {:<15} {:>5} ops: {counts}", p.phase.label(), p.ops.len());
+        let counts = p
+            .op_counts()
+            .iter()
+            .map(|(n, k)| format!("{n} {k}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let _ = writeln!(
+            s,
+            "  {:<15} {:>5} ops: {counts}",
+            p.phase.label(),
+            p.ops.len()
+        );
         if ops {
             for (i, op) in p.ops.iter().enumerate() {
                 let _ = writeln!(s, "      {i:>5} {}", op.name());
@@ -62,8 +88,16 @@ pub fn compile_report(c: &Compiled, ops: bool) -> String {
     let fixed = l.capsule_fixed_bytes();
     let per = l.capsule_bytes_per_token();
     let _ = writeln!(s, "\ncapsule");
-    let _ = writeln!(s, "  fixed bytes      {fixed:>16}  {:>11}  (recurrent + conv state)", human_bytes(fixed));
-    let _ = writeln!(s, "  bytes per token  {per:>16}  {:>11}  (attention K/V)", human_bytes(per));
+    let _ = writeln!(
+        s,
+        "  fixed bytes      {fixed:>16}  {:>11}  (recurrent + conv state)",
+        human_bytes(fixed)
+    );
+    let _ = writeln!(
+        s,
+        "  bytes per token  {per:>16}  {:>11}  (attention K/V)",
+        human_bytes(per)
+    );
     if c.ir.mtp.is_some() {
         let mtp = |per_token: bool| -> usize {
             l.state_buffers()
@@ -75,12 +109,25 @@ pub fn compile_report(c: &Compiled, ops: bool) -> String {
                 })
                 .sum()
         };
-        let _ = writeln!(s, "  MTP head fixed bytes      {:>16}  (included above: drafter input hidden)", mtp(false));
-        let _ = writeln!(s, "  MTP head bytes per token  {:>16}  (included above: drafter K/V)", mtp(true));
+        let _ = writeln!(
+            s,
+            "  MTP head fixed bytes      {:>16}  (included above: drafter input hidden)",
+            mtp(false)
+        );
+        let _ = writeln!(
+            s,
+            "  MTP head bytes per token  {:>16}  (included above: drafter K/V)",
+            mtp(true)
+        );
     }
     for n in [2048usize, 16384, l.max_seq] {
         if n <= l.max_seq {
-            let _ = writeln!(s, "  at {n:>6} tokens  {:>16}  {:>11}", fixed + per * n, human_bytes(fixed + per * n));
+            let _ = writeln!(
+                s,
+                "  at {n:>6} tokens  {:>16}  {:>11}",
+                fixed + per * n,
+                human_bytes(fixed + per * n)
+            );
         }
     }
     s
@@ -93,7 +140,11 @@ fn backend_from(args: &[String]) -> Result<(Arc<dyn Backend>, Vec<String>), Stri
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "--backend" {
-            choice = Some(it.next().ok_or("--backend needs a value (cpu or cuda)")?.clone());
+            choice = Some(
+                it.next()
+                    .ok_or("--backend needs a value (cpu or cuda)")?
+                    .clone(),
+            );
         } else {
             rest.push(a.clone());
         }
@@ -101,7 +152,9 @@ fn backend_from(args: &[String]) -> Result<(Arc<dyn Backend>, Vec<String>), Stri
     let backend: Arc<dyn Backend> = match choice.as_deref() {
         None => crate::runtime::backend::best().map_err(|e| e.to_string())?,
         Some("cpu") => Arc::new(crate::runtime::CpuBackend::new()),
-        Some("cuda") => Arc::new(crate::runtime::backend::cuda::CudaBackend::new(0).map_err(|e| e.to_string())?),
+        Some("cuda") => {
+            Arc::new(crate::runtime::backend::cuda::CudaBackend::new(0).map_err(|e| e.to_string())?)
+        }
         Some(other) => return Err(format!("unknown backend `{other}` (cpu or cuda)")),
     };
     Ok((backend, rest))
@@ -115,9 +168,14 @@ pub fn check_reference(args: &[String]) -> Result<ExitCode, String> {
         [] => return Err("missing checkpoint folder".into()),
         _ => return Err(format!("expected one folder, got {}", rest.len())),
     };
-    let report = crate::runtime::check_reference(&dir, backend).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let report = crate::runtime::check_reference(&dir, backend)
+        .map_err(|e| format!("{}: {e}", dir.display()))?;
     println!("{report}");
-    Ok(if report.passed() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 /// `flashrt demo`.
@@ -129,15 +187,77 @@ pub fn demo(args: &[String]) -> Result<ExitCode, String> {
         match a.as_str() {
             "--prompt" => {
                 let v = it.next().ok_or("--prompt needs a token count")?;
-                prompt = v.parse().map_err(|_| format!("--prompt: `{v}` is not a number"))?;
+                prompt = v
+                    .parse()
+                    .map_err(|_| format!("--prompt: `{v}` is not a number"))?;
             }
             other => return Err(format!("unknown argument `{other}`")),
         }
     }
     if prompt == 0 || prompt + 64 > crate::demo::Demo::ir_max_seq() {
-        return Err(format!("--prompt must be between 1 and {}", crate::demo::Demo::ir_max_seq() - 64));
+        return Err(format!(
+            "--prompt must be between 1 and {}",
+            crate::demo::Demo::ir_max_seq() - 64
+        ));
     }
     let report = crate::demo::run(backend, prompt).map_err(|e| e.to_string())?;
     print!("{}", crate::demo::render(&report));
-    Ok(if report.passed() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// `flashrt bench <model.toml> [--random-weights] [--lengths 2048,4096] [--iters N]
+/// [--decode-steps N] [--json FILE] [--backend cpu|cuda]`.
+pub fn bench(args: &[String]) -> Result<ExitCode, String> {
+    let (backend, rest) = backend_from(args)?;
+    let mut opts = crate::bench::BenchOptions {
+        lengths: vec![2048, 4096, 8192, 16384],
+        iters: 20,
+        decode_steps: 20,
+        seed: 7,
+    };
+    let (mut path, mut json) = (None, None);
+    let mut it = rest.iter();
+    let num = |flag: &str, v: Option<&String>| -> Result<usize, String> {
+        let v = v.ok_or(format!("{flag} needs a value"))?;
+        v.parse()
+            .map_err(|_| format!("{flag}: `{v}` is not a number"))
+    };
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            // Checkpoints are not needed for timing; random weights are the only mode so far.
+            "--random-weights" => {}
+            "--lengths" => {
+                let v = it.next().ok_or("--lengths needs a comma-separated list")?;
+                opts.lengths = v
+                    .split(',')
+                    .map(|x| {
+                        x.trim()
+                            .parse()
+                            .map_err(|_| format!("--lengths: `{x}` is not a number"))
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
+            "--iters" => opts.iters = num("--iters", it.next())?,
+            "--decode-steps" => opts.decode_steps = num("--decode-steps", it.next())?,
+            "--seed" => opts.seed = num("--seed", it.next())? as u64,
+            "--json" => json = Some(it.next().ok_or("--json needs a file")?.clone()),
+            p if !p.starts_with("--") && path.is_none() => path = Some(p.to_string()),
+            other => return Err(format!("unexpected argument `{other}`")),
+        }
+    }
+    let path = path.ok_or("missing model file")?;
+    let src = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let ir = crate::compiler::model_from_toml(&src, &path).map_err(|d| d.to_string())?;
+    let report = crate::bench::run(backend, &ir, &opts)?;
+    print!("{}", crate::bench::render(&report));
+    if let Some(j) = json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        std::fs::write(&j, text).map_err(|e| format!("cannot write {j}: {e}"))?;
+        println!("wrote {j}");
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -15,6 +15,7 @@
 
 extern crate self as flashrt;
 
+pub mod bench;
 pub mod cli;
 pub mod demo;
 
