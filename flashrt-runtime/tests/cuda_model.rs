@@ -644,3 +644,64 @@ fn unaligned_restore_and_forks_match_cold_prefill_on_gpu() {
         assert!(err <= TOL, "branch {}: rel err {err:.3e}", i + 1);
     }
 }
+
+/// Issue 5 on the GPU: speculative greedy decoding with the MTP drafter (k = 1..4), an oracle
+/// drafter (every draft accepted) and an adversary (every draft rejected) gives exactly the
+/// tokens of plain greedy decoding. This needs verify rows to round like decode rows, which
+/// the CUDA programs guarantee by sharing one GEMM shape and one attention split count across
+/// every phase of at most MAX_DRAFT + 1 rows in models with verify plans.
+#[test]
+fn speculative_greedy_matches_plain_on_gpu() {
+    use flashrt_runtime::speculative::{AdversaryDrafter, MtpDrafter, OracleDrafter};
+    let Some(gpu) = cuda("speculative_greedy_matches_plain_on_gpu") else {
+        return;
+    };
+    let json = QWEN_LIKE.replace(
+        "\"num_hidden_layers\": 4,",
+        "\"num_hidden_layers\": 4, \"mtp_num_hidden_layers\": 1,",
+    );
+    assert_ne!(json, QWEN_LIKE, "the MTP key was inserted");
+    let ir = ir_of(&json, DType::Bf16, &[8, 32], 512);
+    assert!(ir.mtp.is_some());
+    let model = Model::with_random_weights(gpu, &ir, 3).expect("model");
+    let vocab = model.vocab();
+    const N: usize = 120;
+    for seed in [8u64, 9] {
+        let p = prompt(40, vocab, seed);
+        let mut a = model.session().unwrap();
+        a.append_with_mtp(&p).unwrap();
+        let plain = a.decode_greedy(N).unwrap();
+        for k in 1..=4 {
+            let mut b = model.session().unwrap();
+            b.append_with_mtp(&p).unwrap();
+            let (t, st) = b.decode_speculative(N, k, &mut MtpDrafter).unwrap();
+            let same = t.iter().zip(&plain).take_while(|(x, y)| x == y).count();
+            println!(
+                "seed {seed} k {k}: mtp drafts {} accepted {} rollbacks {}; {same}/{N} tokens agree",
+                st.drafted, st.accepted, st.rollbacks
+            );
+            assert_eq!(
+                t, plain,
+                "seed {seed}, k {k}: speculative output differs from plain greedy at token {same}"
+            );
+            assert_eq!(b.tokens(), a.tokens(), "history");
+        }
+        // The drafters' reference is the whole sequence from position 0.
+        let reference: Vec<u32> = p.iter().chain(&plain).copied().collect();
+        let mut o = model.session().unwrap();
+        o.append_with_mtp(&p).unwrap();
+        let (t, st) = o
+            .decode_speculative(N, 4, &mut OracleDrafter::new(reference.clone()))
+            .unwrap();
+        assert_eq!(t, plain, "oracle drafter output");
+        assert_eq!(st.accepted, st.drafted, "oracle: every draft accepted");
+        let mut v = model.session().unwrap();
+        v.append_with_mtp(&p).unwrap();
+        let (t, st) = v
+            .decode_speculative(N, 4, &mut AdversaryDrafter::new(reference))
+            .unwrap();
+        assert_eq!(t, plain, "adversary drafter output");
+        assert_eq!(st.accepted, 0, "adversary: every draft rejected");
+        println!("seed {seed}: oracle and adversary drafters reproduce plain greedy");
+    }
+}

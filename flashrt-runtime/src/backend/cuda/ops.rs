@@ -515,14 +515,37 @@ impl Builder<'_> {
                 max_rows: to_i32(layout.max_rows, "max_rows", &label)?,
             },
         )];
+        // Speculative decoding commits verify rows in place of decode steps, so in models with
+        // verify plans every phase of at most MAX_DRAFT + 1 rows computes a row the same way:
+        // one GEMM shape (and so one cuBLASLt algorithm) and one attention split count.
+        // (Rows past `len` are padding; GEMMs compute them and nobody reads them.)
+        let spec = flashrt_ir::lower::MAX_DRAFT + 1;
+        let has_verify = self
+            .compiled
+            .plans
+            .iter()
+            .any(|p| matches!(p.phase, flashrt_ir::Phase::Verify { .. }));
+        let shared = (has_verify && rows <= spec && layout.max_rows >= spec).then_some(spec);
         for (i, op) in plan.ops.iter().enumerate() {
             let label = format!("{} op {i} ({})", plan.phase.label(), op.name());
-            self.op(op, rows, &label, &mut cmds)?;
+            self.op(op, rows, shared, &label, &mut cmds)?;
         }
         Ok(Program { cmds })
     }
 
-    fn op(&self, op: &Op, rows: usize, label: &str, cmds: &mut Vec<Cmd>) -> Result<()> {
+    /// Commands of one op over a bucket of `rows`. With `shared = Some(s)` (s >= rows) the op
+    /// computes a row exactly as every other phase of at most `s` rows does: GEMMs are sized
+    /// for `s` rows, and attention uses the split count of a one-row step (its workspace sized
+    /// for `s` rows).
+    fn op(
+        &self,
+        op: &Op,
+        rows: usize,
+        shared: Option<usize>,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+    ) -> Result<()> {
+        let shape_rows = shared.unwrap_or(rows);
         let t = self.target();
         let io = &self.compiled.io;
         let len = self.addr(io.len);
@@ -604,8 +627,8 @@ impl Builder<'_> {
                 out,
                 accumulate,
             } => {
-                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
-                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                let (xp, ld_x, xd) = self.view(x, shape_rows, label, "x")?;
+                let (op_, ld_o, od) = self.view(out, shape_rows, label, "out")?;
                 self.expect_dtype(*w, t, label)?;
                 if xd != t || (od != t && od != DType::F32) {
                     return Err(Error::Unsupported(format!(
@@ -628,7 +651,7 @@ impl Builder<'_> {
                     out_dtype: od,
                     n: out.width as u64,
                     k: x.width as u64,
-                    rows: rows as u64,
+                    rows: shape_rows as u64,
                     ld_x: ld_x as i64,
                     ld_out: ld_o as i64,
                     align_w: gemm::alignment(wp),
@@ -880,8 +903,8 @@ impl Builder<'_> {
                 ));
                 // Flash-decoding split: enough blocks for ~4 waves, pieces of >= 16
                 // positions at max_seq, partials within the workspace.
-                let blocks = q_heads * rows;
-                let per_split = blocks * (head_dim + 2) * 4;
+                let blocks = q_heads * if shared.is_some() { 1 } else { rows };
+                let per_split = q_heads * shape_rows * (head_dim + 2) * 4;
                 let splits = (4 * self.sms)
                     .div_ceil(blocks)
                     .min(64)
