@@ -705,3 +705,56 @@ fn speculative_greedy_matches_plain_on_gpu() {
         println!("seed {seed}: oracle and adversary drafters reproduce plain greedy");
     }
 }
+
+/// Issue 5 on the GPU: a capsule taken mid-way through speculative decoding holds the
+/// drafter's state too (its K/V regions and `mtp.hidden`), restores byte-exactly into another
+/// session, and the restored session continues with exactly the same tokens and drafts.
+#[test]
+fn speculative_capsule_mid_run_restores_exactly_on_gpu() {
+    use flashrt_runtime::speculative::MtpDrafter;
+    let Some(gpu) = cuda("speculative_capsule_mid_run_restores_exactly_on_gpu") else {
+        return;
+    };
+    let json = QWEN_LIKE.replace(
+        "\"num_hidden_layers\": 4,",
+        "\"num_hidden_layers\": 4, \"mtp_num_hidden_layers\": 1,",
+    );
+    let ir = ir_of(&json, DType::Bf16, &[8, 32], 512);
+    let model = Model::with_random_weights(gpu, &ir, 3).expect("model");
+    let p = prompt(33, model.vocab(), 12);
+    let mut a = model.session().unwrap();
+    a.append_with_mtp(&p).unwrap();
+    let (first, _) = a.decode_speculative(37, 3, &mut MtpDrafter).unwrap();
+    let cap = a.snapshot().unwrap();
+    let names: Vec<String> = cap.regions().iter().map(|r| r.name().to_string()).collect();
+    for needed in ["mtp.0.key", "mtp.0.value", "mtp.hidden"] {
+        assert!(
+            names.iter().any(|n| n == needed),
+            "capsule lacks `{needed}`: {names:?}"
+        );
+    }
+    let (rest, st_a) = a.decode_speculative(50, 3, &mut MtpDrafter).unwrap();
+    // Restore into a session dirtied by another prompt.
+    let mut b = model.session().unwrap();
+    b.append_with_mtp(&prompt(20, model.vocab(), 13)).unwrap();
+    b.restore(&cap).unwrap();
+    assert_state_equals(&b, &cap, "after restoring a mid-run speculative capsule");
+    let (again, st_b) = b.decode_speculative(50, 3, &mut MtpDrafter).unwrap();
+    assert_eq!(rest, again, "continuation after restore");
+    assert_eq!(
+        (st_a.drafted, st_a.accepted),
+        (st_b.drafted, st_b.accepted),
+        "same drafts"
+    );
+    // And it is still plain greedy.
+    let mut c = model.session().unwrap();
+    c.append_with_mtp(&p).unwrap();
+    let plain = c.decode_greedy(87).unwrap();
+    let spec: Vec<u32> = first.iter().chain(&rest).copied().collect();
+    assert_eq!(spec, plain, "speculative = plain greedy across the capsule");
+    println!(
+        "mid-run capsule at {}: {} bytes, continuation identical, drafter regions included",
+        cap.pos(),
+        cap.bytes()
+    );
+}
