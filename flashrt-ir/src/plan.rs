@@ -197,6 +197,61 @@ pub enum Op {
 }
 
 impl Op {
+    /// Visit every activation view of the op, mutably, in field order.
+    pub fn views_mut(&mut self, mut f: impl FnMut(&mut View)) {
+        match self {
+            Op::Embed { out, .. } => f(out),
+            Op::RmsNorm { x, out, .. } | Op::Linear { x, out, .. } | Op::Unary { x, out, .. } => {
+                f(x);
+                f(out);
+            }
+            Op::Mul { gate, x, out, .. } => {
+                f(gate);
+                f(x);
+                f(out);
+            }
+            Op::SplitHeads { x, outs, .. } => {
+                f(x);
+                outs.iter_mut().for_each(f);
+            }
+            Op::Rope { x, .. } => f(x),
+            Op::Attention { q, k, v, out, .. } => {
+                for view in [q, k, v, out] {
+                    f(view);
+                }
+            }
+            Op::CausalConv1d { x, out, .. } => {
+                f(x);
+                f(out);
+            }
+            Op::GatedDeltaNet { qkv, a, b, out, .. } => {
+                for view in [qkv, a, b, out] {
+                    f(view);
+                }
+            }
+            Op::GatedRmsNorm { x, gate, out, .. } => {
+                for view in [x, gate, out] {
+                    f(view);
+                }
+            }
+            Op::Mamba2Scan { xbc, dt, out, .. } => {
+                for view in [xbc, dt, out] {
+                    f(view);
+                }
+            }
+            Op::StoreLastRow { x, .. } => f(x),
+            Op::LoadState { out, .. } => f(out),
+        }
+    }
+
+    /// Every activation view of the op, in field order.
+    pub fn views(&self) -> Vec<View> {
+        let mut op = self.clone();
+        let mut out = Vec::new();
+        op.views_mut(|v| out.push(*v));
+        out
+    }
+
     /// Every buffer the op reads or writes, in field order (views as their buffer).
     pub fn buffers(&self) -> Vec<BufferId> {
         let mut v = Vec::new();

@@ -104,25 +104,6 @@ fn check_view(c: &Compiled, v: &View, rows: usize) {
     );
 }
 
-fn views(op: &Op) -> Vec<View> {
-    match op {
-        Op::Embed { out, .. } => vec![*out],
-        Op::RmsNorm { x, out, .. } | Op::Linear { x, out, .. } | Op::Unary { x, out, .. } => {
-            vec![*x, *out]
-        }
-        Op::Mul { gate, x, out, .. } => vec![*gate, *x, *out],
-        Op::SplitHeads { x, outs, .. } => std::iter::once(*x).chain(outs.iter().copied()).collect(),
-        Op::Rope { x, .. } => vec![*x],
-        Op::Attention { q, k, v, out, .. } => vec![*q, *k, *v, *out],
-        Op::CausalConv1d { x, out, .. } => vec![*x, *out],
-        Op::GatedDeltaNet { qkv, a, b, out, .. } => vec![*qkv, *a, *b, *out],
-        Op::GatedRmsNorm { x, gate, out, .. } => vec![*x, *gate, *out],
-        Op::Mamba2Scan { xbc, dt, out, .. } => vec![*xbc, *dt, *out],
-        Op::StoreLastRow { x, .. } => vec![*x],
-        Op::LoadState { out, .. } => vec![*out],
-    }
-}
-
 #[test]
 fn layouts_are_closed_aligned_and_disjoint() {
     for ir in all() {
@@ -145,7 +126,7 @@ fn every_op_addresses_valid_buffers_and_views() {
                         op.name()
                     );
                 }
-                for v in views(op) {
+                for v in op.views() {
                     check_view(&c, &v, plan.phase.rows());
                 }
             }
