@@ -18,34 +18,53 @@ use crate::ir::{Compiled, ModelIr, Phase, Target, compile};
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{format_ident, quote};
 
+/// What a per-model benchmark target measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BenchKind {
+    /// One decode step at a mid-length position.
+    DecodeStep,
+    /// One full prefill chunk of `bucket` tokens.
+    PrefillChunk { bucket: usize },
+    /// A snapshot of every state region.
+    Snapshot,
+    /// A restore of every state region.
+    Restore,
+}
+
 /// A per-model benchmark target, generated from the model description.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BenchTarget {
     /// `decode_step`, `prefill_chunk_512`, `snapshot`, `restore`.
     pub name: String,
+    pub kind: BenchKind,
     /// What it measures, in words.
     pub what: String,
 }
 
 /// The benchmark targets every model gets: one decode step, one prefill chunk per bucket,
-/// snapshot and restore of the capsule at a full prefill.
+/// snapshot and restore of the capsule at a full prefill. `benches/models.rs` runs them for
+/// every model in `models/`; generated code lists their names in `Model::BENCH_TARGETS`.
 pub fn bench_targets(ir: &ModelIr) -> Vec<BenchTarget> {
     let mut out = vec![BenchTarget {
         name: "decode_step".into(),
+        kind: BenchKind::DecodeStep,
         what: "one decode step (plan `decode`) at a mid-length position".into(),
     }];
     for &b in &ir.prefill_buckets {
         out.push(BenchTarget {
             name: format!("prefill_chunk_{b}"),
+            kind: BenchKind::PrefillChunk { bucket: b },
             what: format!("one full prefill chunk of {b} tokens (plan `prefill[{b}]`)"),
         });
     }
     out.push(BenchTarget {
         name: "snapshot".into(),
+        kind: BenchKind::Snapshot,
         what: "snapshot of every state region".into(),
     });
     out.push(BenchTarget {
         name: "restore".into(),
+        kind: BenchKind::Restore,
         what: "restore of every state region".into(),
     });
     out
