@@ -2,6 +2,7 @@
 
 use crate::runtime::Backend;
 use flashrt_ir::{Compiled, Role};
+use flashrt_serve::args::Args;
 use std::fmt::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -133,41 +134,23 @@ pub fn compile_report(c: &Compiled, ops: bool) -> String {
     s
 }
 
-/// `--backend cpu|cuda`, else the best available.
-fn backend_from(args: &[String]) -> Result<(Arc<dyn Backend>, Vec<String>), String> {
-    let mut rest = Vec::new();
-    let mut choice = None;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        if a == "--backend" {
-            choice = Some(
-                it.next()
-                    .ok_or("--backend needs a value (cpu or cuda)")?
-                    .clone(),
-            );
-        } else {
-            rest.push(a.clone());
-        }
-    }
-    let backend: Arc<dyn Backend> = match choice.as_deref() {
+/// The backend `--backend cpu|cuda` names, else the best available.
+fn backend(choice: Option<&str>) -> Result<Arc<dyn Backend>, String> {
+    Ok(match choice {
         None => crate::runtime::backend::best().map_err(|e| e.to_string())?,
         Some("cpu") => Arc::new(crate::runtime::CpuBackend::new()),
         Some("cuda") => {
             Arc::new(crate::runtime::backend::cuda::CudaBackend::new(0).map_err(|e| e.to_string())?)
         }
         Some(other) => return Err(format!("unknown backend `{other}` (cpu or cuda)")),
-    };
-    Ok((backend, rest))
+    })
 }
 
 /// `flashrt check-reference <DIR>`: exit 0 when every check passes, 1 otherwise.
 pub fn check_reference(args: &[String]) -> Result<ExitCode, String> {
-    let (backend, rest) = backend_from(args)?;
-    let dir = match rest.as_slice() {
-        [d] => std::path::PathBuf::from(d),
-        [] => return Err("missing checkpoint folder".into()),
-        _ => return Err(format!("expected one folder, got {}", rest.len())),
-    };
+    let a = Args::parse(args, &[], &["backend"])?;
+    let dir = std::path::PathBuf::from(a.one("checkpoint folder")?);
+    let backend = backend(a.get("backend"))?;
     let report = crate::runtime::check_reference(&dir, backend)
         .map_err(|e| format!("{}: {e}", dir.display()))?;
     println!("{report}");
@@ -180,20 +163,12 @@ pub fn check_reference(args: &[String]) -> Result<ExitCode, String> {
 
 /// `flashrt demo`.
 pub fn demo(args: &[String]) -> Result<ExitCode, String> {
-    let (backend, rest) = backend_from(args)?;
-    let mut prompt = 256usize;
-    let mut it = rest.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--prompt" => {
-                let v = it.next().ok_or("--prompt needs a token count")?;
-                prompt = v
-                    .parse()
-                    .map_err(|_| format!("--prompt: `{v}` is not a number"))?;
-            }
-            other => return Err(format!("unknown argument `{other}`")),
-        }
+    let a = Args::parse(args, &[], &["backend", "prompt"])?;
+    if let Some(p) = a.positional.first() {
+        return Err(format!("unexpected argument `{p}`"));
     }
+    let prompt: usize = a.num("prompt")?.unwrap_or(256);
+    let backend = backend(a.get("backend"))?;
     if prompt == 0 || prompt + 64 > crate::demo::Demo::ir_max_seq() {
         return Err(format!(
             "--prompt must be between 1 and {}",
@@ -212,44 +187,31 @@ pub fn demo(args: &[String]) -> Result<ExitCode, String> {
 /// `flashrt bench <model.toml> [--random-weights] [--lengths 2048,4096] [--iters N]
 /// [--decode-steps N] [--json FILE] [--backend cpu|cuda]`.
 pub fn bench(args: &[String]) -> Result<ExitCode, String> {
-    let (backend, rest) = backend_from(args)?;
-    let mut opts = crate::bench::BenchOptions {
-        lengths: vec![2048, 4096, 8192, 16384],
-        iters: 20,
-        decode_steps: 20,
-        seed: 7,
+    // `--random-weights` is accepted for clarity: random weights are the only mode so far
+    // (checkpoints are not needed for timing).
+    let a = Args::parse(
+        args,
+        &["random-weights"],
+        &[
+            "backend",
+            "lengths",
+            "iters",
+            "decode-steps",
+            "seed",
+            "json",
+        ],
+    )?;
+    let opts = crate::bench::BenchOptions {
+        lengths: a
+            .list("lengths")?
+            .unwrap_or_else(|| vec![2048, 4096, 8192, 16384]),
+        iters: a.num("iters")?.unwrap_or(20),
+        decode_steps: a.num("decode-steps")?.unwrap_or(20),
+        seed: a.num("seed")?.unwrap_or(7),
     };
-    let (mut path, mut json) = (None, None);
-    let mut it = rest.iter();
-    let num = |flag: &str, v: Option<&String>| -> Result<usize, String> {
-        let v = v.ok_or(format!("{flag} needs a value"))?;
-        v.parse()
-            .map_err(|_| format!("{flag}: `{v}` is not a number"))
-    };
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            // Checkpoints are not needed for timing; random weights are the only mode so far.
-            "--random-weights" => {}
-            "--lengths" => {
-                let v = it.next().ok_or("--lengths needs a comma-separated list")?;
-                opts.lengths = v
-                    .split(',')
-                    .map(|x| {
-                        x.trim()
-                            .parse()
-                            .map_err(|_| format!("--lengths: `{x}` is not a number"))
-                    })
-                    .collect::<Result<_, _>>()?;
-            }
-            "--iters" => opts.iters = num("--iters", it.next())?,
-            "--decode-steps" => opts.decode_steps = num("--decode-steps", it.next())?,
-            "--seed" => opts.seed = num("--seed", it.next())? as u64,
-            "--json" => json = Some(it.next().ok_or("--json needs a file")?.clone()),
-            p if !p.starts_with("--") && path.is_none() => path = Some(p.to_string()),
-            other => return Err(format!("unexpected argument `{other}`")),
-        }
-    }
-    let path = path.ok_or("missing model file")?;
+    let path = a.one("model file")?.to_string();
+    let json = a.get("json").map(str::to_string);
+    let backend = backend(a.get("backend"))?;
     let src = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?;
     let ir = crate::compiler::model_from_toml(&src, &path).map_err(|d| d.to_string())?;
     let report = crate::bench::run(backend, &ir, &opts)?;

@@ -1,5 +1,6 @@
 //! The `flashrt` command line.
 
+use flashrt_serve::args::Args;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -53,63 +54,13 @@ fn main() -> ExitCode {
     }
 }
 
-/// Minimal flag parser: positional arguments and `--flag value` / `--switch`.
-struct Args {
-    positional: Vec<String>,
-    flags: Vec<(String, Option<String>)>,
-}
-
-impl Args {
-    fn parse(args: &[String], switches: &[&str], valued: &[&str]) -> Result<Args, String> {
-        let mut out = Args {
-            positional: vec![],
-            flags: vec![],
-        };
-        let mut it = args.iter();
-        while let Some(a) = it.next() {
-            if let Some(name) = a.strip_prefix("--") {
-                if switches.contains(&name) {
-                    out.flags.push((name.to_string(), None));
-                } else if valued.contains(&name) {
-                    let v = it.next().ok_or_else(|| format!("--{name} needs a value"))?;
-                    out.flags.push((name.to_string(), Some(v.clone())));
-                } else {
-                    return Err(format!("unknown option `{a}`"));
-                }
-            } else {
-                out.positional.push(a.clone());
-            }
-        }
-        Ok(out)
-    }
-    fn get(&self, name: &str) -> Option<&str> {
-        self.flags
-            .iter()
-            .find(|(n, _)| n == name)
-            .and_then(|(_, v)| v.as_deref())
-    }
-    fn has(&self, name: &str) -> bool {
-        self.flags.iter().any(|(n, _)| n == name)
-    }
-    fn one_path(&self, what: &str) -> Result<PathBuf, String> {
-        match self.positional.as_slice() {
-            [p] => Ok(PathBuf::from(p)),
-            [] => Err(format!("missing {what}")),
-            _ => Err(format!(
-                "expected one {what}, got {}",
-                self.positional.len()
-            )),
-        }
-    }
-}
-
 fn read(path: &Path) -> Result<String, String> {
     std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
 }
 
 fn cmd_compile(args: &[String]) -> Result<ExitCode, String> {
     let a = Args::parse(args, &["ops"], &["target", "emit-rust"])?;
-    let path = a.one_path("model file")?;
+    let path = PathBuf::from(a.one("model file")?);
     let src = read(&path)?;
     let ir = flashrt::compiler::model_from_toml(&src, &path.display().to_string())
         .map_err(|d| d.to_string())?;
@@ -131,25 +82,14 @@ fn cmd_compile(args: &[String]) -> Result<ExitCode, String> {
 
 fn cmd_import_hf(args: &[String]) -> Result<ExitCode, String> {
     let a = Args::parse(args, &[], &["name", "max-seq", "buckets", "dtype"])?;
-    let path = a.one_path("config.json")?;
+    let path = PathBuf::from(a.one("config.json")?);
     let json = read(&path)?;
     let mut opts = flashrt::ir::hf::HfOptions {
         name: a.get("name").map(str::to_string),
+        max_seq: a.num("max-seq")?,
+        prefill_buckets: a.list("buckets")?,
         ..Default::default()
     };
-    if let Some(m) = a.get("max-seq") {
-        opts.max_seq = Some(
-            m.parse()
-                .map_err(|_| format!("--max-seq: `{m}` is not a number"))?,
-        );
-    }
-    if let Some(b) = a.get("buckets") {
-        let v: Result<Vec<usize>, _> = b.split(',').map(|s| s.trim().parse()).collect();
-        opts.prefill_buckets =
-            Some(v.map_err(|_| {
-                format!("--buckets: `{b}` is not a comma-separated list of numbers")
-            })?);
-    }
     if let Some(d) = a.get("dtype") {
         opts.dtype =
             Some(flashrt::ir::DType::parse(d).ok_or_else(|| format!("unknown dtype `{d}`"))?);

@@ -1,5 +1,6 @@
 //! `flashrt serve`: load a model, start a [`Server`], run until Ctrl-C, persist the store.
 
+use crate::args::Args;
 use crate::tokenizer::Tokenizer;
 use crate::{ServeConfig, Server};
 use flashrt_runtime::ir::hf::HfOptions;
@@ -108,71 +109,6 @@ pub fn eos_from_dir(dir: &Path) -> Vec<u32> {
     Vec::new()
 }
 
-struct Args {
-    positional: Vec<String>,
-    flags: Vec<(String, Option<String>)>,
-}
-
-impl Args {
-    fn parse(args: &[String]) -> Result<Args, String> {
-        const SWITCHES: &[&str] = &["random-weights", "no-auto-cache"];
-        const VALUED: &[&str] = &[
-            "checkpoint",
-            "seed",
-            "max-seq",
-            "buckets",
-            "bind",
-            "token",
-            "backend",
-            "budget-device",
-            "budget-host",
-            "budget-disk",
-            "store-dir",
-            "files-dir",
-            "max-sessions",
-            "tokenizer",
-        ];
-        let mut out = Args {
-            positional: vec![],
-            flags: vec![],
-        };
-        let mut it = args.iter();
-        while let Some(a) = it.next() {
-            if let Some(name) = a.strip_prefix("--") {
-                if SWITCHES.contains(&name) {
-                    out.flags.push((name.to_string(), None));
-                } else if VALUED.contains(&name) {
-                    let v = it.next().ok_or_else(|| format!("--{name} needs a value"))?;
-                    out.flags.push((name.to_string(), Some(v.clone())));
-                } else {
-                    return Err(format!("unknown option `{a}`"));
-                }
-            } else {
-                out.positional.push(a.clone());
-            }
-        }
-        Ok(out)
-    }
-    fn get(&self, name: &str) -> Option<&str> {
-        self.flags
-            .iter()
-            .rev()
-            .find(|(n, _)| n == name)
-            .and_then(|(_, v)| v.as_deref())
-    }
-    fn has(&self, name: &str) -> bool {
-        self.flags.iter().any(|(n, _)| n == name)
-    }
-    fn num<T: std::str::FromStr>(&self, name: &str) -> Result<Option<T>, String> {
-        self.get(name)
-            .map(|v| {
-                v.parse()
-                    .map_err(|_| format!("--{name}: `{v}` is not a number"))
-            })
-            .transpose()
-    }
-}
-
 /// Everything `flashrt serve` parsed.
 pub struct Plan {
     pub source: ModelSource,
@@ -183,7 +119,24 @@ pub struct Plan {
 
 /// Parse a `serve` command line.
 pub fn parse(args: &[String]) -> Result<Plan, String> {
-    let a = Args::parse(args)?;
+    const SWITCHES: &[&str] = &["random-weights", "no-auto-cache"];
+    const VALUED: &[&str] = &[
+        "checkpoint",
+        "seed",
+        "max-seq",
+        "buckets",
+        "bind",
+        "token",
+        "backend",
+        "budget-device",
+        "budget-host",
+        "budget-disk",
+        "store-dir",
+        "files-dir",
+        "max-sessions",
+        "tokenizer",
+    ];
+    let a = Args::parse(args, SWITCHES, VALUED)?;
     let checkpoint = a.get("checkpoint").map(PathBuf::from);
     let source = match (a.positional.as_slice(), checkpoint) {
         ([toml], Some(dir)) => ModelSource::TomlCheckpoint {
@@ -198,15 +151,11 @@ pub fn parse(args: &[String]) -> Result<Plan, String> {
             return Err("a TOML model needs --random-weights or --checkpoint DIR".into());
         }
         ([], Some(dir)) => {
-            let mut opts = HfOptions {
+            let opts = HfOptions {
                 max_seq: a.num("max-seq")?,
+                prefill_buckets: a.list("buckets")?,
                 ..HfOptions::default()
             };
-            if let Some(b) = a.get("buckets") {
-                let v: Result<Vec<usize>, _> = b.split(',').map(|s| s.trim().parse()).collect();
-                opts.prefill_buckets =
-                    Some(v.map_err(|_| format!("--buckets: `{b}` is not a list of numbers"))?);
-            }
             ModelSource::Checkpoint { dir, opts }
         }
         ([], None) => return Err("missing model: <model.toml> or --checkpoint DIR".into()),

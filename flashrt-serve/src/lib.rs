@@ -46,6 +46,7 @@
 //! (at any position) is restored instead of prefilled, and the prompt boundary and the end of
 //! each completion are stored (label `auto`) for the next request.
 
+pub mod args;
 pub mod cli;
 pub mod http;
 pub mod metrics;
