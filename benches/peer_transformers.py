@@ -15,8 +15,9 @@ Run it in the same command as flashrt's benchmark (issue 7), e.g. on the GPU mac
     PYTHONPATH=/tmp/site python3 benches/peer_transformers.py --config qwen36-27b \
         --lengths 2048,4096,8192,16384 --json $OUT/peer.json
 
-STATUS: written at the end of a session with no device time left; not yet run. Expect to fix
-API details (transformers 5.17 on the GPU machine) on its first run.
+The prefill asks for the last position's logits only (`logits_to_keep=1`), as flashrt's
+prefill does, so neither side pays for a [tokens, vocab] logits tensor. The JSON is rewritten
+after every length, so a run cut short keeps what it measured.
 """
 
 import argparse
@@ -101,8 +102,8 @@ def main():
         ids = torch.randint(3, vocab, (1, n), device="cuda")
         with torch.no_grad():
             # First call at a new length pays autotuning; report it, then measure a warm one.
-            _, first_ms = timed(lambda: model(ids, use_cache=True))
-            out, cold_ms = timed(lambda: model(ids, use_cache=True))
+            _, first_ms = timed(lambda: model(ids, use_cache=True, logits_to_keep=1))
+            out, cold_ms = timed(lambda: model(ids, use_cache=True, logits_to_keep=1))
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             cache = out.past_key_values
             steps = []
@@ -129,16 +130,23 @@ def main():
         results.append(r)
         del out, cache, copied, c
         torch.cuda.empty_cache()
-    report = dict(peer="transformers", model=args.config, device=torch.cuda.get_device_name(), lengths=results)
+        report = dict(
+            peer="transformers",
+            transformers=__import__("transformers").__version__,
+            torch=torch.__version__,
+            model=args.config,
+            device=torch.cuda.get_device_name(),
+            lengths=results,
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
     print(f"{'tokens':>7} {'cold TTFT':>11} {'decode':>9} {'deepcopy':>9} {'restored':>10} {'cache':>10}")
     for r in results:
         print(
             f"{r['tokens']:>7} {r['cold_ttft_ms']:>8.1f} ms {r['decode_step_ms']:>6.1f} ms "
             f"{r['deepcopy_ms']:>6.1f} ms {r['restored_ttft_ms']:>7.1f} ms {r['cache_bytes'] / 1e6:>7.0f} MB"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -84,17 +84,108 @@ static __device__ __forceinline__ float block_sum(float v, float* scratch) {
 static __device__ __forceinline__ int load_len(const int* len) { return __ldg(len); }
 static __device__ __forceinline__ int load_pos(const int* pos) { return __ldg(pos); }
 
+// ---- programmatic dependent launch (PDL) --------------------------------------------------
+//
+// The host may launch a kernel with programmatic stream serialisation (ops.rs, for the kernels
+// kernels.rs lists as PDL-ready), which lets the kernel start while its predecessor in the
+// stream drains. Every such kernel calls `pdl_wait()` before touching global memory: it blocks
+// until the predecessor grid has completed and its writes are visible (a no-op when launched
+// without the attribute). `pdl_trigger()` then lets the *next* kernel launch as soon as every
+// block of this one has started; that kernel waits in its own `pdl_wait()`, so the ordering
+// stays that of the stream while the launch latency overlaps this kernel's execution.
+static __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+static __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+} // namespace flashrt
+
+// ---- 16-byte packs (the vector paths of conv.cu, elementwise.cu and norm.cu) ---------------
+//
+// The vector paths move 16 bytes per load/store: 8 bf16/f16 or 4 f32 elements. The host takes
+// them only when it has proved every view address 16-byte aligned and every row stride and
+// width a multiple of the pack.
+namespace flashrt {
+
+template <typename T> struct Pack16 {
+    static constexpr int N = 16 / (int)sizeof(T);
+};
+
+static __device__ __forceinline__ uint4 ld16(const void* p) { return *static_cast<const uint4*>(p); }
+static __device__ __forceinline__ void st16(void* p, uint4 v) { *static_cast<uint4*>(p) = v; }
+
+static __device__ __forceinline__ void unpack16(uint4 u, float (&f)[8], const __nv_bfloat16*) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+static __device__ __forceinline__ void unpack16(uint4 u, float (&f)[8], const __half*) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+        f[2 * i] = v.x;
+        f[2 * i + 1] = v.y;
+    }
+}
+static __device__ __forceinline__ void unpack16(uint4 u, float (&f)[4], const float*) {
+    f[0] = __uint_as_float(u.x);
+    f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z);
+    f[3] = __uint_as_float(u.w);
+}
+
+// Elements of a pack as f32, and back (round to nearest even, as `from_f32`).
+template <typename T> static __device__ __forceinline__ void unpack16(uint4 u, float (&f)[Pack16<T>::N]) {
+    unpack16(u, f, static_cast<const T*>(nullptr));
+}
+
+static __device__ __forceinline__ uint4 pack16(const float (&f)[8], const __nv_bfloat16*) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+static __device__ __forceinline__ uint4 pack16(const float (&f)[8], const __half*) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __half2 v = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+static __device__ __forceinline__ uint4 pack16(const float (&f)[4], const float*) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                      __float_as_uint(f[3]));
+}
+
+template <typename T> static __device__ __forceinline__ uint4 pack16(const float (&f)[Pack16<T>::N]) {
+    return pack16(f, static_cast<const T*>(nullptr));
+}
+
 } // namespace flashrt
 
 // Instantiate an `extern "C"` entry point `<name>_<dtype>` for each element type from a
 // template kernel body `name##_impl<T>(P)`, where P is the kernel's parameter struct.
+// Every such entry is PDL-ready (waits for its predecessor first).
 #define FLASHRT_ENTRY(name, Params, bounds)                                                   \
     extern "C" __global__ void __launch_bounds__(bounds) name##_bf16(const Params p) {       \
+        flashrt::pdl_wait();                                                                  \
+        flashrt::pdl_trigger();                                                               \
         name##_impl<__nv_bfloat16>(p);                                                        \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(bounds) name##_f16(const Params p) {        \
+        flashrt::pdl_wait();                                                                  \
+        flashrt::pdl_trigger();                                                               \
         name##_impl<__half>(p);                                                               \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(bounds) name##_f32(const Params p) {        \
+        flashrt::pdl_wait();                                                                  \
+        flashrt::pdl_trigger();                                                               \
         name##_impl<float>(p);                                                                \
     }

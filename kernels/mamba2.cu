@@ -133,12 +133,18 @@ template <typename T, int NPT> static __device__ __forceinline__ void mamba2_imp
 
 #define FLASHRT_M2_ENTRY(D, NPT)                                                                   \
     extern "C" __global__ void __launch_bounds__(M2_WARPS * 32) mamba2_scan_n##D##_bf16(const Mamba2Params p) { \
+        flashrt::pdl_wait();                                                                  \
+        flashrt::pdl_trigger();                                                               \
         mamba2_impl<__nv_bfloat16, NPT>(p);                                                        \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(M2_WARPS * 32) mamba2_scan_n##D##_f16(const Mamba2Params p) {  \
+        flashrt::pdl_wait();                                                                  \
+        flashrt::pdl_trigger();                                                               \
         mamba2_impl<__half, NPT>(p);                                                               \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(M2_WARPS * 32) mamba2_scan_n##D##_f32(const Mamba2Params p) {  \
+        flashrt::pdl_wait();                                                                  \
+        flashrt::pdl_trigger();                                                               \
         mamba2_impl<float, NPT>(p);                                                                \
     }
 

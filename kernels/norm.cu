@@ -14,6 +14,19 @@
 //                  (w: `group` elements shared by all groups, or one per column of x)
 //
 // Memory traffic: per element, one read of x (and z), one write; norm weights are f32.
+//
+// `rms_norm_vec` / `gated_rms_norm_vec`: the same math over 16-byte packs (N = 8 bf16/f16 or 4
+// f32 elements), for views the host has proved aligned (addresses 16-byte aligned, strides and
+// group multiples of N, weights 16-byte aligned). A group of group / N packs is owned by `tpg`
+// threads, each holding up to NORM_VPT packs in registers (pack j of the group goes to thread
+// j % tpg, slot j / tpg); `tpg` is a power of two <= 32 (several groups per warp, reduced with
+// shuffles within aligned lane segments) or a multiple of 32 equal to blockDim.x (one group
+// per block, reduced with `block_sum`). The grid flattens (row, group) over the bucket's
+// rows. Every thread sums its own elements in slot order, then the fixed shuffle/block tree
+// combines them: a row's result depends only on `group` (which fixes tpg), never on the
+// number of rows. Wide norms (5120 columns: 160 threads of 4 packs) read everything at once,
+// and per-head norms (256 columns: 8 threads of 4 packs, 16 heads per 128-thread block) stop
+// spending a 64-thread block per head.
 #include "common.cuh"
 
 struct RmsNormParams {
@@ -146,3 +159,175 @@ static __device__ __forceinline__ void gated_rms_norm_impl(const GatedRmsNormPar
 }
 
 FLASHRT_ENTRY(gated_rms_norm, GatedRmsNormParams, 1024)
+
+// ---- vector paths -------------------------------------------------------------------------
+
+// Packs per thread in the vector kernels (the host picks tpg >= packs / NORM_VPT), and their
+// block bound (512 leaves 128 registers for a gated thread's 4 x 8 normalised values and
+// factors; groups up to 512 * 4 packs take the vector path).
+#define NORM_VPT 4
+#define NORM_VEC_THREADS 512
+
+struct RmsNormVecParams {
+    RmsNormParams n;
+    int tpg;    // threads per group: a power of two <= 32, or blockDim.x (a multiple of 32, <= 512)
+    int groups; // groups per row
+};
+
+struct GatedRmsNormVecParams {
+    GatedRmsNormParams n;
+    int tpg;
+    int groups;
+};
+
+// Sum over the `tpg` threads of a group (see the header). Every thread of the block calls it.
+static __device__ __forceinline__ float norm_group_sum(float v, int tpg, float* scratch) {
+    if (tpg > 32) return flashrt::block_sum(v, scratch);
+    for (int o = tpg >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// (row, group) of this thread's group and its index within the group.
+struct NormSlot {
+    int row, group, lane;
+};
+
+static __device__ __forceinline__ NormSlot norm_slot(int tpg, int groups) {
+    const int gi = tpg > 32 ? (int)blockIdx.x : (int)((blockIdx.x * blockDim.x + threadIdx.x) / tpg);
+    const int lane = tpg > 32 ? (int)threadIdx.x : (int)(threadIdx.x & (tpg - 1));
+    return {gi / groups, gi % groups, lane};
+}
+
+// Eight (or four) f32 weights at an aligned address.
+template <int N> static __device__ __forceinline__ void norm_load_w(const float* w, float (&f)[N]) {
+#pragma unroll
+    for (int e = 0; e < N; e += 4) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(w + e));
+        f[e] = v.x;
+        f[e + 1] = v.y;
+        f[e + 2] = v.z;
+        f[e + 3] = v.w;
+    }
+}
+
+template <typename T> static __device__ __forceinline__ void rms_norm_vec_impl(const RmsNormVecParams& q) {
+    constexpr int N = flashrt::Pack16<T>::N;
+    __shared__ float scratch[32];
+    const RmsNormParams& p = q.n;
+    const NormSlot s = norm_slot(q.tpg, q.groups);
+    const bool valid = s.row < flashrt::load_len(p.len);
+    if (q.tpg > 32 && !valid) return; // the whole block is this group
+    const int nvec = p.group / N;
+    const size_t col0 = (size_t)s.group * p.group;
+    const T* x = static_cast<const T*>(p.x) + (size_t)s.row * p.ld_x + col0;
+    T* out = static_cast<T*>(p.out) + (size_t)s.row * p.ld_out + col0;
+    uint4 v[NORM_VPT];
+    float w[NORM_VPT][N];
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; ++k) {
+        const int j = s.lane + k * q.tpg;
+        v[k] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int e = 0; e < N; ++e) w[k][e] = 1.0f;
+        if (valid && j < nvec) {
+            v[k] = flashrt::ld16(x + (size_t)j * N);
+            if (p.weight) {
+                norm_load_w(p.weight + (size_t)j * N, w[k]);
+                if (p.one_plus) {
+#pragma unroll
+                    for (int e = 0; e < N; ++e) w[k][e] = 1.0f + w[k][e];
+                }
+            }
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; ++k) {
+        float f[N];
+        flashrt::unpack16<T>(v[k], f);
+#pragma unroll
+        for (int e = 0; e < N; ++e) ss += f[e] * f[e];
+    }
+    ss = norm_group_sum(ss, q.tpg, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)p.group + p.eps);
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; ++k) {
+        const int j = s.lane + k * q.tpg;
+        if (valid && j < nvec) {
+            float f[N];
+            flashrt::unpack16<T>(v[k], f);
+#pragma unroll
+            for (int e = 0; e < N; ++e) f[e] = f[e] * inv * w[k][e];
+            flashrt::st16(out + (size_t)j * N, flashrt::pack16<T>(f));
+        }
+    }
+}
+
+FLASHRT_ENTRY(rms_norm_vec, RmsNormVecParams, NORM_VEC_THREADS)
+
+template <typename T>
+static __device__ __forceinline__ void gated_rms_norm_vec_impl(const GatedRmsNormVecParams& q) {
+    constexpr int N = flashrt::Pack16<T>::N;
+    __shared__ float scratch[32];
+    const GatedRmsNormParams& p = q.n;
+    const NormSlot s = norm_slot(q.tpg, q.groups);
+    const bool valid = s.row < flashrt::load_len(p.len);
+    if (q.tpg > 32 && !valid) return;
+    const int nvec = p.group / N;
+    const size_t col0 = (size_t)s.group * p.group;
+    const T* x = static_cast<const T*>(p.x) + (size_t)s.row * p.ld_x + col0;
+    const T* z = static_cast<const T*>(p.gate) + (size_t)s.row * p.ld_gate + col0;
+    T* out = static_cast<T*>(p.out) + (size_t)s.row * p.ld_out + col0;
+    const float* wt = p.weight + (p.shared_weight ? 0 : col0);
+    uint4 xv[NORM_VPT], zv[NORM_VPT];
+    float w[NORM_VPT][N];
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; ++k) {
+        const int j = s.lane + k * q.tpg;
+        xv[k] = make_uint4(0, 0, 0, 0);
+        zv[k] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int e = 0; e < N; ++e) w[k][e] = 0.0f;
+        if (valid && j < nvec) {
+            xv[k] = flashrt::ld16(x + (size_t)j * N);
+            zv[k] = flashrt::ld16(z + (size_t)j * N);
+            norm_load_w(wt + (size_t)j * N, w[k]);
+        }
+    }
+    // h = the value that is normalised; g = the factor applied after normalisation (as the
+    // scalar kernel); unused slots hold h = 0.
+    float h[NORM_VPT][N], g[NORM_VPT][N];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; ++k) {
+        float xf[N], zf[N];
+        flashrt::unpack16<T>(xv[k], xf);
+        flashrt::unpack16<T>(zv[k], zf);
+#pragma unroll
+        for (int e = 0; e < N; ++e) {
+            const float sz = flashrt::apply_act(flashrt::ACT_SILU, zf[e]);
+            if (p.gate_then_norm) {
+                h[k][e] = xf[e] * sz;
+                g[k][e] = w[k][e];
+            } else {
+                h[k][e] = xf[e];
+                g[k][e] = w[k][e] * sz;
+            }
+            ss += h[k][e] * h[k][e];
+        }
+    }
+    ss = norm_group_sum(ss, q.tpg, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)p.group + p.eps);
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; ++k) {
+        const int j = s.lane + k * q.tpg;
+        if (valid && j < nvec) {
+            float o[N];
+#pragma unroll
+            for (int e = 0; e < N; ++e) o[e] = h[k][e] * inv * g[k][e];
+            flashrt::st16(out + (size_t)j * N, flashrt::pack16<T>(o));
+        }
+    }
+}
+
+FLASHRT_ENTRY(gated_rms_norm_vec, GatedRmsNormVecParams, NORM_VEC_THREADS)

@@ -3,9 +3,9 @@
 //! best available backend, with progress on stderr and a table plus JSON at the end.
 //!
 //! Every timed region ends with a device synchronisation; repeated measurements report the
-//! median. Cold TTFT is measured after a warm-up prefill at the same length (so graph capture
-//! and lazy kernel loading are not counted) from a freshly reset session; restored TTFT is a
-//! restore of the prompt's capsule plus one decode step.
+//! median. Cold TTFT is the median of three prefills from a freshly reset session, measured
+//! after two warm-up prefills at the same length (so lazy kernel loading and graph capture are
+//! not counted); restored TTFT is a restore of the prompt's capsule plus one decode step.
 
 use crate::runtime::{Backend, Model, Session};
 use serde::Serialize;
@@ -18,20 +18,65 @@ pub struct BenchOptions {
     pub iters: usize,
     pub decode_steps: usize,
     pub seed: u64,
+    /// Also time every device command of a decode step (at each length) and of one full
+    /// prefill chunk (at 0 and at the last chunk of the longest prompt), grouped by op.
+    pub profile: bool,
 }
 
 #[derive(Serialize)]
 pub struct LengthResult {
     pub tokens: usize,
+    /// The first prefill at this length in the process (plain launches; the first length
+    /// also pays lazy kernel loading): the first-call penalty, if any.
+    pub first_prefill_ms: f64,
     pub cold_ttft_ms: f64,
     pub prefill_tokens_per_s: f64,
     pub capsule_bytes: usize,
     pub snapshot_ms: f64,
+    /// Wall-clock: the `restore` call plus waiting for its copy.
     pub restore_ms: f64,
+    /// Device time of the restore's copy (events around it; CUDA), comparable with the floor,
+    /// which is also device time.
+    pub restore_device_ms: Option<f64>,
     pub copy_floor_ms: f64,
     pub restored_ttft_ms: f64,
     pub restored_speedup: f64,
     pub decode_step_ms: f64,
+    /// Matmul FLOPs a prefill of this prompt needs (see [`prefill_flops`]).
+    pub prefill_flops: f64,
+    /// Those FLOPs at the measured matmul rate: the prefill's compute floor.
+    pub prefill_floor_ms: f64,
+}
+
+/// Dense FLOPs of a prefill of `n` tokens with last-row logits: every `Linear` of the decode
+/// plan (2 per weight element per token), the LM head once, and causal attention (4 x heads x
+/// head_dim per query-key pair, n(n+1)/2 pairs per layer). Recurrent scans, convolutions and
+/// norms are left out (a few percent; none is a matmul).
+pub fn prefill_flops(compiled: &crate::ir::Compiled, n: usize) -> f64 {
+    let Some(plan) = compiled.plan(crate::ir::Phase::Decode) else {
+        return 0.0;
+    };
+    let layout = &compiled.layout;
+    let logits = compiled.io.logits;
+    let (mut per_token, mut once, mut per_pair) = (0.0, 0.0, 0.0);
+    for op in &plan.ops {
+        match op {
+            crate::ir::Op::Linear { w, out, .. } => {
+                let f = 2.0 * layout.buffer(*w).numel() as f64;
+                if out.buf == logits {
+                    once += f;
+                } else {
+                    per_token += f;
+                }
+            }
+            crate::ir::Op::Attention {
+                q_heads, head_dim, ..
+            } => per_pair += 4.0 * (*q_heads * *head_dim) as f64,
+            _ => {}
+        }
+    }
+    let n = n as f64;
+    per_token * n + once + per_pair * n * (n + 1.0) / 2.0
 }
 
 #[derive(Serialize)]
@@ -42,9 +87,131 @@ pub struct BenchReport {
     pub weight_bytes: usize,
     pub copy_bandwidth_gb_s: f64,
     pub decode_floor_ms: f64,
+    /// Measured dense matmul rate in the model's dtype (8192^3), TFLOP/s; 0 where the backend
+    /// has no probe.
+    pub matmul_tflops: f64,
     pub load_ms: f64,
     pub lengths: Vec<LengthResult>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profiles: Vec<Profile>,
 }
+
+/// Per-command device times of one step, grouped (`flashrt bench --profile`).
+#[derive(Serialize)]
+pub struct Profile {
+    /// Which step: `decode at 2048`, `prefill 2048 rows at 0`.
+    pub step: String,
+    /// Sum of every command's time.
+    pub total_ms: f64,
+    pub commands: usize,
+    /// (group, commands, ms), largest first.
+    pub groups: Vec<ProfileGroup>,
+}
+
+#[derive(Serialize)]
+pub struct ProfileGroup {
+    pub group: String,
+    pub commands: usize,
+    pub ms: f64,
+}
+
+/// The group of a command label: the op kind and, for matmuls, the weight with layer indices
+/// replaced by `*` (`linear layers.*.mlp.down_proj.weight`); split counts are dropped.
+pub fn profile_group(label: &str) -> String {
+    // Labels read `<phase> op <i> (<kind>)[ <rest>]`.
+    let rest = match label.find(" op ") {
+        Some(i) => {
+            let after = &label[i + 4..];
+            after.find(' ').map_or("", |j| &after[j + 1..])
+        }
+        None => label,
+    };
+    let mut out = String::with_capacity(rest.len());
+    let mut chars = rest.chars().peekable();
+    let mut prev_dot = false;
+    while let Some(c) = chars.next() {
+        if c.is_ascii_digit() && prev_dot {
+            while chars.peek().is_some_and(|d| d.is_ascii_digit()) {
+                chars.next();
+            }
+            out.push('*');
+            prev_dot = false;
+            continue;
+        }
+        prev_dot = c == '.';
+        out.push(c);
+    }
+    let out = match out.find(" splits)") {
+        Some(_) => out.split(" (").next().unwrap_or(&out).to_string(),
+        None => out,
+    };
+    out.replace(['(', ')', '`'], "")
+}
+
+fn profile_of(step: String, times: &[(String, f64)]) -> Profile {
+    let mut groups: Vec<ProfileGroup> = Vec::new();
+    for (label, ms) in times {
+        let g = profile_group(label);
+        match groups.iter_mut().find(|x| x.group == g) {
+            Some(x) => {
+                x.commands += 1;
+                x.ms += ms;
+            }
+            None => groups.push(ProfileGroup {
+                group: g,
+                commands: 1,
+                ms: *ms,
+            }),
+        }
+    }
+    groups.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    Profile {
+        step,
+        total_ms: times.iter().map(|(_, t)| t).sum(),
+        commands: times.len(),
+        groups,
+    }
+}
+
+/// The profile table: every group above 0.5 % of the step, then the rest summed.
+pub fn render_profile(p: &Profile) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "profile: {} — {} commands, {:.3} ms",
+        p.step, p.commands, p.total_ms
+    );
+    let (mut rest_n, mut rest_ms) = (0, 0.0);
+    for g in &p.groups {
+        if g.ms >= 0.005 * p.total_ms {
+            let _ = writeln!(
+                s,
+                "  {:>9.3} ms {:>5.1} % {:>5} x  {}",
+                g.ms,
+                100.0 * g.ms / p.total_ms,
+                g.commands,
+                g.group
+            );
+        } else {
+            rest_n += g.commands;
+            rest_ms += g.ms;
+        }
+    }
+    if rest_n > 0 {
+        let _ = writeln!(
+            s,
+            "  {:>9.3} ms {:>5.1} % {:>5} x  (other groups)",
+            rest_ms,
+            100.0 * rest_ms / p.total_ms,
+            rest_n
+        );
+    }
+    s
+}
+
+/// Cold prefills measured per length (the median is reported).
+const COLD_RUNS: usize = 3;
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -117,21 +284,51 @@ pub fn run(
         copy_bw / 1e9
     ));
 
+    let matmul = backend.matmul_flops(layout.target.dtype).unwrap_or(0.0);
+    if matmul > 0.0 {
+        progress(&format!(
+            "matmul rate {:.0} TFLOP/s ({}, 8192^3)",
+            matmul / 1e12,
+            layout.target.dtype.name()
+        ));
+    }
+
     let mut session = model.session().map_err(err)?;
+    // Time to *first token*: only the last position's logits cross to the host.
+    session.set_logits_mode(crate::runtime::LogitsMode::Last);
     let mut results = Vec::new();
+    let mut profiles = Vec::new();
     for &n in &opts.lengths {
         let tokens = prompt(n, ir.vocab);
-        progress(&format!("{n} tokens: warm-up prefill"));
-        session.reset().map_err(err)?;
-        timed(&mut session, |s| s.append(&tokens))?;
-        progress(&format!("{n} tokens: cold prefill"));
-        session.reset().map_err(err)?;
-        let cold = timed(&mut session, |s| {
-            s.append(&tokens)?;
-            crate::runtime::argmax(s.last_logits())
-                .map(|_| ())
-                .ok_or(crate::runtime::Error::Input("empty logits".into()))
-        })?;
+        // Two warm-ups: a phase's first step runs as plain launches and its second is captured
+        // into a graph; neither is a steady-state prefill.
+        progress(&format!("{n} tokens: warm-up prefills"));
+        let mut warmups = Vec::new();
+        for _ in 0..2 {
+            session.reset().map_err(err)?;
+            warmups.push(timed(&mut session, |s| s.append(&tokens))?);
+        }
+        let mut colds = Vec::new();
+        for _ in 0..COLD_RUNS {
+            session.reset().map_err(err)?;
+            colds.push(timed(&mut session, |s| {
+                s.append(&tokens)?;
+                crate::runtime::argmax(s.last_logits())
+                    .map(|_| ())
+                    .ok_or(crate::runtime::Error::Input("empty logits".into()))
+            })?);
+        }
+        progress(&format!(
+            "{n} tokens: warm-ups {:.1} ms (first), {:.1} ms (graph capture); cold prefills {}",
+            warmups[0],
+            warmups[1],
+            colds
+                .iter()
+                .map(|c| format!("{c:.1} ms"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        let cold = median(colds);
 
         progress(&format!("{n} tokens: snapshot x{}", opts.iters));
         let mut snaps = Vec::new();
@@ -149,9 +346,16 @@ pub fn run(
 
         progress(&format!("{n} tokens: restore x{}", opts.iters));
         let mut restores = Vec::new();
+        let mut restores_device = Vec::new();
         let mut restored_ttft = Vec::new();
+        // Warm the decode phase (plain launches, then graph capture) before timing it.
+        session.restore(&capsule).map_err(err)?;
+        session.decode_greedy(2).map_err(err)?;
         for _ in 0..opts.iters.max(1) {
             restores.push(timed(&mut session, |s| s.restore(&capsule))?);
+            if let Some(d) = session.last_restore_device_ms().map_err(err)? {
+                restores_device.push(d);
+            }
             restored_ttft.push(timed(&mut session, |s| {
                 s.restore(&capsule)?;
                 s.decode_greedy(1).map(|_| ())
@@ -160,22 +364,40 @@ pub fn run(
 
         progress(&format!("{n} tokens: {} decode steps", opts.decode_steps));
         session.restore(&capsule).map_err(err)?;
-        session.decode_greedy(2).map_err(err)?; // warm the decode graph
         let mut steps = Vec::new();
         for _ in 0..opts.decode_steps.max(1) {
             steps.push(timed(&mut session, |s| s.decode_greedy(1).map(|_| ()))?);
         }
+        if opts.profile {
+            progress(&format!("{n} tokens: profiling a decode step"));
+            // The second profiled step is reported: the first pays one-time costs.
+            session.profile_chunk(&tokens[..1]).map_err(err)?;
+            let times = session.profile_chunk(&tokens[1..2]).map_err(err)?;
+            profiles.push(profile_of(format!("decode at {n}"), &times));
+        }
         let r = LengthResult {
             tokens: n,
+            first_prefill_ms: warmups[0],
             cold_ttft_ms: cold,
             prefill_tokens_per_s: n as f64 / (cold / 1e3),
             capsule_bytes: bytes,
             snapshot_ms: median(snaps),
             restore_ms: median(restores),
+            restore_device_ms: if restores_device.is_empty() {
+                None
+            } else {
+                Some(median(restores_device))
+            },
             copy_floor_ms: floor_ms,
             restored_ttft_ms: median(restored_ttft),
             restored_speedup: 0.0,
             decode_step_ms: median(steps),
+            prefill_flops: prefill_flops(model.compiled(), n),
+            prefill_floor_ms: if matmul > 0.0 {
+                prefill_flops(model.compiled(), n) / matmul * 1e3
+            } else {
+                0.0
+            },
         };
         let r = LengthResult {
             restored_speedup: r.cold_ttft_ms / r.restored_ttft_ms,
@@ -188,6 +410,29 @@ pub fn run(
         results.push(r);
         drop(capsule);
     }
+    if opts.profile
+        && let Some(&longest) = opts.lengths.iter().max()
+    {
+        let chunk = ir.prefill_buckets.iter().copied().max().unwrap_or(1);
+        let tokens = prompt(longest.max(chunk), ir.vocab);
+        let last = (longest.max(chunk) - 1) / chunk * chunk;
+        for at in [0, last] {
+            progress(&format!("profiling a {chunk}-row prefill chunk at {at}"));
+            session.reset().map_err(err)?;
+            if at > 0 {
+                session.append(&tokens[..at]).map_err(err)?;
+            }
+            let rows = &tokens[at..at + chunk.min(tokens.len() - at)];
+            let times = session.profile_chunk(rows).map_err(err)?;
+            profiles.push(profile_of(
+                format!("prefill {} rows at {at}", rows.len()),
+                &times,
+            ));
+            if at == last {
+                break;
+            }
+        }
+    }
     Ok(BenchReport {
         model: ir.name.clone(),
         backend: model.backend_name(),
@@ -195,8 +440,10 @@ pub fn run(
         weight_bytes,
         copy_bandwidth_gb_s: copy_bw / 1e9,
         decode_floor_ms,
+        matmul_tflops: matmul / 1e12,
         load_ms,
         lengths: results,
+        profiles,
     })
 }
 
@@ -211,40 +458,59 @@ pub fn render(r: &BenchReport) -> String {
     );
     let _ = writeln!(
         s,
-        "weights {}, copy bandwidth {:.0} GB/s, decode floor {:.2} ms (weight bytes / bandwidth)\n",
+        "weights {}, copy bandwidth {:.0} GB/s, decode floor {:.2} ms (weight bytes / bandwidth)",
         crate::cli::human_bytes(r.weight_bytes),
         r.copy_bandwidth_gb_s,
         r.decode_floor_ms
     );
+    if r.matmul_tflops > 0.0 {
+        let _ = writeln!(
+            s,
+            "matmul rate {:.0} TFLOP/s; prefill floor = the prompt's matmul FLOPs at that rate",
+            r.matmul_tflops
+        );
+    }
     let _ = writeln!(
         s,
-        "{:>7} {:>11} {:>10} {:>11} {:>10} {:>10} {:>10} {:>12} {:>8} {:>10}",
+        "\n{:>7} {:>11} {:>13} {:>10} {:>11} {:>10} {:>10} {:>12} {:>10} {:>13} {:>8} {:>10}",
         "tokens",
         "cold TTFT",
+        "prefill floor",
         "tok/s",
         "capsule",
         "snapshot",
         "restore",
+        "restore dev",
         "copy floor",
         "restored TTFT",
         "speedup",
         "decode"
     );
     for l in &r.lengths {
+        let dev = l
+            .restore_device_ms
+            .map_or("-".to_string(), |d| format!("{d:.3} ms"));
         let _ = writeln!(
             s,
-            "{:>7} {:>8.1} ms {:>10.0} {:>11} {:>7.3} ms {:>7.3} ms {:>7.3} ms {:>9.2} ms {:>7.1}x {:>7.2} ms",
+            "{:>7} {:>8.1} ms {:>10.1} ms {:>10.0} {:>11} {:>7.3} ms {:>7.3} ms {:>12} {:>7.3} ms {:>10.2} ms {:>7.1}x {:>7.2} ms",
             l.tokens,
             l.cold_ttft_ms,
+            l.prefill_floor_ms,
             l.prefill_tokens_per_s,
             crate::cli::human_bytes(l.capsule_bytes),
             l.snapshot_ms,
             l.restore_ms,
+            dev,
             l.copy_floor_ms,
             l.restored_ttft_ms,
             l.restored_speedup,
             l.decode_step_ms
         );
     }
+    let _ = writeln!(
+        s,
+        "restore: wall clock of the call plus its wait; restore dev: device time of its copy \
+         (events), comparable with the copy floor (a device copy of the same bytes)"
+    );
     s
 }

@@ -191,7 +191,7 @@ pub fn bench(args: &[String]) -> Result<ExitCode, String> {
     // (checkpoints are not needed for timing).
     let a = Args::parse(
         args,
-        &["random-weights"],
+        &["random-weights", "profile"],
         &[
             "backend",
             "lengths",
@@ -208,6 +208,7 @@ pub fn bench(args: &[String]) -> Result<ExitCode, String> {
         iters: a.num("iters")?.unwrap_or(20),
         decode_steps: a.num("decode-steps")?.unwrap_or(20),
         seed: a.num("seed")?.unwrap_or(7),
+        profile: a.has("profile"),
     };
     let path = a.one("model file")?.to_string();
     let json = a.get("json").map(str::to_string);
@@ -216,6 +217,9 @@ pub fn bench(args: &[String]) -> Result<ExitCode, String> {
     let ir = crate::compiler::model_from_toml(&src, &path).map_err(|d| d.to_string())?;
     let report = crate::bench::run(backend, &ir, &opts)?;
     print!("{}", crate::bench::render(&report));
+    for p in &report.profiles {
+        print!("\n{}", crate::bench::render_profile(p));
+    }
     if let Some(j) = json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
         std::fs::write(&j, text).map_err(|e| format!("cannot write {j}: {e}"))?;

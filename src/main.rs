@@ -24,9 +24,10 @@ USAGE:
         Serve a model over HTTP: OpenAI-compatible completions, a sessions API over
         capsules, a tiered capsule store (`flashrt serve --help` for every option).
     flashrt bench <model.toml> [--random-weights] [--lengths 2048,4096,8192,16384] [--iters N]
-                  [--decode-steps N] [--json FILE] [--backend cpu|cuda]
+                  [--decode-steps N] [--json FILE] [--backend cpu|cuda] [--profile]
         Cold and restored time-to-first-token, snapshot/restore next to the copy floor,
-        decode step next to the weight-bandwidth floor, per prompt length.
+        decode step next to the weight-bandwidth floor, per prompt length; --profile adds
+        per-op device times of a decode step and a prefill chunk (CUDA).
     flashrt help
 ";
 

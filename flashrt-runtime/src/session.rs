@@ -13,7 +13,7 @@
 //! [`crate::backend::cpu`]), so the logits and state after any sequence of appends equal
 //! those of one cold prefill of the concatenated tokens, bit for bit.
 
-use crate::backend::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet};
+use crate::backend::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, StepLogits};
 use crate::capsule::{Capsule, CapsuleMeta, Counters, LogitsRow, SamplerState};
 use crate::error::{Error, Result};
 use crate::loader;
@@ -191,7 +191,7 @@ impl Model {
             dev: self.inner.device.new_session()?,
             pos: 0,
             tokens: Vec::new(),
-            logits: Vec::new(),
+            logits: KeptLogits::default(),
             logits_rows: 0,
             logits_mode: LogitsMode::All,
             pending: None,
@@ -206,6 +206,48 @@ impl Model {
         let mut s = self.session()?;
         s.restore(capsule)?;
         Ok(s)
+    }
+}
+
+/// The logits rows a session keeps: its own (from the device), or a capsule's last row
+/// shared with it (after a restore).
+#[derive(Debug)]
+enum KeptLogits {
+    Own(Vec<f32>),
+    Shared(Arc<[f32]>),
+}
+
+impl Default for KeptLogits {
+    fn default() -> Self {
+        KeptLogits::Own(Vec::new())
+    }
+}
+
+impl KeptLogits {
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            KeptLogits::Own(v) => v,
+            KeptLogits::Shared(a) => a,
+        }
+    }
+
+    /// Empty, keeping an owned buffer's capacity.
+    fn clear(&mut self) {
+        match self {
+            KeptLogits::Own(v) => v.clear(),
+            KeptLogits::Shared(_) => *self = KeptLogits::default(),
+        }
+    }
+
+    /// The owned buffer (a shared row is dropped first).
+    fn own(&mut self) -> &mut Vec<f32> {
+        if let KeptLogits::Shared(_) = self {
+            *self = KeptLogits::default();
+        }
+        match self {
+            KeptLogits::Own(v) => v,
+            KeptLogits::Shared(_) => unreachable!("replaced above"),
+        }
     }
 }
 
@@ -249,7 +291,7 @@ pub struct Session {
     pos: usize,
     tokens: Vec<u32>,
     /// Kept rows of the last append, row-major.
-    logits: Vec<f32>,
+    logits: KeptLogits,
     logits_rows: usize,
     logits_mode: LogitsMode,
     pending: Option<u32>,
@@ -317,7 +359,7 @@ impl Session {
     /// Logits kept from the last append, row-major `[logits_rows(), vocab]` (after a restore:
     /// the capsule's last row).
     pub fn logits(&self) -> &[f32] {
-        &self.logits
+        self.logits.as_slice()
     }
     pub fn logits_rows(&self) -> usize {
         self.logits_rows
@@ -328,7 +370,7 @@ impl Session {
         if self.logits_rows == 0 {
             &[]
         } else {
-            &self.logits[(self.logits_rows - 1) * v..self.logits_rows * v]
+            &self.logits.as_slice()[(self.logits_rows - 1) * v..self.logits_rows * v]
         }
     }
 
@@ -390,20 +432,27 @@ impl Session {
                         .unwrap_or(largest),
                 }
             };
-            if let Err(e) = self.dev.step(phase, chunk, self.pos) {
+            let keep_all = self.logits_mode == LogitsMode::All;
+            let want = if keep_all {
+                StepLogits::All
+            } else if ci + 1 == n_chunks {
+                StepLogits::Last
+            } else {
+                StepLogits::None
+            };
+            if let Err(e) = self.dev.step_logits(phase, chunk, self.pos, want) {
                 self.poisoned = true;
                 self.logits.clear();
                 self.logits_rows = 0;
                 return Err(e);
             }
-            let keep_all = self.logits_mode == LogitsMode::All;
             if keep_all {
                 let rows = self.dev.logits(chunk.len())?;
-                self.logits.extend_from_slice(&rows);
+                self.logits.own().extend_from_slice(&rows);
                 self.logits_rows += chunk.len();
             } else if ci + 1 == n_chunks {
                 // Only the last position's row crosses to the host.
-                self.logits = self.dev.logits_row(chunk.len() - 1)?;
+                self.logits = KeptLogits::Own(self.dev.logits_row(chunk.len() - 1)?);
                 self.logits_rows = 1;
             }
             self.pos += chunk.len();
@@ -419,6 +468,40 @@ impl Session {
         }
         self.pending = None;
         Ok(())
+    }
+
+    /// Feed one chunk (at most the largest prefill bucket) as the last chunk of a prompt whose
+    /// next token is wanted (last-row logits), timing every device command of the step:
+    /// `(label, ms)` in plan order (see [`DeviceSession::profile_step`]). The session advances
+    /// as after `append`, but keeps no logits. For benchmarks (`flashrt bench --profile`).
+    pub fn profile_chunk(&mut self, tokens: &[u32]) -> Result<Vec<(String, f64)>> {
+        self.validate(tokens)?;
+        let buckets = &self.model.ir().prefill_buckets;
+        let phase = if tokens.len() == 1 {
+            Phase::Decode
+        } else {
+            let bucket = buckets.iter().copied().find(|&b| b >= tokens.len());
+            Phase::Prefill {
+                bucket: bucket.ok_or_else(|| {
+                    Error::Input(format!(
+                        "a profiled chunk holds at most the largest bucket's rows, not {}",
+                        tokens.len()
+                    ))
+                })?,
+            }
+        };
+        self.logits.clear();
+        self.logits_rows = 0;
+        let times = self
+            .dev
+            .profile_step(phase, tokens, self.pos, StepLogits::Last)
+            .inspect_err(|_| {
+                self.poisoned = true;
+            })?;
+        self.pos += tokens.len();
+        self.tokens.extend_from_slice(tokens);
+        self.pending = None;
+        Ok(times)
     }
 
     /// Greedy decoding: `n` times, take the argmax of the last logits and feed it. The first
@@ -449,7 +532,7 @@ impl Session {
                 "no logits to sample from: append tokens first".into(),
             ));
         }
-        let row = &self.logits[(self.logits_rows - 1) * v..self.logits_rows * v];
+        let row = &self.logits.as_slice()[(self.logits_rows - 1) * v..self.logits_rows * v];
         self.sampler.sample(row).ok_or_else(|| Error::Backend {
             op: "sample".into(),
             msg: "the logits row has no finite value".into(),
@@ -486,7 +569,14 @@ impl Session {
     pub fn snapshot(&self) -> Result<Capsule> {
         self.check_usable()?;
         let saved = self.dev.save(self.pos, RegionSet::All)?;
-        let last = self.last_logits();
+        let last = match &self.logits {
+            // A restored row goes back into the next capsule without a copy.
+            KeptLogits::Shared(row) if self.logits_rows == 1 => Some(LogitsRow(row.clone())),
+            _ => {
+                let last = self.last_logits();
+                (!last.is_empty()).then(|| LogitsRow(last.into()))
+            }
+        };
         let meta = CapsuleMeta {
             model: self.model.name().to_string(),
             fingerprint: self.model.fingerprint().to_string(),
@@ -495,7 +585,7 @@ impl Session {
             tokens: self.tokens.clone(),
             sampler: self.sampler.clone(),
             counters: self.counters,
-            last_logits: (!last.is_empty()).then(|| LogitsRow(last.into())),
+            last_logits: last,
         };
         Capsule::from_parts(meta, saved, self.model.compiled().clone())
     }
@@ -541,7 +631,8 @@ impl Session {
         self.logits.clear();
         self.logits_rows = 0;
         if let Some(l) = &c.meta.last_logits {
-            self.logits.extend_from_slice(&l.0);
+            // Shared with the capsule, not copied: a restore costs no host copy of the row.
+            self.logits = KeptLogits::Shared(l.0.clone());
             self.logits_rows = 1;
         }
     }
@@ -602,6 +693,12 @@ impl Session {
         }
     }
 
+    /// Device time of the last restore's copy in milliseconds, where the backend measures it
+    /// (CUDA: events around the copy kernel); waits for the copy. For benchmarks.
+    pub fn last_restore_device_ms(&self) -> Result<Option<f64>> {
+        Ok(self.dev.last_restore_seconds()?.map(|s| s * 1e3))
+    }
+
     /// Wait until every queued step, snapshot and restore of this session has completed on
     /// the device (benchmarks stop their clocks after this).
     pub fn synchronize(&self) -> Result<()> {
@@ -636,7 +733,7 @@ impl Session {
     pub(crate) fn spec_commit(&mut self, tokens: &[u32], last_logits: Vec<f32>) {
         self.pos += tokens.len();
         self.tokens.extend_from_slice(tokens);
-        self.logits = last_logits;
+        self.logits = KeptLogits::Own(last_logits);
         self.logits_rows = 1;
         self.counters.steps += tokens.len() as u64;
         self.counters.decode_tokens += tokens.len() as u64;

@@ -224,8 +224,9 @@ fn bf16_tracks_cpu_reference() {
     }
 }
 
-/// The same token stream through CUDA graphs and through plain launches gives bit-identical
-/// logits: graphs are captured once per phase and replayed at other positions and lengths.
+/// The same token stream through CUDA graphs (with programmatic dependent launches) and
+/// through plain launches (without) gives bit-identical logits: graphs are captured once per
+/// phase and replayed at other positions and lengths, and PDL only moves launch latency.
 #[test]
 fn graphs_replay_like_direct_launches() {
     let Some(with) = cuda("graphs_replay_like_direct_launches") else {
@@ -233,7 +234,11 @@ fn graphs_replay_like_direct_launches() {
     };
     let Some(without) = cuda_with(
         "graphs_replay_like_direct_launches",
-        CudaOptions { graphs: false },
+        CudaOptions {
+            graphs: false,
+            pdl: false,
+            ..CudaOptions::default()
+        },
     ) else {
         return;
     };
@@ -266,6 +271,46 @@ fn graphs_replay_like_direct_launches() {
         }
     }
     println!("graphs vs direct: {} positions bit-identical", sa.pos());
+}
+
+/// A prompt appended with `LogitsMode::Last` runs its chunks without the LM head and its last
+/// chunk with the head for the last row only (`StepLogits`); the next-token logits must match
+/// the full computation's last row (one row through `gemv` instead of the bucket's cuBLASLt
+/// matmul: the same products, summed in another order), and every later step must be the same.
+#[test]
+fn last_row_logits_match_full_prefill() {
+    let Some(gpu) = cuda("last_row_logits_match_full_prefill") else {
+        return;
+    };
+    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 256);
+    let m = model_on(gpu, &ir, None);
+    let vocab = m.vocab();
+    for n in [5, 32, 77] {
+        let p = prompt(n, vocab, 11);
+        let mut full = m.session().unwrap();
+        full.append(&p).unwrap();
+        let want = full.logits()[(n - 1) * vocab..].to_vec();
+        let mut last = m.session().unwrap();
+        last.set_logits_mode(LogitsMode::Last);
+        last.append(&p).unwrap();
+        let got = last.last_logits().to_vec();
+        let err = rel_err(&got, &want);
+        println!("prompt {n}: last-row logits rel err {err:.2e}");
+        assert!(
+            err < 1e-4,
+            "prompt {n}: last-row logits differ (rel err {err:.2e})"
+        );
+        assert_eq!(
+            argmax(&got),
+            argmax(&want),
+            "prompt {n}: next token differs"
+        );
+        assert_eq!(
+            full.decode_greedy(8).unwrap(),
+            last.decode_greedy(8).unwrap(),
+            "prompt {n}: continuations differ"
+        );
+    }
 }
 
 /// The MTP phases (draft and verify plans, with `StoreLastRow` / `LoadState` and the MTP

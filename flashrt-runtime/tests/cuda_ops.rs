@@ -8,7 +8,7 @@
 mod cuda_support;
 
 use cuda_support::*;
-use flashrt_runtime::ir::{Act, F64, GateOrder, NormWeight, Op, StateKind};
+use flashrt_runtime::ir::{Act, DType, F64, GateOrder, NormWeight, Op, StateKind};
 
 #[test]
 fn embed() {
@@ -31,16 +31,29 @@ fn embed() {
 fn rms_norm() {
     let Some(gpu) = cuda("rms_norm") else { return };
     for dtype in DTYPES {
-        for (bucket, width, group, kind, weighted) in [
-            (3, 783, 783, NormWeight::Plain, true),
-            (50, 150, 50, NormWeight::OnePlus, true),
-            (50, 783, 3, NormWeight::Plain, false),
-            (3, 1024, 256, NormWeight::OnePlus, true),
+        // `off`: the normalised window starts `off` columns into the input, whose row stride
+        // is width + off. Whole 16-byte packs (width, group, off multiples of 8 elements) take
+        // the vector kernel: one group per block (5120, group 5120 / 1024), several groups
+        // per block (256, 128, 8); the others the scalar kernel.
+        for (bucket, width, group, kind, weighted, off) in [
+            (3, 783, 783, NormWeight::Plain, true, 0),
+            (50, 150, 50, NormWeight::OnePlus, true, 0),
+            (50, 783, 3, NormWeight::Plain, false, 0),
+            (3, 1024, 256, NormWeight::OnePlus, true, 0),
+            (64, 5120, 5120, NormWeight::Plain, true, 0),
+            (130, 2048, 256, NormWeight::OnePlus, true, 0),
+            (130, 1024, 128, NormWeight::Plain, false, 8),
+            (50, 4096, 1024, NormWeight::Plain, true, 0),
+            (50, 96, 8, NormWeight::OnePlus, true, 0),
+            // Aligned sizes, misaligned window: scalar kernel (f32 takes packs at off 4).
+            (64, 5120, 5120, NormWeight::Plain, true, 3),
+            (50, 2048, 256, NormWeight::Plain, true, 4),
         ] {
+            let in_width = width + off;
             let case = OpCase::new(
-                &format!("rms_norm w{width} g{group} {kind:?} weighted={weighted}"),
+                &format!("rms_norm w{width} g{group} {kind:?} weighted={weighted} off={off}"),
                 bucket,
-                width,
+                in_width,
                 width,
             );
             case.check(&gpu, dtype, |b| {
@@ -49,7 +62,7 @@ fn rms_norm() {
                     b.param("w", v)
                 });
                 // In place on the input window, then copied out: checks `out == x` aliasing.
-                let x = b.input(0, width);
+                let x = b.input(off, width);
                 b.op(Op::RmsNorm {
                     x,
                     weight: w,
@@ -77,6 +90,9 @@ fn linear() {
             (50, 50, 783, false, true),
             (50, 783, 783, true, true),
             (3, 256, 512, false, false),
+            // k % 8 == 0 and at most 8 rows: the gemv kernel, with a tail of k chunks.
+            (3, 264, 100, false, true),
+            (8, 1032, 37, false, false),
         ] {
             let name = format!("linear {k}->{n} bias={bias} acc={accumulate}");
             // Input: x in columns 0..k, the residual (accumulate target) in k..k+n.
@@ -111,6 +127,101 @@ fn linear() {
     }
 }
 
+/// Small phases run consecutive `Linear`s on one input as one `gemv` launch (with a leading
+/// RmsNorm fused in), and an MLP's gate, up and `Mul` as one fused launch: all must equal the
+/// separate ops (decode steps and 3/5-row chunks; every output — the normalised rows, gate,
+/// up and product — is compared).
+#[test]
+fn gemv_groups_and_glu() {
+    let Some(gpu) = cuda("gemv_groups_and_glu") else {
+        return;
+    };
+    for dtype in DTYPES {
+        for bucket in [3, 5] {
+            // Four projections of one input, widths not multiples of the block's features.
+            let (k, ns) = (264, [50, 7, 130, 9]);
+            let total: usize = ns.iter().sum();
+            OpCase::new(&format!("gemv group {ns:?}"), bucket, k, total).check(&gpu, dtype, |b| {
+                let mut col = 0;
+                for (i, &n) in ns.iter().enumerate() {
+                    let w = b.weight(&format!("w{i}"), &[n, k], 1.7 / (k as f32).sqrt());
+                    b.op(Op::Linear {
+                        x: b.input(0, k),
+                        w,
+                        bias: None,
+                        out: b.output(col, n),
+                        accumulate: false,
+                    });
+                    col += n;
+                }
+            });
+            // RmsNorm fused into the projections' launch: outputs [normed | p0 | p1], with and
+            // without a (1 + w) weight.
+            let (k, n0, n1) = (264, 40, 17);
+            for weighted in [true, false] {
+                OpCase::new(
+                    &format!("gemv rms_norm + group weighted={weighted}"),
+                    bucket,
+                    k,
+                    k + n0 + n1,
+                )
+                .check(&gpu, dtype, |b| {
+                    let w = weighted.then(|| {
+                        let v = b.rng.vec(k, -1.0, 1.0);
+                        b.param("norm_w", v)
+                    });
+                    let hn = b.output(0, k);
+                    b.op(Op::RmsNorm {
+                        x: b.input(0, k),
+                        weight: w,
+                        weight_kind: NormWeight::OnePlus,
+                        out: hn,
+                        eps: F64(1e-6),
+                        group: k,
+                    });
+                    for (i, (n, col)) in [(n0, k), (n1, k + n0)].into_iter().enumerate() {
+                        let w = b.weight(&format!("w{i}"), &[n, k], 1.7 / (k as f32).sqrt());
+                        b.op(Op::Linear {
+                            x: hn,
+                            w,
+                            bias: None,
+                            out: b.output(col, n),
+                            accumulate: false,
+                        });
+                    }
+                });
+            }
+            // gate, up, act(gate) * up: outputs [gate | up | product].
+            let (k, n) = (136, 45);
+            for act in [Act::Silu, Act::Relu2] {
+                OpCase::new(&format!("gemv glu {act:?}"), bucket, k, 3 * n).check(
+                    &gpu,
+                    dtype,
+                    |b| {
+                        let wg = b.weight("gate", &[n, k], 1.7 / (k as f32).sqrt());
+                        let wu = b.weight("up", &[n, k], 1.7 / (k as f32).sqrt());
+                        for (w, col) in [(wg, 0), (wu, n)] {
+                            b.op(Op::Linear {
+                                x: b.input(0, k),
+                                w,
+                                bias: None,
+                                out: b.output(col, n),
+                                accumulate: false,
+                            });
+                        }
+                        b.op(Op::Mul {
+                            gate: b.output(0, n),
+                            act,
+                            x: b.output(n, n),
+                            out: b.output(2 * n, n),
+                        });
+                    },
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn mul_and_unary() {
     let Some(gpu) = cuda("mul_and_unary") else {
@@ -118,7 +229,10 @@ fn mul_and_unary() {
     };
     for dtype in DTYPES {
         for act in [Act::Identity, Act::Silu, Act::Sigmoid, Act::Relu2] {
-            for (bucket, width) in [(3, 783), (50, 50)] {
+            // Widths that are whole 16-byte packs take `mul_vec` / `unary_vec` (2000: 250
+            // packs, so the 1-D grid's blocks straddle rows; 1028 only for f32, whose packs
+            // are 4 wide); the others the scalar kernels.
+            for (bucket, width) in [(3, 783), (50, 50), (130, 1024), (64, 2000), (3, 1028)] {
                 OpCase::new(
                     &format!("mul {act:?} w{width}"),
                     bucket,
@@ -191,10 +305,18 @@ fn split_heads() {
 fn rope() {
     let Some(gpu) = cuda("rope") else { return };
     for dtype in DTYPES {
+        // Blocks of hb heads (the largest divisor of heads with hb * rotary / 2 <= 256): all
+        // 3, 4 and 2 heads in the first cases (25, 8 and 32 pairs); 6 of 12 (Qwen3.5-style
+        // partial rotary, 64 of 256); 4 of 24; 5 of 5 with 48 pairs; rotary 1024 (512 pairs)
+        // loops over pairs, one head per block.
         for (bucket, heads, head_dim, rotary, theta) in [
             (3, 3, 50, 50, 1e4),
             (50, 4, 64, 16, 1e7),
             (50, 2, 256, 64, 1e6),
+            (130, 12, 256, 64, 1e7),
+            (50, 24, 128, 128, 1e6),
+            (3, 5, 96, 96, 1e4),
+            (3, 2, 1024, 1024, 1e6),
         ] {
             let width = heads * head_dim;
             let mut case = OpCase::new(
@@ -234,13 +356,112 @@ fn attention() {
             (3, 8, 2, 256),
             (3, 2, 2, 512),
         ] {
+            let case = attention_case(bucket, qh, kvh, hd);
+            check_attention(&gpu, dtype, &case, qh, kvh, hd);
+        }
+    }
+    // Prefill buckets of >= 64 rows: bf16/f16 targets run the tensor-core kernel
+    // (attention_prefill.cu, 128-row tiles), f32 the split kernel. Partial tiles (130 = 128 +
+    // 2 rows), partial chunks, chunks that start far from 0 and at positions that are not
+    // multiples of a tile, head_dim below the instantiated bound (96 -> 128, 200 -> 256), GQA.
+    for dtype in [DType::F32, DType::Bf16, DType::F16] {
+        for (bucket, qh, kvh, hd, steps) in [
+            (130, 6, 1, 256, None),
+            (64, 4, 2, 128, None),
+            (96, 2, 2, 64, None),
+            (70, 3, 1, 96, None),
+            (64, 4, 2, 128, Some(vec![64, 64, 64, 64, 3, 61, 64, 1, 1])),
+            (128, 6, 1, 256, Some(vec![128, 128, 100, 128, 5, 128, 1])),
+            (200, 4, 1, 200, Some(vec![200, 133, 200, 1])),
+        ] {
+            let mut case = attention_case(bucket, qh, kvh, hd);
+            if let Some(steps) = steps {
+                case.max_seq = steps.iter().sum::<usize>() + 16;
+                case.steps = steps;
+            }
+            check_attention(&gpu, dtype, &case, qh, kvh, hd);
+        }
+    }
+}
+
+fn attention_case(bucket: usize, qh: usize, kvh: usize, hd: usize) -> OpCase {
+    let (qw, kvw) = (qh * hd, kvh * hd);
+    OpCase::new(
+        &format!("attention q{qh} kv{kvh} d{hd}"),
+        bucket,
+        qw + 2 * kvw,
+        qw,
+    )
+}
+
+fn check_attention(
+    gpu: &std::sync::Arc<flashrt_runtime::backend::cuda::CudaBackend>,
+    dtype: DType,
+    case: &OpCase,
+    qh: usize,
+    kvh: usize,
+    hd: usize,
+) {
+    let (qw, kvw) = (qh * hd, kvh * hd);
+    case.check(gpu, dtype, |b| {
+        let shape = [b.max_seq(), kvh, hd];
+        let ck = b.state("cache_k", &shape, StateKind::Key);
+        let cv = b.state("cache_v", &shape, StateKind::Value);
+        b.op(Op::Attention {
+            q: b.input(0, qw),
+            k: b.input(qw, kvw),
+            v: b.input(qw + kvw, kvw),
+            cache_k: ck,
+            cache_v: cv,
+            out: b.output(0, qw),
+            q_heads: qh,
+            kv_heads: kvh,
+            head_dim: hd,
+            scale: F64((hd as f64).powf(-0.5)),
+        });
+    });
+}
+
+/// Small phases (decode steps and buckets of <= 8 rows) run attention_decode.cu: one block per
+/// (KV head, split) for every query head of the group and every row, tensor cores for
+/// bf16/f16, CUDA cores for f32. Long contexts (hundreds to ~3k positions, so many splits,
+/// empty splits past the context and pieces that end inside a 16-key chunk), GQA 6:1 at
+/// head_dim 256 (the 27B shape 24/4 too), multi-row phases (every row with its own piece),
+/// G * rows from 6 to 48 query vectors per block, G = 1 and 16, head_dim below the
+/// instantiated bound (200 -> 256, 96 -> 128), and sharper softmax (scale x4) so that the
+/// running max moves often. 64 KV heads leave few splits (2 on a 132-SM device), so a block
+/// streams more tiles than its 6-stage ring holds (the mbarrier phases wrap: 7 tiles of 32
+/// keys in bf16/f16, 13 of 16 in f32).
+#[test]
+fn attention_decode() {
+    let Some(gpu) = cuda("attention_decode") else {
+        return;
+    };
+    let rep = |n: usize, len: usize, tail: &[usize]| {
+        let mut v = vec![len; n];
+        v.extend_from_slice(tail);
+        v
+    };
+    for dtype in [DType::F32, DType::Bf16, DType::F16] {
+        for (bucket, qh, kvh, hd, sharp, steps) in [
+            (5, 24, 4, 256, 1.0, rep(40, 5, &[3, 1, 1, 1])),
+            (5, 12, 2, 256, 4.0, rep(120, 5, &[1, 2, 1])),
+            (64, 6, 1, 256, 1.0, rep(40, 64, &[1, 1, 1])),
+            (8, 12, 2, 128, 1.0, rep(100, 8, &[7, 1, 1])),
+            (4, 8, 8, 64, 4.0, rep(60, 4, &[3, 1])),
+            (7, 4, 1, 200, 1.0, rep(30, 7, &[1, 6, 1])),
+            (2, 16, 1, 96, 4.0, rep(100, 2, &[1, 1])),
+            (8, 64, 64, 256, 4.0, rep(50, 8, &[1, 3, 1])),
+        ] {
             let (qw, kvw) = (qh * hd, kvh * hd);
-            let case = OpCase::new(
-                &format!("attention q{qh} kv{kvh} d{hd}"),
+            let mut case = OpCase::new(
+                &format!("attention_decode q{qh} kv{kvh} d{hd} x{sharp}"),
                 bucket,
                 qw + 2 * kvw,
                 qw,
             );
+            case.max_seq = steps.iter().sum::<usize>() + 16;
+            case.steps = steps;
             case.check(&gpu, dtype, |b| {
                 let shape = [b.max_seq(), kvh, hd];
                 let ck = b.state("cache_k", &shape, StateKind::Key);
@@ -255,7 +476,7 @@ fn attention() {
                     q_heads: qh,
                     kv_heads: kvh,
                     head_dim: hd,
-                    scale: F64((hd as f64).powf(-0.5)),
+                    scale: F64(sharp * (hd as f64).powf(-0.5)),
                 });
             });
         }
@@ -268,13 +489,28 @@ fn causal_conv1d() {
         return;
     };
     for dtype in DTYPES {
-        for (bucket, c, k, act, bias) in [
-            (3, 783, 4, Act::Silu, true),
-            (50, 50, 3, Act::Identity, false),
-            (50, 783, 4, Act::Silu, false),
+        // `off`: x starts `off` columns into the input (row stride c + off). Whole 16-byte
+        // packs of channels with k <= 4 take the fused `conv_vec` (2560: a partial 256-channel
+        // tile for bf16; 130 rows: three 64-row blocks, the last partial; the 128-row step
+        // rolls the state from rows past the first warp's window; k = 3 and 2 pad the taps);
+        // odd sizes, k = 5 and the misaligned window (bf16 at off 4) the two scalar kernels.
+        for (bucket, c, k, act, bias, off) in [
+            (3, 783, 4, Act::Silu, true, 0),
+            (50, 50, 3, Act::Identity, false, 0),
+            (50, 783, 4, Act::Silu, false, 0),
+            (130, 2560, 4, Act::Silu, true, 0),
+            (64, 6144, 4, Act::Silu, false, 0),
+            (50, 512, 3, Act::Identity, true, 0),
+            (3, 256, 2, Act::Silu, true, 0),
+            (50, 256, 5, Act::Silu, true, 0),
+            (50, 512, 4, Act::Silu, true, 4),
         ] {
-            let mut case =
-                OpCase::new(&format!("conv c{c} k{k} {act:?} bias={bias}"), bucket, c, c);
+            let mut case = OpCase::new(
+                &format!("conv c{c} k{k} {act:?} bias={bias} off={off}"),
+                bucket,
+                c + off,
+                c,
+            );
             // Many single-token steps: the state must roll correctly when len < K - 1.
             case.steps.extend([1, 1, 2]);
             case.check(&gpu, dtype, |b| {
@@ -288,7 +524,7 @@ fn causal_conv1d() {
                 });
                 let state = b.state("conv_state", &[k - 1, c], StateKind::Conv);
                 b.op(Op::CausalConv1d {
-                    x: b.input(0, c),
+                    x: b.input(off, c),
                     weight,
                     bias,
                     state,
@@ -306,6 +542,7 @@ fn gated_deltanet() {
     let Some(gpu) = cuda("gated_deltanet") else {
         return;
     };
+    // Buckets below 64 rows: the token-by-token kernel (every phase).
     for dtype in DTYPES {
         for (bucket, hk, hv, dk, dv) in [
             (3, 1, 1, 3, 50),
@@ -313,39 +550,82 @@ fn gated_deltanet() {
             (50, 2, 6, 128, 128),
             (3, 1, 2, 256, 64),
         ] {
-            let qkv = 2 * hk * dk + hv * dv;
-            let case = OpCase::new(
-                &format!("gdn hk{hk} hv{hv} dk{dk} dv{dv}"),
-                bucket,
-                qkv + 2 * hv,
-                hv * dv,
-            );
-            case.check(&gpu, dtype, |b| {
-                let a_log = {
-                    let v = b.rng.vec(hv, -1.0, 1.0);
-                    b.param("A_log", v)
-                };
-                let dt_bias = {
-                    let v = b.rng.vec(hv, -1.0, 1.0);
-                    b.param("dt_bias", v)
-                };
-                let state = b.state("recurrent", &[hv, dk, dv], StateKind::Recurrent);
-                b.op(Op::GatedDeltaNet {
-                    qkv: b.input(0, qkv),
-                    a: b.input(qkv, hv),
-                    b: b.input(qkv + hv, hv),
-                    a_log,
-                    dt_bias,
-                    state,
-                    out: b.output(0, hv * dv),
-                    key_heads: hk,
-                    value_heads: hv,
-                    key_dim: dk,
-                    value_dim: dv,
-                });
-            });
+            check_gated_deltanet(&gpu, dtype, bucket, hk, hv, dk, dv, None, false);
         }
     }
+    // Prefill buckets of >= 64 rows: the chunked kernel (64-row chunks) for prefill steps,
+    // the token kernel for the decode steps in between, each continuing from the state the
+    // other left. Lengths that are and are not multiples of 64, below 64 (2 rows), chunks
+    // after decode steps; dk below the instantiated bound (100 -> 128, 50 -> 64), dv below
+    // and not a multiple of the 64-column block; the 27B head shape (dk = dv = 128, 3
+    // value heads per key head). Even heads decay slowly (tens of tokens or more), so the
+    // state carried across chunks and calls matters.
+    for dtype in DTYPES {
+        for (bucket, hk, hv, dk, dv, steps) in [
+            (200, 2, 6, 128, 128, None),
+            (130, 1, 2, 64, 50, None),
+            (130, 1, 2, 50, 70, Some(vec![130, 64, 1, 100])),
+            (96, 2, 4, 100, 130, Some(vec![96, 65, 1, 2, 96])),
+            (256, 1, 3, 128, 128, Some(vec![256, 2, 64, 1, 193, 1])),
+        ] {
+            check_gated_deltanet(&gpu, dtype, bucket, hk, hv, dk, dv, steps, true);
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_gated_deltanet(
+    gpu: &std::sync::Arc<flashrt_runtime::backend::cuda::CudaBackend>,
+    dtype: DType,
+    bucket: usize,
+    hk: usize,
+    hv: usize,
+    dk: usize,
+    dv: usize,
+    steps: Option<Vec<usize>>,
+    slow_heads: bool,
+) {
+    let qkv = 2 * hk * dk + hv * dv;
+    let mut case = OpCase::new(
+        &format!("gdn hk{hk} hv{hv} dk{dk} dv{dv}"),
+        bucket,
+        qkv + 2 * hv,
+        hv * dv,
+    );
+    if let Some(steps) = steps {
+        case.max_seq = steps.iter().sum::<usize>() + 16;
+        case.steps = steps;
+    }
+    case.check(gpu, dtype, |b| {
+        let a_log = {
+            let mut v = b.rng.vec(hv, -1.0, 1.0);
+            if slow_heads {
+                // A_log in [-6, -4]: per-token decay exp(g) in about [0.96, 0.9997].
+                for x in v.iter_mut().step_by(2) {
+                    *x -= 5.0;
+                }
+            }
+            b.param("A_log", v)
+        };
+        let dt_bias = {
+            let v = b.rng.vec(hv, -1.0, 1.0);
+            b.param("dt_bias", v)
+        };
+        let state = b.state("recurrent", &[hv, dk, dv], StateKind::Recurrent);
+        b.op(Op::GatedDeltaNet {
+            qkv: b.input(0, qkv),
+            a: b.input(qkv, hv),
+            b: b.input(qkv + hv, hv),
+            a_log,
+            dt_bias,
+            state,
+            out: b.output(0, hv * dv),
+            key_heads: hk,
+            value_heads: hv,
+            key_dim: dk,
+            value_dim: dv,
+        });
+    });
 }
 
 #[test]
@@ -354,16 +634,23 @@ fn gated_rms_norm() {
         return;
     };
     for dtype in DTYPES {
-        for (bucket, width, group, shared, order) in [
-            (3, 150, 50, true, GateOrder::NormThenGate),
-            (50, 783, 261, false, GateOrder::GateThenNorm),
-            (50, 512, 128, true, GateOrder::GateThenNorm),
-            (3, 783, 783, false, GateOrder::NormThenGate),
+        // `off`: the gate starts `off` columns after x (input row stride 2 width + off).
+        // Whole 16-byte packs take the vector kernel (group 128: 4 threads of 4 packs; 5120:
+        // one group per block); odd sizes and a misaligned gate (bf16 at off 4) the scalar one.
+        for (bucket, width, group, shared, order, off) in [
+            (3, 150, 50, true, GateOrder::NormThenGate, 0),
+            (50, 783, 261, false, GateOrder::GateThenNorm, 0),
+            (50, 512, 128, true, GateOrder::GateThenNorm, 0),
+            (3, 783, 783, false, GateOrder::NormThenGate, 0),
+            (64, 3072, 128, false, GateOrder::NormThenGate, 0),
+            (130, 1024, 256, true, GateOrder::GateThenNorm, 0),
+            (3, 5120, 5120, false, GateOrder::NormThenGate, 0),
+            (50, 1024, 128, true, GateOrder::NormThenGate, 4),
         ] {
             let case = OpCase::new(
-                &format!("gated_rms_norm w{width} g{group} shared={shared} {order:?}"),
+                &format!("gated_rms_norm w{width} g{group} shared={shared} {order:?} off={off}"),
                 bucket,
-                2 * width,
+                2 * width + off,
                 width,
             );
             case.check(&gpu, dtype, |b| {
@@ -373,7 +660,7 @@ fn gated_rms_norm() {
                 };
                 b.op(Op::GatedRmsNorm {
                     x: b.input(0, width),
-                    gate: b.input(width, width),
+                    gate: b.input(width + off, width),
                     weight,
                     shared_weight: shared,
                     out: b.output(0, width),

@@ -63,6 +63,18 @@ impl RegionSet {
     }
 }
 
+/// Which rows of `io.logits` a step must leave there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StepLogits {
+    /// Every row of the chunk (the plan as written).
+    All,
+    /// Only row `len - 1`, the chunk's last position (a prompt's last chunk when the caller
+    /// wants the next token only). Other rows are left undefined.
+    Last,
+    /// None (a prompt's chunks before the last). Every row is left undefined.
+    None,
+}
+
 /// Saved bytes of the state regions at a token boundary, owned by the backend that made
 /// them. `Host` copies live in ordinary memory; device copies stay on the device.
 pub trait SavedState: Send + Sync + Any {
@@ -109,6 +121,15 @@ pub trait Backend: Send + Sync {
         times.sort_by(f64::total_cmp);
         Ok(times[times.len() / 2])
     }
+    /// Measured dense matmul rate in the model's element type `dtype`, FLOP/s (a large square
+    /// product, median of a few): the ceiling prefill throughput is compared with. Backends
+    /// without a meaningful figure return `Unsupported`.
+    fn matmul_flops(&self, dtype: flashrt_ir::DType) -> Result<f64> {
+        let _ = dtype;
+        Err(crate::error::Error::Unsupported(
+            "no matmul-rate probe on this backend".into(),
+        ))
+    }
 }
 
 /// A model whose weights live on a device.
@@ -124,6 +145,18 @@ pub trait DeviceSession: Send {
     /// Run the plan of `phase` over `tokens` (`1 <= len <= phase.rows()`) starting at absolute
     /// position `pos`. Leaves the state at `pos + len` and the logits of every row in `io.logits`.
     fn step(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<()>;
+    /// [`DeviceSession::step`], producing only the `logits` rows asked for (backends may skip
+    /// the LM head's other rows). The default computes them all.
+    fn step_logits(
+        &mut self,
+        phase: Phase,
+        tokens: &[u32],
+        pos: usize,
+        logits: StepLogits,
+    ) -> Result<()> {
+        let _ = logits;
+        self.step(phase, tokens, pos)
+    }
     /// Logits of rows `0..rows` of the last step, row-major `[rows, vocab]`, as f32.
     fn logits(&self, rows: usize) -> Result<Vec<f32>>;
     /// Logits of row `row` of the last step (`[vocab]`): what a prefill needs when only the
@@ -138,6 +171,12 @@ pub trait DeviceSession: Send {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+    /// Device time of the last [`DeviceSession::restore`]'s copy (waits for it), where the
+    /// backend times it on the device: the figure to hold against a device copy of the same
+    /// bytes (host-side call overhead excluded). `None` if not timed.
+    fn last_restore_seconds(&self) -> Result<Option<f64>> {
+        Ok(None)
+    }
     /// Zero every state region (a fresh session).
     fn reset(&mut self) -> Result<()>;
     /// Copy the selected regions (KV: only positions `0..pos`) into backend-owned storage.
@@ -146,6 +185,21 @@ pub trait DeviceSession: Send {
     fn restore(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()>;
     /// The current bytes of one state region, up to position `pos` for KV, on the host.
     fn read_region(&self, id: BufferId, pos: usize) -> Result<Vec<u8>>;
+    /// Run one step like [`DeviceSession::step`] and time every device command of it, in plan
+    /// order: `(label, milliseconds)`. The label names the phase, the op index and kind, and
+    /// for matmuls the weight. Backends without a per-command clock return `Unsupported`.
+    fn profile_step(
+        &mut self,
+        phase: Phase,
+        tokens: &[u32],
+        pos: usize,
+        logits: StepLogits,
+    ) -> Result<Vec<(String, f64)>> {
+        let _ = (phase, tokens, pos, logits);
+        Err(crate::error::Error::Unsupported(
+            "per-command profiling needs the CUDA backend".into(),
+        ))
+    }
 }
 
 /// The best backend available at run time: CUDA when compiled in and a GPU and driver are

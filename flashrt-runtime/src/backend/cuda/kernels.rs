@@ -19,9 +19,13 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flashrt_kernels
 const PER_DTYPE: &[&str] = &[
     "embed",
     "rms_norm",
+    "rms_norm_vec",
     "gated_rms_norm",
+    "gated_rms_norm_vec",
     "mul",
+    "mul_vec",
     "unary",
+    "unary_vec",
     "add_bias",
     "split_heads",
     "store_last_row",
@@ -33,19 +37,103 @@ const PER_DTYPE: &[&str] = &[
     "attention_d256",
     "attention_d512",
     "attention_combine",
+    "attention_decode_d64",
+    "attention_decode_d128",
+    "attention_decode_d256",
+    "attention_decode_combine",
     "conv_out",
     "conv_state",
+    "conv_vec",
     "gated_deltanet_k64",
     "gated_deltanet_k128",
     "gated_deltanet_k256",
+    "gated_deltanet_chunk_k64",
+    "gated_deltanet_chunk_k128",
     "mamba2_scan_n64",
     "mamba2_scan_n128",
     "mamba2_scan_n256",
     "init_random",
 ];
 
+/// Kernels whose entry points are `<name>_<dtype>` for the 16-bit dtypes only (tensor-core
+/// kernels: bf16 and f16; f32 targets use the CUDA-core kernels).
+const PER_HALF_DTYPE: &[&str] = &[
+    "attention_prefill_d64",
+    "attention_prefill_d128",
+    "attention_prefill_d256",
+    "gemv_r1",
+    "gemv_r2",
+    "gemv_r3",
+    "gemv_r4",
+    "gemv_r5",
+    "gemv_r6",
+    "gemv_r7",
+    "gemv_r8",
+    "gemv_norm_r1",
+    "gemv_norm_r2",
+    "gemv_norm_r3",
+    "gemv_norm_r4",
+    "gemv_norm_r5",
+    "gemv_norm_r6",
+    "gemv_norm_r7",
+    "gemv_norm_r8",
+];
+
 /// Kernels with a single entry point.
 const PLAIN: &[&str] = &["io_scatter", "state_copy"];
+
+/// Base names of the kernels whose every entry point starts with `flashrt::pdl_wait()` (see
+/// kernels/common.cuh): only these may be launched with programmatic stream serialisation.
+/// `FLASHRT_ENTRY` kernels are all PDL-ready; the others are listed where their entry macros
+/// call the wait.
+const PDL_READY: &[&str] = &[
+    "embed",
+    "rms_norm",
+    "rms_norm_vec",
+    "gated_rms_norm",
+    "gated_rms_norm_vec",
+    "mul",
+    "mul_vec",
+    "unary",
+    "unary_vec",
+    "add_bias",
+    "split_heads",
+    "store_last_row",
+    "load_state",
+    "rope",
+    "kv_write",
+    "attention_d64",
+    "attention_d128",
+    "attention_d256",
+    "attention_d512",
+    "attention_combine",
+    "attention_decode_d64",
+    "attention_decode_d128",
+    "attention_decode_d256",
+    "attention_decode_combine",
+    "conv_out",
+    "conv_state",
+    "conv_vec",
+    "mamba2_scan_n64",
+    "mamba2_scan_n128",
+    "mamba2_scan_n256",
+    "gemv_r1",
+    "gemv_r2",
+    "gemv_r3",
+    "gemv_r4",
+    "gemv_r5",
+    "gemv_r6",
+    "gemv_r7",
+    "gemv_r8",
+    "gemv_norm_r1",
+    "gemv_norm_r2",
+    "gemv_norm_r3",
+    "gemv_norm_r4",
+    "gemv_norm_r5",
+    "gemv_norm_r6",
+    "gemv_norm_r7",
+    "gemv_norm_r8",
+];
 
 /// Suffix of the entry points instantiated for a dtype.
 pub fn dtype_suffix(d: DType) -> Option<&'static str> {
@@ -61,6 +149,8 @@ pub fn dtype_suffix(d: DType) -> Option<&'static str> {
 pub struct Kernels {
     _module: Arc<CudaModule>,
     funcs: HashMap<String, CudaFunction>,
+    /// Function handles (as addresses) of the PDL-ready entry points.
+    pdl: std::collections::HashSet<usize>,
 }
 
 impl Kernels {
@@ -75,6 +165,11 @@ impl Kernels {
         let names = PER_DTYPE
             .iter()
             .flat_map(|k| ["bf16", "f16", "f32"].map(|s| format!("{k}_{s}")))
+            .chain(
+                PER_HALF_DTYPE
+                    .iter()
+                    .flat_map(|k| ["bf16", "f16"].map(|s| format!("{k}_{s}"))),
+            )
             .chain(PLAIN.iter().map(|s| s.to_string()));
         for name in names {
             let f = module.load_function(&name).map_err(|e| Error::Backend {
@@ -83,10 +178,26 @@ impl Kernels {
             })?;
             funcs.insert(name, f);
         }
+        let pdl = funcs
+            .iter()
+            .filter(|(name, _)| {
+                PDL_READY
+                    .iter()
+                    .any(|b| name.rsplit_once('_').is_some_and(|(base, _)| base == *b))
+            })
+            .map(|(_, f)| f.cu_function() as usize)
+            .collect();
         Ok(Self {
             _module: module,
             funcs,
+            pdl,
         })
+    }
+
+    /// Whether `func` waits for its predecessor grid before touching memory, so it may be
+    /// launched with programmatic stream serialisation.
+    pub fn pdl_ready(&self, func: &CudaFunction) -> bool {
+        self.pdl.contains(&(func.cu_function() as usize))
     }
 
     /// The entry point `name` (already suffixed).

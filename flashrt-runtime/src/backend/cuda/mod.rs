@@ -67,7 +67,7 @@ pub mod gemm;
 pub mod kernels;
 pub mod ops;
 
-use super::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, SavedState};
+use super::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, SavedState, StepLogits};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
@@ -75,7 +75,7 @@ use cudarc::driver::{
     PinnedHostSlice,
 };
 use flashrt_ir::{Buffer, BufferId, Compiled, DType, ModelIr, Phase, Role, StateKind, Target};
-use gemm::Blas;
+use gemm::{Blas, GemmShape};
 use kernels::Kernels;
 use ops::{Arenas, Builder, Program};
 use std::any::Any;
@@ -109,12 +109,22 @@ pub struct CudaOptions {
     /// Run steps as captured CUDA graphs (default). `false` launches the ops one by one,
     /// which is slower but easier to debug. Default from `FLASHRT_CUDA_GRAPHS` (`0` = off).
     pub graphs: bool,
+    /// Launch the kernels that support it with programmatic dependent launch (default): each
+    /// may start while its predecessor drains, hiding launch latency between the many small
+    /// kernels of a decode step. Default from `FLASHRT_PDL` (`0` = off).
+    pub pdl: bool,
+    /// Run small phases' (at most 8 rows) matmuls with flashrt's `gemv` kernel instead of
+    /// cuBLASLt (default). Default from `FLASHRT_GEMV` (`0` = off).
+    pub gemv: bool,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
+        let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
         Self {
-            graphs: std::env::var("FLASHRT_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            graphs: on("FLASHRT_CUDA_GRAPHS"),
+            pdl: on("FLASHRT_PDL"),
+            gemv: on("FLASHRT_GEMV"),
         }
     }
 }
@@ -209,6 +219,10 @@ impl Backend for CudaBackend {
     fn copy_seconds(&self, bytes: usize, iters: usize) -> Result<f64> {
         self.device_copy_seconds(bytes, iters)
     }
+
+    fn matmul_flops(&self, dtype: DType) -> Result<f64> {
+        self.device_matmul_flops(dtype, 8192, 10)
+    }
 }
 
 /// Where the weight values come from.
@@ -262,6 +276,62 @@ impl CudaBackend {
         }
         times.sort_by(f64::total_cmp);
         Ok(times[times.len() / 2])
+    }
+
+    /// FLOP/s of an `n x n x n` product through the same cuBLASLt path as `Linear` (f32
+    /// accumulation), median of `iters` after warm-ups, on zeroed operands (a product's time
+    /// does not depend on the values' magnitudes here; only its rounding would).
+    pub fn device_matmul_flops(&self, dtype: DType, n: usize, iters: usize) -> Result<f64> {
+        self.ctx.bind_to_thread().map_err(drv("bind context"))?;
+        let stream = self.ctx.new_stream().map_err(drv("create stream"))?;
+        let bytes = n * n * dtype.size();
+        let w = alloc_zeroed(&stream, bytes, "matmul probe weight")?;
+        let x = alloc_zeroed(&stream, bytes, "matmul probe input")?;
+        let out = alloc_zeroed(&stream, bytes, "matmul probe output")?;
+        let ws = alloc_zeroed(&stream, gemm::WORKSPACE_BYTES, "matmul probe workspace")?;
+        let blas = Blas::new()?;
+        let g = blas.gemm(GemmShape {
+            in_dtype: dtype,
+            out_dtype: dtype,
+            n: n as u64,
+            k: n as u64,
+            rows: n as u64,
+            ld_x: n as i64,
+            ld_out: n as i64,
+            align_w: 256,
+            align_x: 256,
+            align_out: 256,
+        })?;
+        let event = || {
+            self.ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(drv("event"))
+        };
+        let (start, end) = (event()?, event()?);
+        let mut times = Vec::with_capacity(iters.max(1));
+        for i in 0..iters.max(1) + 2 {
+            start.record(&stream).map_err(drv("event"))?;
+            // SAFETY: the three operands hold n x n elements of `dtype`, the workspace is
+            // WORKSPACE_BYTES long; everything lives on this stream only.
+            unsafe {
+                blas.run(
+                    &g,
+                    dptr(&w),
+                    dptr(&x),
+                    dptr(&out),
+                    false,
+                    dptr(&ws),
+                    stream.cu_stream(),
+                )
+            }?;
+            end.record(&stream).map_err(drv("event"))?;
+            end.synchronize().map_err(drv("matmul probe"))?;
+            if i >= 2 {
+                times.push(start.elapsed_ms(&end).map_err(drv("event time"))? as f64 / 1e3);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(2.0 * (n as f64).powi(3) / times[times.len() / 2])
     }
 
     fn load_with(&self, compiled: Arc<Compiled>, fill: WeightFill) -> Result<Arc<dyn DeviceModel>> {
@@ -441,6 +511,9 @@ struct SessionGraph(CudaGraph);
 // reach it.
 unsafe impl Send for SessionGraph {}
 
+/// Which program: the phase and the logits rows it produces.
+type ProgramKey = (Phase, StepLogits);
+
 /// One session: state, scratch and I/O arenas on the GPU, plus the programs of every phase.
 pub struct CudaSession {
     model: Arc<ModelInner>,
@@ -454,12 +527,20 @@ pub struct CudaSession {
     staging_host: PinnedHostSlice<i32>,
     /// Recorded after each staging copy; the pinned record is rewritten only after it.
     staging_free: CudaEvent,
+    /// Recorded before and after a device restore's copy (timing events, reused: creating an
+    /// event per restore costs more than the wait); the saved buffer's home stream waits on
+    /// the second, and [`DeviceSession::last_restore_seconds`] reads the pair.
+    restore_start: CudaEvent,
+    restore_done: CudaEvent,
+    /// Whether the pair above brackets the last restore.
+    restore_timed: bool,
     /// Two pinned buffers (and their completion events) for reading many logits rows.
     bounce: Mutex<([PinnedHostSlice<f32>; 2], [CudaEvent; 2])>,
-    programs: Vec<(Phase, Program)>,
-    graphs: Vec<(Phase, SessionGraph)>,
-    /// Phases that have run once (as plain launches); the next step of one is captured.
-    warm: Vec<Phase>,
+    /// One program per phase, plus last-row-logits and no-logits variants of prefill phases.
+    programs: Vec<(ProgramKey, Program)>,
+    graphs: Vec<(ProgramKey, SessionGraph)>,
+    /// Programs that have run once (as plain launches); the next step of one is captured.
+    warm: Vec<ProgramKey>,
     state_base: u64,
     io_base: u64,
 }
@@ -498,7 +579,12 @@ impl CudaSession {
     /// # Safety
     /// Every range must be live device memory of this context, sources not written and
     /// destinations not accessed by other work until the copy stream passes this point.
-    unsafe fn batched_copy(&self, segments: &[(u64, u64, u64)], what: &str) -> Result<()> {
+    unsafe fn batched_copy(
+        &self,
+        stream: &CudaStream,
+        segments: &[(u64, u64, u64)],
+        what: &str,
+    ) -> Result<()> {
         let func = self.model.kernels.get("state_copy")?;
         for chunk in segments.chunks(MAX_SEGMENTS) {
             let mut p = StateCopyParams {
@@ -522,7 +608,7 @@ impl CudaSession {
                     (blocks_x, chunk.len() as u32, 1),
                     (256, 1, 1),
                     0,
-                    self.copy.cu_stream(),
+                    stream.cu_stream(),
                     &mut args,
                 )
             }
@@ -547,6 +633,11 @@ impl CudaSession {
         let staging_host = unsafe { ctx.alloc_pinned_with_flags::<i32>(record, 0) }
             .map_err(drv("allocate pinned staging"))?;
         let staging_free = ctx.new_event(None).map_err(drv("create event"))?;
+        let timing = || {
+            ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(drv("create event"))
+        };
+        let (restore_start, restore_done) = (timing()?, timing()?);
         let pinned = || {
             // SAFETY: a bounce buffer is only read in the range a completed copy just wrote.
             unsafe { ctx.alloc_pinned_with_flags::<f32>(BOUNCE_FLOATS, 0) }
@@ -572,13 +663,19 @@ impl CudaSession {
             staging: dptr(&staging_dev),
             workspace: dptr(&workspace),
             sms: model.sms,
+            pdl: model.options.pdl,
+            gemv: model.options.gemv,
         };
-        let programs = model
-            .compiled
-            .plans
-            .iter()
-            .map(|p| Ok((p.phase, builder.program(p)?)))
-            .collect::<Result<Vec<_>>>()?;
+        let mut programs = Vec::new();
+        for plan in &model.compiled.plans {
+            let variants: &[StepLogits] = match plan.phase {
+                Phase::Prefill { .. } => &[StepLogits::All, StepLogits::Last, StepLogits::None],
+                _ => &[StepLogits::All],
+            };
+            for &v in variants {
+                programs.push(((plan.phase, v), builder.program(plan, v)?));
+            }
+        }
         Ok(Self {
             state_base: arenas.state,
             io_base: arenas.io,
@@ -592,6 +689,9 @@ impl CudaSession {
             _staging_dev: staging_dev,
             staging_host,
             staging_free,
+            restore_start,
+            restore_done,
+            restore_timed: false,
             bounce,
             programs,
             graphs: Vec::new(),
@@ -607,9 +707,10 @@ impl CudaSession {
         &self.model.compiled.layout
     }
 
-    /// Run (or capture, then run) the program of `phase`.
+    /// Run (or capture, then run) program `idx`.
     fn launch(&mut self, idx: usize) -> Result<()> {
-        let phase = self.programs[idx].0;
+        let key = self.programs[idx].0;
+        let phase = key.0;
         let ws = dptr(&self.workspace);
         if !self.model.options.graphs {
             // SAFETY: the program addresses this session's live arenas/staging/workspace and
@@ -620,18 +721,18 @@ impl CudaSession {
                     .enqueue(&self.model.blas, ws, self.stream.cu_stream())
             };
         }
-        if let Some((_, g)) = self.graphs.iter().find(|(p, _)| *p == phase) {
+        if let Some((_, g)) = self.graphs.iter().find(|(k, _)| *k == key) {
             return g
                 .0
                 .launch()
                 .map_err(drv(&format!("{} graph launch", phase.label())));
         }
-        if !self.warm.contains(&phase) {
+        if !self.warm.contains(&key) {
             // A phase's first step runs as plain launches: it is a real step (no side effect is
             // wasted) and it warms up everything lazily initialised on first use — module
             // loading of our kernels and of cuBLASLt's — so that nothing but launches happens
             // while the second step is being captured.
-            self.warm.push(phase);
+            self.warm.push(key);
             // SAFETY: as above.
             return unsafe {
                 self.programs[idx]
@@ -659,7 +760,7 @@ impl CudaSession {
         graph
             .launch()
             .map_err(drv(&format!("{} graph launch", phase.label())))?;
-        self.graphs.push((phase, SessionGraph(graph)));
+        self.graphs.push((key, SessionGraph(graph)));
         Ok(())
     }
 
@@ -704,6 +805,23 @@ impl CudaSession {
     }
 }
 
+/// Per-command times from the events `Program::enqueue_timed` recorded.
+fn times(
+    program: &ops::Program,
+    events: &[cudarc::driver::CudaEvent],
+    label: &str,
+) -> Result<Vec<(String, f64)>> {
+    program
+        .cmds
+        .iter()
+        .zip(events.windows(2))
+        .map(|(cmd, w)| {
+            let ms = w[0].elapsed_ms(&w[1]).map_err(drv(label))?;
+            Ok((cmd.label().to_string(), ms as f64))
+        })
+        .collect()
+}
+
 fn in_set(b: &Buffer, set: RegionSet) -> bool {
     match set {
         RegionSet::All => true,
@@ -716,13 +834,28 @@ fn in_set(b: &Buffer, set: RegionSet) -> bool {
     }
 }
 
-impl DeviceSession for CudaSession {
-    fn step(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<()> {
+impl CudaSession {
+    /// Validate a step's inputs and queue their copy into the staging record; returns the
+    /// index of the phase's program.
+    fn stage(
+        &mut self,
+        phase: Phase,
+        tokens: &[u32],
+        pos: usize,
+        logits: StepLogits,
+    ) -> Result<usize> {
         self.bind()?;
+        // A phase without the asked-for variant runs its full program (all rows are a
+        // superset of what was asked).
         let idx = self
             .programs
             .iter()
-            .position(|(p, _)| *p == phase)
+            .position(|(k, _)| *k == (phase, logits))
+            .or_else(|| {
+                self.programs
+                    .iter()
+                    .position(|(k, _)| *k == (phase, StepLogits::All))
+            })
             .ok_or_else(|| {
                 Error::Input(format!(
                     "model `{}` has no {} plan",
@@ -774,7 +907,80 @@ impl DeviceSession for CudaSession {
         self.staging_free
             .record(&self.stream)
             .map_err(drv("staging"))?;
+        Ok(idx)
+    }
+}
+
+impl DeviceSession for CudaSession {
+    fn step(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<()> {
+        self.step_logits(phase, tokens, pos, StepLogits::All)
+    }
+
+    fn step_logits(
+        &mut self,
+        phase: Phase,
+        tokens: &[u32],
+        pos: usize,
+        logits: StepLogits,
+    ) -> Result<()> {
+        let idx = self.stage(phase, tokens, pos, logits)?;
         self.launch(idx)
+    }
+
+    fn profile_step(
+        &mut self,
+        phase: Phase,
+        tokens: &[u32],
+        pos: usize,
+        logits: StepLogits,
+    ) -> Result<Vec<(String, f64)>> {
+        let idx = self.stage(phase, tokens, pos, logits)?;
+        let ws = dptr(&self.workspace);
+        let program = &self.programs[idx].1;
+        let label = format!("{} profile", phase.label());
+        // Captured as a graph with an event node between commands, so the times include what
+        // a replayed step pays per node; plain launches (`graphs: false`, or when the driver
+        // refuses the graph) time the launches.
+        let mut graph_err = None;
+        if self.model.options.graphs {
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(drv(&label))?;
+            // SAFETY: as in `launch`: the program addresses this session's live buffers; the
+            // launches are recorded, not executed, until the graph is launched below.
+            let events = unsafe {
+                program.enqueue_timed(&self.model.ctx, &self.model.blas, ws, &self.stream, true)
+            };
+            let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            let run = || -> Result<Vec<cudarc::driver::CudaEvent>> {
+                let events = events?;
+                let graph = graph.map_err(drv(&label))?.ok_or_else(|| Error::Backend {
+                    op: label.clone(),
+                    msg: "capture produced no graph".into(),
+                })?;
+                graph.upload().map_err(drv(&label))?;
+                graph.launch().map_err(drv(&label))?;
+                self.stream.synchronize().map_err(drv(&label))?;
+                // Elapsed times are read now, while the graph (owning the nodes) is alive.
+                for w in events.windows(2) {
+                    w[0].elapsed_ms(&w[1]).map_err(drv(&label))?;
+                }
+                Ok(events)
+            };
+            match run() {
+                Ok(events) => return times(program, &events, &label),
+                Err(e) => graph_err = Some(e),
+            }
+        }
+        if let Some(e) = graph_err {
+            eprintln!("{label}: timing inside a graph failed ({e}); timing plain launches");
+        }
+        // SAFETY: as above, executed directly.
+        let events = unsafe {
+            program.enqueue_timed(&self.model.ctx, &self.model.blas, ws, &self.stream, false)
+        }?;
+        self.stream.synchronize().map_err(drv(&label))?;
+        times(program, &events, &label)
     }
 
     fn logits_row(&self, row: usize) -> Result<Vec<f32>> {
@@ -801,6 +1007,18 @@ impl DeviceSession for CudaSession {
         .map_err(drv("read logits row"))?;
         self.stream.synchronize().map_err(drv("read logits row"))?;
         Ok(out)
+    }
+
+    fn last_restore_seconds(&self) -> Result<Option<f64>> {
+        if !self.restore_timed {
+            return Ok(None);
+        }
+        self.bind()?;
+        let ms = self
+            .restore_start
+            .elapsed_ms(&self.restore_done)
+            .map_err(drv("restore time"))?;
+        Ok(Some(ms as f64 / 1e3))
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -938,7 +1156,7 @@ impl DeviceSession for CudaSession {
         // SAFETY: every source is the used prefix of a state region inside the state arena;
         // every destination range lies inside `storage` (sized to the packed total); the copy
         // stream waits for the compute stream, and the compute stream waits for `ready`.
-        unsafe { self.batched_copy(&segments, "save")? };
+        unsafe { self.batched_copy(&self.copy, &segments, "save")? };
         let ready = self.copy.record_event(None).map_err(drv("save"))?;
         self.stream.wait(&ready).map_err(drv("save"))?;
         let layout = self.layout();
@@ -959,6 +1177,7 @@ impl DeviceSession for CudaSession {
 
     fn restore(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
         self.bind()?;
+        self.restore_timed = false;
         let Some(s) = saved.as_any().downcast_ref::<CudaSaved>() else {
             return self.restore_host(saved, set);
         };
@@ -981,7 +1200,6 @@ impl DeviceSession for CudaSession {
             })?;
             copies.push((b, r));
         }
-        self.copy_after_compute("restore")?;
         match &s.storage {
             Storage::Device(src) => {
                 if s.ordinal != self.model.ordinal {
@@ -990,8 +1208,10 @@ impl DeviceSession for CudaSession {
                         s.ordinal, self.model.ordinal
                     )));
                 }
+                // The copy runs on the compute stream itself: ordered after every queued step
+                // and before the next, with no event between the two streams.
                 if let Some(ev) = &s.ready {
-                    self.copy.wait(ev).map_err(drv("restore"))?;
+                    self.stream.wait(ev).map_err(drv("restore"))?;
                 }
                 let base = dptr(src);
                 let segments: Vec<(u64, u64, u64)> = copies
@@ -1006,16 +1226,23 @@ impl DeviceSession for CudaSession {
                     })
                     .collect();
                 // SAFETY: every source lies inside the saved buffer (written before `ready`,
-                // which the copy stream waited for); every destination is the prefix of a
-                // state region of this session; the compute stream waits for `done` below.
-                unsafe { self.batched_copy(&segments, "restore")? };
-                let done = self.copy.record_event(None).map_err(drv("restore"))?;
-                self.stream.wait(&done).map_err(drv("restore"))?;
+                // which the compute stream waited for); every destination is the prefix of a
+                // state region of this session, written in stream order with the steps.
+                self.restore_start
+                    .record(&self.stream)
+                    .map_err(drv("restore"))?;
+                unsafe { self.batched_copy(&self.stream, &segments, "restore")? };
                 // The saved buffer is freed (stream-ordered) on its home stream when dropped:
                 // make that stream wait for these reads first.
-                s.home.wait(&done).map_err(drv("restore"))?;
+                self.restore_done
+                    .record(&self.stream)
+                    .map_err(drv("restore"))?;
+                s.home.wait(&self.restore_done).map_err(drv("restore"))?;
+                self.restore_timed = true;
+                return Ok(());
             }
             Storage::Pinned(host) => {
+                self.copy_after_compute("restore")?;
                 let src = host.as_slice().map_err(drv("restore"))?;
                 for (b, r) in &copies {
                     if r.bytes > 0 {

@@ -15,6 +15,7 @@
 
 use super::gemm::{self, Blas, GemmShape, LtGemm};
 use super::kernels::Kernels;
+use crate::backend::StepLogits;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaFunction, sys};
 use flashrt_ir::{
@@ -187,6 +188,17 @@ struct AttentionParams {
     partial: u64,
 }
 
+/// `attention_decode.cu`: the split kernel's parameters plus the per-program query tiling.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttentionDecodeParams {
+    attn: AttentionParams,
+    /// Row capacity of the partial layout (bucket rows; 5 for shared phases).
+    rows: i32,
+    /// 8-query column tiles per block, ceil(group * rows / 8) <= 8.
+    qtiles: i32,
+}
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct ConvParams {
@@ -246,6 +258,64 @@ struct Mamba2Params {
     dt_min: f32,
 }
 
+/// Matrices one `gemv` launch may cover and warps per block: mirrors of kernels/gemv.cu.
+const MAX_GEMV: usize = 4;
+const GEMV_WARPS: usize = 8;
+
+/// Output features per `gemv` block at `rows` rows (in `glu` mode half as many gate/up
+/// pairs): `GEMV_FEATS_OF` in kernels/gemv.cu.
+fn gemv_feats(rows: usize) -> usize {
+    if rows <= 2 { 8 } else { 4 }
+}
+
+/// A RmsNorm fused into a `gemv` launch ([`Builder::gemv_norm`]).
+#[derive(Clone, Copy, Default)]
+struct GemvNorm {
+    x: u64,
+    ld_x: i32,
+    w: u64,
+    one_plus: bool,
+    out: u64,
+    ld_out: i32,
+    eps: f32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GemvMat {
+    w: u64,
+    out: u64,
+    n: i32,
+    ld_out: i32,
+    blocks: i32,
+    pad: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemvParams {
+    x: u64,
+    ld_x: i32,
+    k: i32,
+    nmats: i32,
+    accumulate: i32,
+    out_f32: i32,
+    glu: i32,
+    act: i32,
+    pad: i32,
+    glu_out: u64,
+    ld_glu: i32,
+    last_row: i32,
+    len: u64,
+    norm: i32,
+    one_plus: i32,
+    norm_w: u64,
+    norm_out: u64,
+    ld_norm_out: i32,
+    eps: f32,
+    m: [GemvMat; MAX_GEMV],
+}
+
 /// A parameter struct as 8-byte words (the structs hold 8-byte pointers, so their alignment
 /// is 8 and the copy keeps it).
 pub struct ParamBytes(Vec<u64>);
@@ -274,6 +344,13 @@ pub struct KernelCmd {
     pub func: CudaFunction,
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block, bytes (the function's opt-in maximum was raised to at
+    /// least this when the command was built).
+    pub shared: u32,
+    /// Launch with programmatic stream serialisation (PDL): the kernel may start while its
+    /// predecessor drains; it waits for it in `flashrt::pdl_wait()` (kernels.rs lists which
+    /// kernels do).
+    pub pdl: bool,
     pub params: ParamBytes,
 }
 
@@ -306,40 +383,147 @@ impl Program {
     /// current thread.
     pub unsafe fn enqueue(&self, blas: &Blas, workspace: u64, stream: sys::CUstream) -> Result<()> {
         for cmd in &self.cmds {
-            match cmd {
-                Cmd::Kernel(k) => {
-                    let mut args = [k.params.0.as_ptr() as *mut c_void];
-                    // SAFETY: the function takes exactly one by-value parameter struct whose
-                    // bytes `params` holds (same repr(C) layout as the kernel's struct); grid
-                    // and block were validated when the program was built; the addresses
-                    // inside are live by this function's contract.
-                    unsafe {
-                        cudarc::driver::result::launch_kernel(
-                            k.func.cu_function(),
-                            k.grid,
-                            k.block,
-                            0,
-                            stream,
-                            &mut args,
-                        )
-                    }
-                    .map_err(|e| Error::Backend {
-                        op: k.label.clone(),
-                        msg: format!("kernel launch failed: {e:?}"),
-                    })?;
-                }
-                Cmd::Gemm(g) => {
-                    // SAFETY: the operands were sized and aligned for this matmul when the
-                    // program was built; the workspace is the session's own.
-                    unsafe { blas.run(&g.gemm, g.w, g.x, g.out, g.accumulate, workspace, stream) }
-                        .map_err(|e| Error::Backend {
-                            op: g.label.clone(),
-                            msg: e.to_string(),
-                        })?;
-                }
-            }
+            // SAFETY: forwarded from this function's contract.
+            unsafe { cmd.enqueue(blas, workspace, stream) }?;
         }
         Ok(())
+    }
+
+    /// Enqueue every command with a timing event before it and after the last one, so the
+    /// time of command i is `events[i].elapsed_ms(&events[i + 1])`. Returns the events
+    /// (`cmds.len() + 1` of them).
+    ///
+    /// # Safety
+    /// As [`Program::enqueue`].
+    ///
+    /// With `captured`, the stream is being captured into a graph and the events are recorded
+    /// as graph nodes (`CU_EVENT_RECORD_EXTERNAL`), so they time the replay.
+    pub unsafe fn enqueue_timed(
+        &self,
+        ctx: &Arc<cudarc::driver::CudaContext>,
+        blas: &Blas,
+        workspace: u64,
+        stream: &cudarc::driver::CudaStream,
+        captured: bool,
+    ) -> Result<Vec<cudarc::driver::CudaEvent>> {
+        let event = || {
+            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| Error::Backend {
+                    op: "profile".into(),
+                    msg: format!("cannot create an event: {e:?}"),
+                })
+        };
+        let record = |ev: &cudarc::driver::CudaEvent| {
+            let flags = if captured {
+                sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32
+            } else {
+                0
+            };
+            // SAFETY: the event and the stream belong to `ctx`, which is current.
+            unsafe { sys::cuEventRecordWithFlags(ev.cu_event(), stream.cu_stream(), flags) }
+                .result()
+                .map_err(|e| Error::Backend {
+                    op: "profile".into(),
+                    msg: format!("cannot record an event: {e:?}"),
+                })
+        };
+        let mut events = Vec::with_capacity(self.cmds.len() + 1);
+        for cmd in &self.cmds {
+            let ev = event()?;
+            record(&ev)?;
+            events.push(ev);
+            // SAFETY: forwarded from this function's contract.
+            unsafe { cmd.enqueue(blas, workspace, stream.cu_stream()) }?;
+        }
+        let ev = event()?;
+        record(&ev)?;
+        events.push(ev);
+        Ok(events)
+    }
+}
+
+impl Cmd {
+    /// The command's label (plan phase, op index and name, GEMM weight).
+    pub fn label(&self) -> &str {
+        match self {
+            Cmd::Kernel(k) => &k.label,
+            Cmd::Gemm(g) => &g.label,
+        }
+    }
+
+    /// Enqueue this one command on `stream`.
+    ///
+    /// # Safety
+    /// As [`Program::enqueue`].
+    pub unsafe fn enqueue(&self, blas: &Blas, workspace: u64, stream: sys::CUstream) -> Result<()> {
+        match self {
+            Cmd::Kernel(k) if k.pdl => {
+                let mut args = [k.params.0.as_ptr() as *mut c_void];
+                // SAFETY: an all-zero launch attribute is a valid value of the C union.
+                let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+                attr.id =
+                    sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
+                let config = sys::CUlaunchConfig {
+                    gridDimX: k.grid.0,
+                    gridDimY: k.grid.1,
+                    gridDimZ: k.grid.2,
+                    blockDimX: k.block.0,
+                    blockDimY: k.block.1,
+                    blockDimZ: k.block.2,
+                    sharedMemBytes: k.shared,
+                    hStream: stream,
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                // SAFETY: as below; `config` and `attr` outlive the call, and the kernel waits
+                // for its predecessor before reading or writing memory (`pdl` is only set for
+                // such kernels).
+                unsafe {
+                    sys::cuLaunchKernelEx(
+                        &config,
+                        k.func.cu_function(),
+                        args.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                }
+                .result()
+                .map_err(|e| Error::Backend {
+                    op: k.label.clone(),
+                    msg: format!("kernel launch (PDL) failed: {e:?}"),
+                })
+            }
+            Cmd::Kernel(k) => {
+                let mut args = [k.params.0.as_ptr() as *mut c_void];
+                // SAFETY: the function takes exactly one by-value parameter struct whose
+                // bytes `params` holds (same repr(C) layout as the kernel's struct); grid,
+                // block and shared memory were validated when the program was built; the
+                // addresses inside are live by this function's contract.
+                unsafe {
+                    cudarc::driver::result::launch_kernel(
+                        k.func.cu_function(),
+                        k.grid,
+                        k.block,
+                        k.shared,
+                        stream,
+                        &mut args,
+                    )
+                }
+                .map_err(|e| Error::Backend {
+                    op: k.label.clone(),
+                    msg: format!("kernel launch failed: {e:?}"),
+                })
+            }
+            Cmd::Gemm(g) => {
+                // SAFETY: the operands were sized and aligned for this matmul when the
+                // program was built; the workspace is the session's own.
+                unsafe { blas.run(&g.gemm, g.w, g.x, g.out, g.accumulate, workspace, stream) }
+                    .map_err(|e| Error::Backend {
+                        op: g.label.clone(),
+                        msg: e.to_string(),
+                    })
+            }
+        }
     }
 }
 
@@ -365,6 +549,11 @@ pub struct Builder<'a> {
     pub workspace: u64,
     /// Multiprocessors of the device (sizes split-KV attention).
     pub sms: usize,
+    /// Launch PDL-ready kernels with programmatic stream serialisation (`FLASHRT_PDL=0` turns
+    /// it off).
+    pub pdl: bool,
+    /// Small phases' matmuls through `gemv` ([`Builder::gemv`]).
+    pub gemv: bool,
 }
 
 fn act_code(a: Act) -> i32 {
@@ -486,12 +675,46 @@ impl Builder<'_> {
             func: func.clone(),
             grid,
             block: (block, 1, 1),
+            shared: 0,
+            pdl: self.pdl && self.kernels.pdl_ready(func),
             params: ParamBytes::of(p),
         })
     }
 
-    /// The program of one plan: the input scatter, then every op in order.
-    pub fn program(&self, plan: &Plan) -> Result<Program> {
+    /// A launch with `shared` bytes of dynamic shared memory. Above the default 48 KiB the
+    /// function's opt-in limit is raised here, at build time, so nothing is left for capture.
+    fn kernel_smem<T: Copy>(
+        &self,
+        label: &str,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        p: &T,
+    ) -> Result<Cmd> {
+        if shared > 48 * 1024 {
+            func.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(|e| Error::Backend {
+                op: label.to_string(),
+                msg: format!("cannot allow {shared} bytes of shared memory: {e:?}"),
+            })?;
+        }
+        let mut cmd = self.kernel(label, func, grid, block, p);
+        if let Cmd::Kernel(k) = &mut cmd {
+            k.shared = shared;
+        }
+        Ok(cmd)
+    }
+
+    /// The program of one plan: the input scatter, then every op in order. `logits` says which
+    /// rows of `io.logits` the step must produce: [`StepLogits::All`] runs the plan as written;
+    /// for the others the LM head (the `Linear` into `io.logits`) is left out
+    /// ([`StepLogits::None`]: a prefill chunk before the last) or computed for row `len - 1`
+    /// only ([`StepLogits::Last`]) — where the target allows it, else as written.
+    pub fn program(&self, plan: &Plan, logits: StepLogits) -> Result<Program> {
         let rows = plan.phase.rows();
         let layout = &self.compiled.layout;
         let io = &self.compiled.io;
@@ -526,11 +749,328 @@ impl Builder<'_> {
             .iter()
             .any(|p| matches!(p.phase, flashrt_ir::Phase::Verify { .. }));
         let shared = (has_verify && rows <= spec && layout.max_rows >= spec).then_some(spec);
-        for (i, op) in plan.ops.iter().enumerate() {
+        let mut i = 0;
+        while i < plan.ops.len() {
+            let op = &plan.ops[i];
             let label = format!("{} op {i} ({})", plan.phase.label(), op.name());
+            if logits != StepLogits::All
+                && matches!(op, Op::Linear { out, .. } if out.buf == io.logits)
+            {
+                match logits {
+                    StepLogits::None => {
+                        i += 1;
+                        continue;
+                    }
+                    _ => {
+                        if self.lm_head_last_row(op, rows, &label, &mut cmds)? {
+                            i += 1;
+                            continue;
+                        }
+                    }
+                }
+            }
+            // gemv computes a row the same way whatever the row count (see kernels/gemv.cu),
+            // so it runs at the plan's own rows even where phases share a GEMM shape.
+            if let Some(used) = self.gemv(&plan.ops[i..], rows, &label, &mut cmds)? {
+                i += used;
+                continue;
+            }
             self.op(op, rows, shared, &label, &mut cmds)?;
+            i += 1;
         }
         Ok(Program { cmds })
+    }
+
+    /// The LM head for row `io.len - 1` only (one `gemv` row reading and writing that row):
+    /// `false` when the target or the views do not allow it.
+    fn lm_head_last_row(
+        &self,
+        op: &Op,
+        rows: usize,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+    ) -> Result<bool> {
+        let t = self.target();
+        if !matches!(t, DType::Bf16 | DType::F16) {
+            return Ok(false);
+        }
+        let (Some((xp, ld_x, wp, op_, ld_o, f32_out)), Op::Linear { x, out, w, .. }) =
+            (self.gemv_operands(op, rows), op)
+        else {
+            return Ok(false);
+        };
+        let blocks = ceil_div(out.width, gemv_feats(1));
+        let mut m = [GemvMat::default(); MAX_GEMV];
+        m[0] = GemvMat {
+            w: wp,
+            out: op_,
+            n: to_i32(out.width, "n", label)?,
+            ld_out: ld_o,
+            blocks: blocks as i32,
+            pad: 0,
+        };
+        let p = GemvParams {
+            x: xp,
+            ld_x,
+            k: to_i32(x.width, "k", label)?,
+            nmats: 1,
+            accumulate: 0,
+            out_f32: f32_out as i32,
+            glu: 0,
+            act: 0,
+            pad: 0,
+            glu_out: 0,
+            ld_glu: 0,
+            last_row: 1,
+            len: self.addr(self.compiled.io.len),
+            norm: 0,
+            one_plus: 0,
+            norm_w: 0,
+            norm_out: 0,
+            ld_norm_out: 0,
+            eps: 0.0,
+            m,
+        };
+        cmds.push(self.kernel(
+            &format!("{label} `{}` (last row)", self.buf(*w).name),
+            self.kernels.typed("gemv_r1", t)?,
+            (blocks, 1, 1),
+            32 * GEMV_WARPS as u32,
+            &p,
+        ));
+        Ok(true)
+    }
+
+    /// A `Linear` that [`Builder::gemv`] can run: no bias, 16-bit target, `k % 8 == 0`,
+    /// 16-byte aligned rows. Returns (x address, ld_x, weight address, out address, ld_out,
+    /// out is f32), or `None` to leave the op to cuBLASLt (which also reports bad views).
+    fn gemv_operands(&self, op: &Op, shape_rows: usize) -> Option<(u64, i32, u64, u64, i32, bool)> {
+        let Op::Linear {
+            x,
+            w,
+            bias: None,
+            out,
+            ..
+        } = op
+        else {
+            return None;
+        };
+        let t = self.target();
+        let (xp, ld_x, xd) = self.view(x, shape_rows, "", "").ok()?;
+        let (op_, ld_o, od) = self.view(out, shape_rows, "", "").ok()?;
+        let wb = self.buf(*w);
+        let wp = self.addr(*w);
+        let fits = xd == t
+            && wb.dtype == t
+            && (od == t || od == DType::F32)
+            && wb.shape == [out.width, x.width]
+            && x.width % 8 == 0
+            && ld_x % 8 == 0
+            && xp % 16 == 0
+            && wp.is_multiple_of(16);
+        fits.then_some((xp, ld_x, wp, op_, ld_o, od == DType::F32))
+    }
+
+    /// Small phases (at most 8 shape rows, bf16/f16): the `Linear`s at the head of `ops` as
+    /// one `gemv` launch (kernels/gemv.cu) — up to 4 consecutive matrices reading the same
+    /// input, or an MLP's gate, up and `Mul` fused (`glu`). Returns how many ops it consumed,
+    /// `None` when the head op is not such a `Linear` (or gemv is off).
+    fn gemv(
+        &self,
+        ops: &[Op],
+        shape_rows: usize,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+    ) -> Result<Option<usize>> {
+        let t = self.target();
+        if !self.gemv || shape_rows > 8 || !matches!(t, DType::Bf16 | DType::F16) {
+            return Ok(None);
+        }
+        // A leading RmsNorm over whole rows, read by the Linears right after it, is fused
+        // into their launch (each block normalises its input rows itself).
+        let norm = self.gemv_norm(ops, shape_rows);
+        let ops = if norm.is_some() { &ops[1..] } else { ops };
+        let Some(first) = self.gemv_operands(&ops[0], shape_rows) else {
+            return Ok(None);
+        };
+        let Op::Linear {
+            x: x0,
+            accumulate: acc0,
+            ..
+        } = &ops[0]
+        else {
+            return Ok(None);
+        };
+        // The group: consecutive non-accumulating Linears on the same input and output dtype.
+        let mut group = vec![(&ops[0], first)];
+        if !acc0 {
+            for op in ops.iter().skip(1).take(MAX_GEMV - 1) {
+                match (op, self.gemv_operands(op, shape_rows)) {
+                    (
+                        Op::Linear {
+                            x,
+                            accumulate: false,
+                            ..
+                        },
+                        Some(o),
+                    ) if x == x0 && o.5 == first.5 => group.push((op, o)),
+                    _ => break,
+                }
+            }
+        }
+        let out_view = |op: &Op| match op {
+            Op::Linear { out, w, .. } => (*out, *w),
+            _ => unreachable!("gemv groups hold Linear ops only"),
+        };
+        // gate, up, Mul(act(gate) * up) -> one glu launch.
+        let glu = match (group.len() >= 2, ops.get(2)) {
+            (
+                true,
+                Some(Op::Mul {
+                    gate,
+                    act,
+                    x: mx,
+                    out,
+                }),
+            ) => {
+                let (g, _) = out_view(group[0].0);
+                let (u, _) = out_view(group[1].0);
+                (*gate == g && *mx == u && g.width == u.width && !first.5).then_some((*act, *out))
+            }
+            _ => None,
+        };
+        if glu.is_some() {
+            group.truncate(2);
+        }
+        let per_block = if glu.is_some() {
+            gemv_feats(shape_rows) / 2
+        } else {
+            gemv_feats(shape_rows)
+        };
+        let mut mats = [GemvMat::default(); MAX_GEMV];
+        let mut total_blocks = 0u32;
+        let mut names = Vec::new();
+        for (slot, (op, (_, _, wp, op_, ld_o, _))) in mats.iter_mut().zip(&group) {
+            let (out, w) = out_view(op);
+            let blocks = ceil_div(out.width, per_block);
+            *slot = GemvMat {
+                w: *wp,
+                out: *op_,
+                n: to_i32(out.width, "n", label)?,
+                ld_out: *ld_o,
+                blocks: blocks as i32,
+                pad: 0,
+            };
+            total_blocks += blocks;
+            names.push(self.buf(w).name.clone());
+        }
+        if glu.is_some() {
+            total_blocks = mats[0].blocks as u32;
+        }
+        let (glu_out, ld_glu, act) = match glu {
+            Some((act, out)) => {
+                let (p, ld, d) = self.view(&out, shape_rows, label, "glu out")?;
+                if d != t || out.width != mats[0].n as usize {
+                    return Ok(None);
+                }
+                (p, ld, act_code(act))
+            }
+            None => (0, 0, 0),
+        };
+        let (xp, ld_x, ..) = first;
+        let (xp, ld_x) = norm.map_or((xp, ld_x), |n| (n.x, n.ld_x));
+        let n = norm.unwrap_or_default();
+        let p = GemvParams {
+            x: xp,
+            ld_x,
+            k: to_i32(x0.width, "k", label)?,
+            nmats: group.len() as i32,
+            accumulate: *acc0 as i32,
+            out_f32: first.5 as i32,
+            glu: glu.is_some() as i32,
+            act,
+            pad: 0,
+            glu_out,
+            ld_glu,
+            last_row: 0,
+            len: 0,
+            norm: norm.is_some() as i32,
+            one_plus: n.one_plus as i32,
+            norm_w: n.w,
+            norm_out: n.out,
+            ld_norm_out: n.ld_out,
+            eps: n.eps,
+            m: mats,
+        };
+        let kernel = if norm.is_some() {
+            format!("gemv_norm_r{shape_rows}")
+        } else {
+            format!("gemv_r{shape_rows}")
+        };
+        let label = format!(
+            "{label} {}`{}`{}",
+            if norm.is_some() { "rms_norm + " } else { "" },
+            names.join("` + `"),
+            if glu.is_some() { " + mul" } else { "" }
+        );
+        cmds.push(self.kernel(
+            &label,
+            self.kernels.typed(&kernel, t)?,
+            (total_blocks, 1, 1),
+            32 * GEMV_WARPS as u32,
+            &p,
+        ));
+        Ok(Some(
+            norm.is_some() as usize + group.len() + glu.is_some() as usize,
+        ))
+    }
+
+    /// `ops[0]` as a fusable RmsNorm: over whole 16-byte-aligned rows (`group == width`), with
+    /// an f32 weight (or none) and read by the `Linear` at `ops[1]`.
+    fn gemv_norm(&self, ops: &[Op], rows: usize) -> Option<GemvNorm> {
+        let [
+            Op::RmsNorm {
+                x,
+                weight,
+                weight_kind,
+                out,
+                eps,
+                group,
+            },
+            Op::Linear { x: lx, .. },
+            ..,
+        ] = ops
+        else {
+            return None;
+        };
+        let t = self.target();
+        let (xp, ld_x, xd) = self.view(x, rows, "", "").ok()?;
+        let (op_, ld_o, od) = self.view(out, rows, "", "").ok()?;
+        let w = match weight {
+            Some(w) => {
+                let b = self.buf(*w);
+                (b.dtype == DType::F32 && b.numel() == *group && self.addr(*w).is_multiple_of(16))
+                    .then(|| self.addr(*w))?
+            }
+            None => 0,
+        };
+        let fits = lx == out
+            && *group == x.width
+            && x.width == out.width
+            && xd == t
+            && od == t
+            && x.width % 8 == 0
+            && ld_x % 8 == 0
+            && xp % 16 == 0;
+        fits.then_some(GemvNorm {
+            x: xp,
+            ld_x,
+            w,
+            one_plus: weight.is_some() && *weight_kind == NormWeight::OnePlus,
+            out: op_,
+            ld_out: ld_o,
+            eps: eps.get() as f32,
+        })
     }
 
     /// Commands of one op over a bucket of `rows`. With `shared = Some(s)` (s >= rows) the op
@@ -581,6 +1121,19 @@ impl Builder<'_> {
                 eps,
                 group,
             } => {
+                // Mirror of kernels/norm.cu `RmsNormVecParams`.
+                #[repr(C)]
+                #[derive(Clone, Copy)]
+                struct RmsNormVecParams {
+                    n: RmsNormParams,
+                    tpg: i32,
+                    groups: i32,
+                }
+                // kernels/norm.cu: packs per thread and the vector kernels' block bound;
+                // blocks of several small groups have NORM_VEC_BLOCK threads.
+                const NORM_VPT: usize = 4;
+                const NORM_VEC_THREADS: usize = 512;
+                const NORM_VEC_BLOCK: usize = 128;
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
                 let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
                 if xd != od || x.width != out.width || *group == 0 || x.width % group != 0 {
@@ -611,14 +1164,54 @@ impl Builder<'_> {
                     one_plus: (*weight_kind == NormWeight::OnePlus) as i32,
                     eps: eps.get() as f32,
                 };
-                let groups = (x.width / group) as u32;
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed("rms_norm", xd)?,
-                    (groups, r, 1),
-                    reduce_threads(*group),
-                    &p,
-                ));
+                let groups = x.width / group;
+                // The 16-byte-pack kernel where the group, both row strides and every address
+                // are whole packs and the group fits NORM_VEC_THREADS threads of NORM_VPT
+                // packs: `tpg` threads per group, a power of two up to a warp (several groups
+                // per block) or whole warps (one group per block). Else the scalar kernel.
+                let pack = 16 / xd.size();
+                let per = (group / pack).div_ceil(NORM_VPT);
+                let tpg = if per <= 32 {
+                    per.next_power_of_two()
+                } else {
+                    per.next_multiple_of(32)
+                };
+                let vec = group.is_multiple_of(pack)
+                    && tpg <= NORM_VEC_THREADS
+                    && [xp, op_, w].iter().all(|a| a.is_multiple_of(16))
+                    && [ld_x, ld_o]
+                        .iter()
+                        .all(|&ld| (ld as usize).is_multiple_of(pack));
+                if vec {
+                    let (blocks, threads) = if tpg > 32 {
+                        (rows * groups, tpg)
+                    } else {
+                        (
+                            (rows * groups * tpg).div_ceil(NORM_VEC_BLOCK),
+                            NORM_VEC_BLOCK,
+                        )
+                    };
+                    let q = RmsNormVecParams {
+                        n: p,
+                        tpg: tpg as i32,
+                        groups: to_i32(groups, "groups", label)?,
+                    };
+                    cmds.push(self.kernel(
+                        label,
+                        self.kernels.typed("rms_norm_vec", xd)?,
+                        (to_i32(blocks, "blocks", label)? as u32, 1, 1),
+                        threads as u32,
+                        &q,
+                    ));
+                } else {
+                    cmds.push(self.kernel(
+                        label,
+                        self.kernels.typed("rms_norm", xd)?,
+                        (groups as u32, r, 1),
+                        reduce_threads(*group),
+                        &p,
+                    ));
+                }
             }
             Op::Linear {
                 x,
@@ -712,13 +1305,35 @@ impl Builder<'_> {
                     width: to_i32(x.width, "width", label)?,
                     act: act_code(*act),
                 };
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed("mul", xd)?,
-                    (ceil_div(x.width, 256), r, 1),
-                    256,
-                    &p,
-                ));
+                // 16-byte packs (kernels/elementwise.cu `mul_vec`, one per thread of a 1-D
+                // grid over (row, pack)) where the width, every row stride and every address
+                // are whole packs; else one element per thread.
+                let pack = 16 / xd.size();
+                let threads = rows * (x.width / pack);
+                let vec = x.width > 0
+                    && x.width.is_multiple_of(pack)
+                    && threads <= u32::MAX as usize
+                    && [gp, xp, op_].iter().all(|a| a.is_multiple_of(16))
+                    && [ld_g, ld_x, ld_o]
+                        .iter()
+                        .all(|&ld| (ld as usize).is_multiple_of(pack));
+                cmds.push(if vec {
+                    self.kernel(
+                        label,
+                        self.kernels.typed("mul_vec", xd)?,
+                        (ceil_div(threads, 256), 1, 1),
+                        256,
+                        &p,
+                    )
+                } else {
+                    self.kernel(
+                        label,
+                        self.kernels.typed("mul", xd)?,
+                        (ceil_div(x.width, 256), r, 1),
+                        256,
+                        &p,
+                    )
+                });
             }
             Op::Unary { x, act, out } => {
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
@@ -737,13 +1352,33 @@ impl Builder<'_> {
                     width: to_i32(x.width, "width", label)?,
                     act: act_code(*act),
                 };
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed("unary", xd)?,
-                    (ceil_div(x.width, 256), r, 1),
-                    256,
-                    &p,
-                ));
+                // 16-byte packs where possible, as `Op::Mul`.
+                let pack = 16 / xd.size();
+                let threads = rows * (x.width / pack);
+                let vec = x.width > 0
+                    && x.width.is_multiple_of(pack)
+                    && threads <= u32::MAX as usize
+                    && [xp, op_].iter().all(|a| a.is_multiple_of(16))
+                    && [ld_x, ld_o]
+                        .iter()
+                        .all(|&ld| (ld as usize).is_multiple_of(pack));
+                cmds.push(if vec {
+                    self.kernel(
+                        label,
+                        self.kernels.typed("unary_vec", xd)?,
+                        (ceil_div(threads, 256), 1, 1),
+                        256,
+                        &p,
+                    )
+                } else {
+                    self.kernel(
+                        label,
+                        self.kernels.typed("unary", xd)?,
+                        (ceil_div(x.width, 256), r, 1),
+                        256,
+                        &p,
+                    )
+                });
             }
             Op::SplitHeads { x, heads, outs } => {
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
@@ -813,12 +1448,26 @@ impl Builder<'_> {
                     head_dim: to_i32(*head_dim, "head_dim", label)?,
                     rotary_dims: to_i32(*rotary_dims, "rotary_dims", label)?,
                 };
-                let threads = (rotary_dims / 2).next_multiple_of(32).clamp(32, 256) as u32;
+                // kernels/rope.cu: a block rotates `hb` heads (a divisor of `heads`) with one
+                // thread per (head, pair), blockDim = hb * half <= 256, the angles computed
+                // once per block; pairs beyond 256 take hb = 1 and 256 threads looping.
+                let half = rotary_dims / 2;
+                let (hb, threads) = match half {
+                    0 => (1, 32),
+                    257.. => (1, 256),
+                    _ => {
+                        let hb = (1..=*heads)
+                            .rev()
+                            .find(|d| heads % d == 0 && d * half <= 256)
+                            .unwrap_or(1);
+                        (hb, hb * half)
+                    }
+                };
                 cmds.push(self.kernel(
                     label,
                     self.kernels.typed("rope", xd)?,
-                    (*heads as u32, r, 1),
-                    threads,
+                    ((heads / hb) as u32, r, 1),
+                    threads as u32,
                     &p,
                 ));
             }
@@ -901,17 +1550,7 @@ impl Builder<'_> {
                     256,
                     &kw,
                 ));
-                // Flash-decoding split: enough blocks for ~4 waves, pieces of >= 16
-                // positions at max_seq, partials within the workspace.
-                let blocks = q_heads * if shared.is_some() { 1 } else { rows };
-                let per_split = q_heads * shape_rows * (head_dim + 2) * 4;
-                let splits = (4 * self.sms)
-                    .div_ceil(blocks)
-                    .min(64)
-                    .min(max_seq.div_ceil(16))
-                    .min(gemm::WORKSPACE_BYTES / per_split)
-                    .max(1);
-                let p = AttentionParams {
+                let mut p = AttentionParams {
                     q: qp,
                     cache_k: self.addr(*cache_k),
                     cache_v: self.addr(*cache_v),
@@ -924,25 +1563,82 @@ impl Builder<'_> {
                     kv_heads: to_i32(*kv_heads, "kv_heads", label)?,
                     head_dim: to_i32(*head_dim, "head_dim", label)?,
                     max_seq: to_i32(max_seq, "max_seq", label)?,
-                    splits: splits as i32,
+                    splits: 1,
                     scale: scale.get() as f32,
                     partial: self.workspace,
                 };
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed(variant, t)?,
-                    (*q_heads as u32, r, splits as u32),
-                    128,
-                    &p,
-                ));
-                if splits > 1 {
+                // Prefill buckets of >= 64 rows on 16-bit targets: the tensor-core kernel of
+                // attention_prefill.cu (tiles of 128 query rows x 64 keys, head_dim a multiple
+                // of 8 up to 256, 16-byte aligned rows for cp.async). Decode and verify plans
+                // never take it (small phases go to `attention_decode`, the rest to the split
+                // kernel of attention.cu). A device that cannot give a block
+                // the kernel's shared memory (192 KiB at head_dim 256) keeps the old kernel too.
+                const PREFILL_ROWS: usize = 128;
+                const PREFILL_KEYS: usize = 64;
+                let prefill_d = match head_dim {
+                    8..=64 => Some(64),
+                    65..=128 => Some(128),
+                    129..=256 => Some(256),
+                    _ => None,
+                }
+                .filter(|_| {
+                    shared.is_none()
+                        && rows >= 64
+                        && matches!(t, DType::Bf16 | DType::F16)
+                        && head_dim % 8 == 0
+                        && ld_q % 8 == 0
+                        && ld_o % 8 == 0
+                        && [qp, op_, p.cache_k, p.cache_v].iter().all(|a| a % 16 == 0)
+                });
+                let prefill = match prefill_d {
+                    Some(d) => {
+                        let smem = (PREFILL_ROWS + 4 * PREFILL_KEYS) * d * 2;
+                        self.kernel_smem(
+                            &format!("{label} prefill d{d}"),
+                            self.kernels.typed(&format!("attention_prefill_d{d}"), t)?,
+                            (*q_heads as u32, ceil_div(rows, PREFILL_ROWS), 1),
+                            256,
+                            smem as u32,
+                            &p,
+                        )
+                        .ok()
+                    }
+                    None => None,
+                };
+                if let Some(cmd) = prefill {
+                    cmds.push(cmd);
+                } else if let Some(dec) = self.attention_decode(label, &p, rows, shared)? {
+                    // Small phases (<= 8 rows, or every phase of a speculative model's shared
+                    // <= 5 rows): one block per (KV head, split), see `attention_decode`.
+                    cmds.extend(dec);
+                } else {
+                    // Flash-decoding split: enough blocks for ~4 waves, pieces of >= 16
+                    // positions at max_seq, partials within the workspace.
+                    let blocks = q_heads * if shared.is_some() { 1 } else { rows };
+                    let per_split = q_heads * shape_rows * (head_dim + 2) * 4;
+                    let splits = (4 * self.sms)
+                        .div_ceil(blocks)
+                        .min(64)
+                        .min(max_seq.div_ceil(16))
+                        .min(gemm::WORKSPACE_BYTES / per_split)
+                        .max(1);
+                    p.splits = splits as i32;
                     cmds.push(self.kernel(
-                        &format!("{label} combine ({splits} splits)"),
-                        self.kernels.typed("attention_combine", t)?,
-                        (*q_heads as u32, r, 1),
+                        label,
+                        self.kernels.typed(variant, t)?,
+                        (*q_heads as u32, r, splits as u32),
                         128,
                         &p,
                     ));
+                    if splits > 1 {
+                        cmds.push(self.kernel(
+                            &format!("{label} combine ({splits} splits)"),
+                            self.kernels.typed("attention_combine", t)?,
+                            (*q_heads as u32, r, 1),
+                            128,
+                            &p,
+                        ));
+                    }
                 }
             }
             Op::CausalConv1d {
@@ -992,20 +1688,49 @@ impl Builder<'_> {
                     kernel: to_i32(*kernel, "kernel", label)?,
                     act: act_code(*act),
                 };
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed("conv_out", xd)?,
-                    (ceil_div(c, 128), r, 1),
-                    128,
-                    &p,
-                ));
-                cmds.push(self.kernel(
-                    &format!("{label} state"),
-                    self.kernels.typed("conv_state", xd)?,
-                    (ceil_div(c, 128), 1, 1),
-                    128,
-                    &p,
-                ));
+                // kernels/conv.cu `conv_vec` (output and state roll in one launch, 16-byte
+                // packs of channels) for kernels up to CONV_KMAX taps when the channel count,
+                // both row strides and the x, out and state addresses are whole packs; else
+                // `conv_out` then `conv_state`. Mirrors of its CONV_* constants.
+                const CONV_KMAX: usize = 4;
+                const CONV_ROWS: usize = 8;
+                const CONV_WARPS: usize = 8;
+                let pack = 16 / xd.size();
+                let vec = *kernel <= CONV_KMAX
+                    && c > 0
+                    && c.is_multiple_of(pack)
+                    && [xp, op_, p.state].iter().all(|a| a.is_multiple_of(16))
+                    && [ld_x, ld_o]
+                        .iter()
+                        .all(|&ld| (ld as usize).is_multiple_of(pack));
+                if vec {
+                    cmds.push(self.kernel(
+                        label,
+                        self.kernels.typed("conv_vec", xd)?,
+                        (
+                            ceil_div(c, 32 * pack),
+                            ceil_div(rows, CONV_WARPS * CONV_ROWS),
+                            1,
+                        ),
+                        32 * CONV_WARPS as u32,
+                        &p,
+                    ));
+                } else {
+                    cmds.push(self.kernel(
+                        label,
+                        self.kernels.typed("conv_out", xd)?,
+                        (ceil_div(c, 128), r, 1),
+                        128,
+                        &p,
+                    ));
+                    cmds.push(self.kernel(
+                        &format!("{label} state"),
+                        self.kernels.typed("conv_state", xd)?,
+                        (ceil_div(c, 128), 1, 1),
+                        128,
+                        &p,
+                    ));
+                }
             }
             Op::GatedDeltaNet {
                 qkv,
@@ -1050,11 +1775,33 @@ impl Builder<'_> {
                 }
                 self.expect_dtype(*state, DType::F32, label)?;
                 self.expect_numel(*state, value_heads * key_dim * value_dim, label)?;
-                let variant = match key_dim {
-                    0 => return Err(Error::Config(format!("{label}: key_dim 0"))),
-                    1..=64 => "gated_deltanet_k64",
-                    65..=128 => "gated_deltanet_k128",
-                    129..=256 => "gated_deltanet_k256",
+                // Two kernels (kernels/gated_deltanet.cu), both continuing from the state
+                // left by earlier calls:
+                // * buckets of >= 64 rows with key_dim <= 128: the chunked kernel (64-row
+                //   chunks in WY form on TF32 tensor cores, 3xTF32 for f32 targets). One
+                //   block per value head and 64 value columns, 256 threads, its shared
+                //   memory (`GDN_CHUNK_*` below, mirroring `GdncLayout`) above 48 KiB;
+                // * otherwise (decode, verify, small prefill buckets, key_dim > 128): the
+                //   token-by-token kernel, one block per value head and 32 value columns.
+                // Which one runs depends only on the plan, so a phase always computes a row
+                // the same way.
+                const GDN_CHUNK_MIN_ROWS: usize = 64;
+                const GDN_CHUNK_ROWS: usize = 64;
+                const GDN_CHUNK_COLS: usize = 64;
+                // The chunked kernel's key_dim bound, if it runs.
+                let chunk_dk = match key_dim {
+                    _ if rows < GDN_CHUNK_MIN_ROWS => None,
+                    1..=64 => Some(64),
+                    65..=128 => Some(128),
+                    _ => None,
+                };
+                let variant = match (chunk_dk, key_dim) {
+                    (_, 0) => return Err(Error::Config(format!("{label}: key_dim 0"))),
+                    (Some(64), _) => "gated_deltanet_chunk_k64",
+                    (Some(_), _) => "gated_deltanet_chunk_k128",
+                    (None, 1..=64) => "gated_deltanet_k64",
+                    (None, 65..=128) => "gated_deltanet_k128",
+                    (None, 129..=256) => "gated_deltanet_k256",
                     _ => {
                         return Err(Error::Unsupported(format!(
                             "{label}: key_dim {key_dim} > 256"
@@ -1079,13 +1826,33 @@ impl Builder<'_> {
                     key_dim: to_i32(*key_dim, "key_dim", label)?,
                     value_dim: to_i32(*value_dim, "value_dim", label)?,
                 };
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed(variant, t)?,
-                    (ceil_div(*value_dim, 32), *value_heads as u32, 1),
-                    128,
-                    &p,
-                ));
+                match chunk_dk {
+                    Some(dk) => {
+                        // GdncLayout<DK>: Ks, Qs [C][DK+8]; Ss [DK][N+4]; Xs, Vs [C][N+4];
+                        // As, Ps, Ts [C][C+8]; four per-row vectors [C]; f32.
+                        let (c, n) = (GDN_CHUNK_ROWS, GDN_CHUNK_COLS);
+                        let floats = 2 * c * (dk + 8)
+                            + dk * (n + 4)
+                            + 2 * c * (n + 4)
+                            + 3 * c * (c + 8)
+                            + 4 * c;
+                        cmds.push(self.kernel_smem(
+                            label,
+                            self.kernels.typed(variant, t)?,
+                            (ceil_div(*value_dim, n), *value_heads as u32, 1),
+                            256,
+                            (floats * 4) as u32,
+                            &p,
+                        )?);
+                    }
+                    None => cmds.push(self.kernel(
+                        label,
+                        self.kernels.typed(variant, t)?,
+                        (ceil_div(*value_dim, 32), *value_heads as u32, 1),
+                        128,
+                        &p,
+                    )),
+                }
             }
             Op::GatedRmsNorm {
                 x,
@@ -1097,6 +1864,17 @@ impl Builder<'_> {
                 group,
                 order,
             } => {
+                // Mirror of kernels/norm.cu `GatedRmsNormVecParams`; constants as `Op::RmsNorm`.
+                #[repr(C)]
+                #[derive(Clone, Copy)]
+                struct GatedRmsNormVecParams {
+                    n: GatedRmsNormParams,
+                    tpg: i32,
+                    groups: i32,
+                }
+                const NORM_VPT: usize = 4;
+                const NORM_VEC_THREADS: usize = 512;
+                const NORM_VEC_BLOCK: usize = 128;
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
                 let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
                 let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
@@ -1129,14 +1907,52 @@ impl Builder<'_> {
                     gate_then_norm: (*order == GateOrder::GateThenNorm) as i32,
                     eps: eps.get() as f32,
                 };
-                let groups = (x.width / group) as u32;
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed("gated_rms_norm", xd)?,
-                    (groups, r, 1),
-                    reduce_threads(*group),
-                    &p,
-                ));
+                let groups = x.width / group;
+                // The 16-byte-pack kernel under the conditions of `Op::RmsNorm`'s (plus the
+                // gate view), else the scalar kernel.
+                let pack = 16 / xd.size();
+                let per = (group / pack).div_ceil(NORM_VPT);
+                let tpg = if per <= 32 {
+                    per.next_power_of_two()
+                } else {
+                    per.next_multiple_of(32)
+                };
+                let vec = group.is_multiple_of(pack)
+                    && tpg <= NORM_VEC_THREADS
+                    && [xp, gp, op_, p.weight].iter().all(|a| a.is_multiple_of(16))
+                    && [ld_x, ld_g, ld_o]
+                        .iter()
+                        .all(|&ld| (ld as usize).is_multiple_of(pack));
+                if vec {
+                    let (blocks, threads) = if tpg > 32 {
+                        (rows * groups, tpg)
+                    } else {
+                        (
+                            (rows * groups * tpg).div_ceil(NORM_VEC_BLOCK),
+                            NORM_VEC_BLOCK,
+                        )
+                    };
+                    let q = GatedRmsNormVecParams {
+                        n: p,
+                        tpg: tpg as i32,
+                        groups: to_i32(groups, "groups", label)?,
+                    };
+                    cmds.push(self.kernel(
+                        label,
+                        self.kernels.typed("gated_rms_norm_vec", xd)?,
+                        (to_i32(blocks, "blocks", label)? as u32, 1, 1),
+                        threads as u32,
+                        &q,
+                    ));
+                } else {
+                    cmds.push(self.kernel(
+                        label,
+                        self.kernels.typed("gated_rms_norm", xd)?,
+                        (groups as u32, r, 1),
+                        reduce_threads(*group),
+                        &p,
+                    ));
+                }
             }
             Op::StoreLastRow { x, state } => {
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
@@ -1260,5 +2076,108 @@ impl Builder<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Attention of a small phase on `attention_decode.cu` (decode, MTP draft, verify and
+    /// prefill buckets of at most 8 rows), after `kv_write`; `None` where it does not apply
+    /// (head_dim > 256 or not a multiple of 16 bytes, caches not 16-byte aligned, more than 64
+    /// query vectors per KV head, or no room for the kernel's ring of shared memory per block),
+    /// and the caller launches the split kernel of attention.cu instead.
+    ///
+    /// grid (kv_heads, S) x 320 threads (8 consumer warps, 2 TMA producer warps), a 6-stage
+    /// ring of K/V tiles in dynamic shared memory (198 KiB at head_dim 256 in bf16): each block
+    /// serves every query head of its GQA group and every row, so each K/V byte is read once
+    /// per step; then `attention_decode_combine` (grid (q_heads, rows, ceil(head_dim / 64)) x
+    /// 128 threads) merges the S partial states, which live in the cuBLASLt workspace.
+    /// S = min(sms / kv_heads, 128,
+    /// ceil(max_seq / 16), workspace bound): about one block per SM at every context (the
+    /// pieces, multiples of 16 keys, are cut on the device from the live length, so splits
+    /// past the context are empty and cost one (m, l) write).
+    ///
+    /// With `shared = Some(s)` (models with verify plans) every phase of at most s rows uses
+    /// the same S, the same query tiling (sized for s rows) and the same partial layout, and
+    /// the kernel computes a row from its own query and context length only: a verify row
+    /// is bit-identical to the decode step at its position.
+    fn attention_decode(
+        &self,
+        label: &str,
+        p: &AttentionParams,
+        rows: usize,
+        shared: Option<usize>,
+    ) -> Result<Option<Vec<Cmd>>> {
+        const MAX_ROWS: usize = 8; // attention_decode.cu MAX_ROWS
+        const MAX_QUERIES: usize = 64; // 8 warps x 8 query columns
+        const MAX_SPLITS: usize = 128; // attention_decode.cu MAX_SPLITS
+        const THREADS: u32 = 10 * 32; // attention_decode.cu THREADS
+        const STAGES: usize = 6; // attention_decode.cu STAGES
+        const COMBINE_THREADS: u32 = 128; // attention_decode.cu COMBINE_THREADS
+        const COMBINE_DIMS: usize = 64; // attention_decode.cu 4 * COMBINE_COLS
+        let t = self.target();
+        let shape_rows = shared.unwrap_or(rows);
+        let (q_heads, kv_heads, head_dim) =
+            (p.q_heads as usize, p.kv_heads as usize, p.head_dim as usize);
+        let group = q_heads / kv_heads;
+        let d = match head_dim {
+            1..=64 => 64,
+            65..=128 => 128,
+            129..=256 => 256,
+            _ => return Ok(None),
+        };
+        if shape_rows > MAX_ROWS
+            || rows > shape_rows
+            || group * shape_rows > MAX_QUERIES
+            || !matches!(t, DType::Bf16 | DType::F16 | DType::F32)
+            || !(head_dim * t.size()).is_multiple_of(16)
+            || !p.cache_k.is_multiple_of(16)
+            || !p.cache_v.is_multiple_of(16)
+        {
+            return Ok(None);
+        }
+        let slot_bytes = shape_rows * q_heads * (head_dim + 2) * 4;
+        let splits = (self.sms / kv_heads)
+            .clamp(1, MAX_SPLITS)
+            .min((p.max_seq as usize).div_ceil(16))
+            .min((gemm::WORKSPACE_BYTES - 16) / slot_bytes);
+        if splits == 0 {
+            return Ok(None);
+        }
+        let dp = AttentionDecodeParams {
+            attn: AttentionParams {
+                splits: splits as i32,
+                ..*p
+            },
+            rows: shape_rows as i32,
+            qtiles: (group * shape_rows).div_ceil(8) as i32,
+        };
+        // attention_decode.cu `Shape::SMEM`: STAGES tiles of tk keys of K and of V, rows padded
+        // by 16 bytes, tk = max(16, 32 KiB / (2 d size)); then 2 STAGES mbarriers.
+        let es = t.size();
+        let tk = (32768 / (2 * d * es)).max(16);
+        let smem = (STAGES * 2 * tk * (d * es + 16) + 2 * STAGES * 8) as u32;
+        let Ok(main) = self.kernel_smem(
+            &format!("{label} decode ({splits} splits)"),
+            self.kernels.typed(&format!("attention_decode_d{d}"), t)?,
+            (kv_heads as u32, splits as u32, 1),
+            THREADS,
+            smem,
+            &dp,
+        ) else {
+            return Ok(None);
+        };
+        let mut cmds = vec![main];
+        if splits > 1 {
+            cmds.push(self.kernel(
+                &format!("{label} decode combine ({splits} splits)"),
+                self.kernels.typed("attention_decode_combine", t)?,
+                (
+                    q_heads as u32,
+                    rows as u32,
+                    head_dim.div_ceil(COMBINE_DIMS) as u32,
+                ),
+                COMBINE_THREADS,
+                &dp,
+            ));
+        }
+        Ok(Some(cmds))
     }
 }

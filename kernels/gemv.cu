@@ -1,0 +1,288 @@
+// flashrt kernels: matrix-vector products for small phases (plan op `Linear` in decode and
+// verify steps, at most 8 rows), replacing cuBLASLt where a step streams the weights once.
+//
+// out[r, j] = sum_k x[r, k] * w[j, k]  (+ out[r, j] when accumulating), for r < R (the plan's
+// rows, a compile-time constant 1..8: rows past io.len are computed and never read, as with
+// the GEMMs they replace). Weights are bf16/f16 `[n, k]` row-major, activations the same
+// type, accumulation f32, output the element type or f32 (the logits).
+//
+// One launch covers up to 4 matrices that read the same input (a layer's q/k/v or its Gated
+// DeltaNet qkv/z/b/a projections): blocks are dealt to the matrices in order (`blocks[m]` of
+// them to matrix m). In `glu` mode the launch is an MLP's gate and up projections plus the
+// product after them (plan ops Linear(gate), Linear(up), Mul): matrix 0 is the gate, matrix 1
+// the up projection with the same n, and warp w of a block computes gate row j and up row j
+// together, writes both (rounded to the element type, as the separate ops would) and
+// `glu_out[r, j] = act(gate) * up` computed from the rounded values — exactly what the three
+// separate ops produce.
+//
+// Grid: sum of blocks; block: 8 warps that together own GEMV_FEATS output features (8 for
+// R <= 2, 4 for more rows, whose partial sums need more registers; in glu mode half of them
+// are gate rows and half the up rows with the same indices). The block's threads stride over k in 16-byte chunks (8 elements): thread t loads chunk t, t + blockDim, ... of
+// all 8 weight rows, streamed past L1 (ld.global.nc L1::no_allocate: every weight byte is read
+// exactly once per step), and the matching input chunk of each of the R rows through L1 (all
+// blocks of an SM read the same few KiB), so one input load serves 8 weight rows. Each thread
+// keeps R x 8 f32 partial sums; they are reduced across the warp with shuffles and then over
+// the warps in a fixed order: a row's result does not depend on R or on the other rows, so
+// decode (R = 1) and verify (R = 2..5) steps of a model with verify plans round identically
+// without sharing a shape (the host launches each phase at its own rows).
+//
+// Traffic: n * k * 2 bytes of weights (the step's floor), R * k input elements per warp from
+// L1/L2, R * n outputs. Requires k % 8 == 0, 16-byte aligned weight and input rows (the host
+// checks and falls back to cuBLASLt otherwise).
+#include "common.cuh"
+
+#define GEMV_WARPS 8
+#define GEMV_MATS 4
+
+struct GemvMat {
+    const void* w;
+    void* out;
+    int n;
+    int ld_out;
+    int blocks;
+    int pad_;
+};
+
+struct GemvParams {
+    const void* x;
+    int ld_x;
+    int k;
+    int nmats;
+    int accumulate;
+    int out_f32;
+    int glu; // 1: matrices 0/1 are gate/up, glu_out = act(gate) * up
+    int act;
+    int pad_;
+    void* glu_out;
+    int ld_glu;
+    int last_row; // 1: R == 1 and the row is io.len - 1 of x and of every output (see below)
+    const int* len;
+    // Fused RMSNorm prologue (`norm` = 1): x is the norm's input; the matrices read
+    // rmsnorm(x) * s (s = norm_w, 1 + norm_w with `one_plus`, or 1 without weights), rounded
+    // to the element type as the separate `rms_norm` op would store it; block 0 also stores
+    // it to `norm_out` for any later reader.
+    int norm;
+    int one_plus;
+    const float* norm_w;
+    void* norm_out;
+    int ld_norm_out;
+    float eps;
+    GemvMat m[GEMV_MATS];
+};
+
+static __device__ __forceinline__ uint4 load_stream(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+template <typename T, int R, int GEMV_FEATS, bool NORM> static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
+    constexpr int WARPS = GEMV_WARPS;
+    __shared__ float red[WARPS][R][GEMV_FEATS];
+    // Which matrix this block works on, and its block index within it.
+    int b = blockIdx.x, mi = 0;
+    while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
+        b -= p.m[mi].blocks;
+        ++mi;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int k = p.k, chunks = k >> 3;
+
+    // The GEMV_FEATS weight rows of this block: features j0 .. j0 + GEMV_FEATS - 1 of matrix
+    // mi, or in glu mode gate rows j0 .. j0 + HALF - 1 (slots 0 .. HALF - 1) and the up rows
+    // with the same indices (slots HALF ..).
+    constexpr int HALF = GEMV_FEATS / 2;
+    const T* wr[GEMV_FEATS];
+    bool ok[GEMV_FEATS];
+    int j0;
+    if (p.glu) {
+        j0 = b * HALF;
+#pragma unroll
+        for (int i = 0; i < GEMV_FEATS; ++i) {
+            const int j = j0 + (i % HALF);
+            ok[i] = j < p.m[0].n;
+            wr[i] = static_cast<const T*>(p.m[i / HALF].w) + (size_t)(ok[i] ? j : 0) * k;
+        }
+    } else {
+        j0 = b * GEMV_FEATS;
+#pragma unroll
+        for (int i = 0; i < GEMV_FEATS; ++i) {
+            ok[i] = j0 + i < p.m[mi].n;
+            wr[i] = static_cast<const T*>(p.m[mi].w) + (size_t)(ok[i] ? j0 + i : 0) * k;
+        }
+    }
+    const T* x = static_cast<const T*>(p.x);
+    // `last_row`: a prefill chunk whose caller wants only the last position's logits computes
+    // the LM head for row io.len - 1 alone, reading and writing that row.
+    const int row0 = p.last_row ? flashrt::load_len(p.len) - 1 : 0;
+    x += (size_t)row0 * p.ld_x;
+
+    // Fused RMSNorm: each block reduces the sum of squares of its R input rows itself (k
+    // elements each, from L2), in a fixed order; a row's scale depends on that row only.
+    float inv[R];
+    if (NORM) {
+        float ss[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) ss[r] = 0.0f;
+        for (int c = threadIdx.x; c < chunks; c += WARPS * 32) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float xf[8];
+                flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) ss[r] = fmaf(xf[e], xf[e], ss[r]);
+            }
+        }
+        __shared__ float nred[WARPS][R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float v = flashrt::warp_sum(ss[r]);
+            if (lane == 0) nred[warp][r] = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float t = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) t += nred[w][r];
+            inv[r] = 1.0f / sqrtf(t / (float)k + p.eps);
+        }
+    }
+    // Input chunk c of row r as f32: the raw input, or its normalised, rounded value.
+    auto load_x = [&](int r, int c, float (&xf)[8]) {
+        flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
+        if (!NORM) return;
+        float s[8];
+        if (p.norm_w) {
+            const float4 a = __ldg(reinterpret_cast<const float4*>(p.norm_w) + 2 * c);
+            const float4 b = __ldg(reinterpret_cast<const float4*>(p.norm_w) + 2 * c + 1);
+            s[0] = a.x, s[1] = a.y, s[2] = a.z, s[3] = a.w, s[4] = b.x, s[5] = b.y, s[6] = b.z, s[7] = b.w;
+            if (p.one_plus) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) s[e] += 1.0f;
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s[e] = 1.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xf[e] = flashrt::to_f32(flashrt::from_f32<T>(xf[e] * inv[r] * s[e]));
+    };
+    if (NORM && blockIdx.x == 0) {
+        for (int c = threadIdx.x; c < chunks; c += WARPS * 32)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float xf[8];
+                load_x(r, c, xf);
+                T* o = static_cast<T*>(p.norm_out) + (size_t)r * p.ld_norm_out + (size_t)c * 8;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[e] = flashrt::from_f32<T>(xf[e]);
+            }
+    }
+
+    float acc[R][GEMV_FEATS];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < GEMV_FEATS; ++i) acc[r][i] = 0.0f;
+
+    // Thread t takes chunks t, t + blockDim, ...: every 16-byte weight chunk is loaded once,
+    // and each input chunk serves all GEMV_FEATS rows.
+    for (int c = threadIdx.x; c < chunks; c += WARPS * 32) {
+        uint4 wv[GEMV_FEATS];
+#pragma unroll
+        for (int i = 0; i < GEMV_FEATS; ++i) wv[i] = ok[i] ? load_stream(wr[i] + (size_t)c * 8) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float xf[8];
+            load_x(r, c, xf);
+#pragma unroll
+            for (int i = 0; i < GEMV_FEATS; ++i) {
+                float wf[8];
+                flashrt::unpack16<T>(wv[i], wf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[r][i] = fmaf(xf[e], wf[e], acc[r][i]);
+            }
+        }
+    }
+
+    // Fixed-order reduction: across the warp with shuffles, then the warps in order.
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < GEMV_FEATS; ++i) {
+            const float v = flashrt::warp_sum(acc[r][i]);
+            if (lane == 0) red[warp][r][i] = v;
+        }
+    __syncthreads();
+    const int t = threadIdx.x;
+    if (t >= R * GEMV_FEATS) return;
+    const int r = t / GEMV_FEATS, i = t % GEMV_FEATS;
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) v += red[w][r][i];
+
+    if (p.glu) {
+        // Thread (r, i < HALF) finishes pair i: gate in slot i, up in slot i + HALF.
+        if (i >= HALF) return;
+        const int j = j0 + i;
+        if (j >= p.m[0].n) return;
+        float u = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) u += red[w][r][i + HALF];
+        const T gt = flashrt::from_f32<T>(v);
+        const T ut = flashrt::from_f32<T>(u);
+        static_cast<T*>(p.m[0].out)[(size_t)r * p.m[0].ld_out + j] = gt;
+        static_cast<T*>(p.m[1].out)[(size_t)r * p.m[1].ld_out + j] = ut;
+        const float y = flashrt::apply_act(p.act, flashrt::to_f32(gt)) * flashrt::to_f32(ut);
+        static_cast<T*>(p.glu_out)[(size_t)r * p.ld_glu + j] = flashrt::from_f32<T>(y);
+        return;
+    }
+    const GemvMat& m = p.m[mi];
+    const int j = j0 + i;
+    if (j >= m.n) return;
+    const size_t o = (size_t)(r + row0) * m.ld_out + j;
+    if (p.out_f32) {
+        float* out = static_cast<float*>(m.out);
+        out[o] = p.accumulate ? out[o] + v : v;
+    } else {
+        T* out = static_cast<T*>(m.out);
+        const float prev = p.accumulate ? flashrt::to_f32(out[o]) : 0.0f;
+        out[o] = flashrt::from_f32<T>(v + prev);
+    }
+}
+
+// Features per block: 8 for one or two rows, 4 for more (their partial sums need more
+// registers). The thread-to-chunk mapping and the reduction order do not depend on it.
+#define GEMV_FEATS_OF(R) ((R) <= 2 ? 8 : 4)
+
+// Blocks per SM the register budget must allow: a decode step's single row streams with
+// many resident blocks; more rows need more registers.
+#define GEMV_MINB_OF(R) ((R) == 1 ? 4 : (R) == 2 ? 2 : 1)
+
+// `gemv_r<R>`: plain; `gemv_norm_r<R>`: with the fused RMSNorm prologue (`p.norm` = 1).
+#define FLASHRT_GEMV_ENTRY_T(R, NAME, NORM, MINB)                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##R##_bf16(const GemvParams p) { \
+        flashrt::pdl_wait();                                                                             \
+        flashrt::pdl_trigger();                                                                          \
+        gemv_impl<__nv_bfloat16, R, GEMV_FEATS_OF(R), NORM>(p);                                         \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##R##_f16(const GemvParams p) {  \
+        flashrt::pdl_wait();                                                                             \
+        flashrt::pdl_trigger();                                                                          \
+        gemv_impl<__half, R, GEMV_FEATS_OF(R), NORM>(p);                                                \
+    }
+#define FLASHRT_GEMV_ENTRY(R)                                                                            \
+    FLASHRT_GEMV_ENTRY_T(R, gemv_r, false, GEMV_MINB_OF(R))                                              \
+    FLASHRT_GEMV_ENTRY_T(R, gemv_norm_r, true, GEMV_MINB_OF(R))
+
+FLASHRT_GEMV_ENTRY(1)
+FLASHRT_GEMV_ENTRY(2)
+FLASHRT_GEMV_ENTRY(3)
+FLASHRT_GEMV_ENTRY(4)
+FLASHRT_GEMV_ENTRY(5)
+FLASHRT_GEMV_ENTRY(6)
+FLASHRT_GEMV_ENTRY(7)
+FLASHRT_GEMV_ENTRY(8)
