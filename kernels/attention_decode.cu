@@ -34,7 +34,9 @@
 //    softmax state. Inside a group, the NTL = ceil(nq / 8) live column tiles x DP dim parts are
 //    spread over the WPG warps (DP: the largest power of two with NTL DP <= WPG, at most D / 16):
 //    a decode step of the 27B shape (NT = 4 for the shared 5-row layout, KG = 2, NTL = 1) runs 4
-//    warps per chunk, each computing the whole S^T (identical bits in all four) and a quarter of O.
+//    warps per chunk, each computing the whole S^T (identical bits in all four) and a quarter of O;
+//    its 5-row verify runs one column tile per warp; a model without verify plans (NT = 1) runs
+//    8 key groups of one warp.
 //      S^T = K Q^T   A = K chunk [16 keys x 16 dims] by ldmatrix, B = Q [16 dims x 8 queries] held
 //                    in registers for the whole kernel (D / 8 registers); the D / 16 k-steps are
 //                    summed in 4 chains, (c0 + c1) + (c2 + c3)
@@ -50,11 +52,12 @@
 //    and the block writes, per (row, head, split), (m, l) and the unnormalised o[head_dim] (f32) to
 //    the partial buffer; with S == 1 it writes the output directly.
 //
-// 2. `attention_decode_combine`: grid = (q_heads, rows), 256 threads: out = sum_s o_s 2^(m_s - M)
-//    / sum_s l_s 2^(m_s - M) (empty splits, m = -inf, weigh 0). Every thread issues its o loads
-//    and the (m, l) loads at once (one round trip to L2); M and the denominator are reduced by
-//    every warp in the same fixed order; the splits are summed in 256 / (head_dim / 4) fixed groups
-//    of float4 columns, then the groups in order.
+// 2. `attention_decode_combine`: grid = (q_heads, rows, ceil(head_dim / 64)), 128 threads, at most
+//    64 registers (so that its blocks, launched early by PDL, fit beside a main block): out =
+//    sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M) (empty splits, m = -inf, weigh 0) over 64 dims
+//    per block. Every thread issues its o loads and the (m, l) loads at once (one round trip to
+//    L2); M and the denominator are reduced by every warp in the same fixed order; the splits are
+//    summed in 8 fixed groups (split s in group s % 8, in order), then the groups in order.
 //
 // Partial buffer (the session's cuBLASLt workspace, free between attention and its combine):
 //   ml [rows][q_heads][S] float2 (m, l), padded to 16 bytes, then o [rows][q_heads][S][head_dim].

@@ -35,33 +35,39 @@
 //     V' = (I + A)^-1 X                                  (the rows d_i)
 //     O  = diag(exp(gc)) Q S0 + (lower-incl((Q K^T) * Gamma)) V'
 //     S  = exp(gc_last) S0 + (diag(exp(gc_last - gc)) K)^T V'
-// Grid = (ceil(dv / 64), Hv): one block per value head and 64 value columns, 256 threads
-// (8 warps), looping over the chunks of the call; the state slice [dk, 64] stays in registers
-// (accumulator layout) for the whole call. A chunk is 5 phases between block barriers:
-//   1. load q, k (normalised, f32) [C, dk] and v [C, 64] into shared memory; warp 0 computes
-//      beta, the prefix sum gc and exp(gc), exp(gc_last - gc);
-//   2. A and P = lower-incl((Q K^T) * Gamma): the 20 lower 16x8 tiles of K K^T and Q K^T;
-//   3. warps 0-3 invert the four 16x16 diagonal blocks of I + A (forward substitution,
-//      lane = column); all warps: K S0 and Q S0 -> X (in place of v) and the first term of O;
-//   4. V' = (I + A)^-1 X by blocks of 16 rows: y = x_b - sum_{c<b} A_bc v'_c, v'_b = T_bb y,
-//      warp w on columns 8w..8w+7 only (columns are independent: no block barrier);
-//   5. O += P V', stored for rows < len; S <- exp(gc_last) S + (K exp(gc_last - gc))^T V'.
-// The chunk-only work (K K^T, Q K^T, T_bb) is recomputed by the dv/64 column blocks of a head
-// and needs no scratch memory. All products run on tensor cores (mma.sync m16n8k8 TF32, f32
-// accumulate; fragment layout at the helpers below): bf16/f16 targets round operands to
-// TF32 (10-bit mantissa, far below the bf16 rounding of the outputs), f32 targets use
+// q and k stay unnormalised in shared memory (exactly as loaded); the norms enter as per-row
+// factors of the products above.
+// Grid = (ceil(dv / 16), Hv): one block per value head and N = 16 value columns, 128 threads
+// (4 warps), looping over the chunks of the call. Small blocks on purpose: at the 27B shape the
+// 384 blocks fill every SM three deep (67 KiB of shared memory and <= 168 registers each), and
+// the latency of one block's serial phases hides behind the other two. The state slice, as
+// S^T [16][dk], stays in registers (accumulator layout) for the whole call. A chunk is 5
+// phases between block barriers:
+//   1. thread = row: the norms of q and k; warp 0: beta, the prefix sum gc, exp(gc),
+//      exp(gc_last - gc) (its a, b inputs loaded a chunk ahead);
+//   2. As = -A and P = lower-incl((Q K^T) * Gamma): the 20 lower 16x8 tiles of K K^T and
+//      Q K^T, 5 per warp;
+//   3. warp b inverts the diagonal block b of I + A (forward substitution, lane = column);
+//      warps 0, 1: K S0 -> x (registers) for column tiles 0, 1; warps 2, 3: Q S0 -> the first
+//      term of O; every warp loads its B fragments of the state update (K scaled by
+//      exp(gc_last - gc) / |k|) into registers. K, Q, V are then free, and the next chunk's are
+//      requested (cp.async, 16 bytes a piece, when rows are 16-byte aligned; element by element
+//      otherwise) so that they arrive during phases 4 and 5;
+//   4. warps 0, 1: V' = (I + A)^-1 X by blocks of 16 rows: y = x_b - sum_{c<b} A_bc v'_c,
+//      v'_b = T_bb y (columns are independent, no block barrier);
+//   5. warps 2, 3: O += P V', stored for rows < len; all: S^T <- exp(gc_last) S^T + V'^T K',
+//      and the copy of S^T in shared memory (the B operand of K S0, Q S0) is refreshed.
+// All products run on tensor cores with f32 accumulation, 16 k values per step: bf16/f16
+// targets use mma.m16n8k16 on operands in the target type (q, k, v exactly as loaded; S0, A,
+// P, T, y and v' rounded to it: relative 2^-9 for bf16, well inside the bf16 tolerance, since
+// the state itself stays f32 in registers); f32 targets use two mma.m16n8k8 TF32 per step as
 // 3xTF32 (hi/lo split, about 2^-22 relative per product) so they match the recurrence to f32
 // rounding. Elementwise work (norms, gates, exp, the 16x16 inverses) is f32 on CUDA cores.
-// Shared memory (f32, see GdncLayout): q, k [C][dk+8] each, S [dk][68], x and v' [C][68],
-// A, P, T [C][72], 4 x C per-row values: 191 KiB for dk <= 128, 142 KiB for dk <= 64
-// (opt-in above 48 KiB; one block per SM). 168-209 registers, no spills.
-// Per block and chunk (dk = 128): 2.6 M multiply-adds (K K^T and Q K^T 0.66 M, K S0 and
-// Q S0 1.05 M, (I+A)^-1 X 0.16 M, P V' 0.16 M, state 0.52 M), x3 for f32 targets.
-// 27B shape (Hk 16, Hv 48, dk = dv = 128), 2048 rows: 96 blocks x 32 chunks, 15.7 GFLOP of
-// TF32 (9.7 of them the state products, 4.0 the Gram tiles, half of those recomputed by the
-// second column block of each head). Global memory: q, k, v, a, b read once (42 MB bf16; q, k
-// re-read by the 6 blocks of a key head, from L2), out written once (25 MB), the state read
-// and written once (6.3 MB); shared memory about 0.9 MB read per block and chunk, the bound.
+// Per block and chunk at dk = 128, N = 16 (multiply-adds): K K^T and Q K^T 0.33 M (recomputed
+// by the 8 column blocks of a head: cheaper than sharing them), K S0 and Q S0 0.26 M,
+// (I+A)^-1 X 0.03 M, P V' 0.03 M, state 0.13 M. Global memory: q, k, v, a, b read once per
+// block (v once overall; q, k 48 times per key head, from L2: about 0.4 GB of L2 reads at the
+// 27B shape, 2048 rows), out written once, the state read and written once.
 #include "common.cuh"
 
 struct GdnParams {
@@ -224,50 +230,56 @@ FLASHRT_GDN_ENTRY(256, 64)
 
 // ---- chunked prefill kernel ----------------------------------------------------------------
 
-#define GDNC_ROWS 64  // chunk rows C
-#define GDNC_COLS 64  // value columns per block
-#define GDNC_WARPS 8
+#define GDNC_ROWS 64 // chunk rows C
+#define GDNC_WARPS 4
 #define GDNC_THREADS (GDNC_WARPS * 32)
 
-// Shared memory of one block, in floats. Row strides are chosen so that every fragment load
-// is free of bank conflicts except the transposed K read of the state update (2-way):
-// LDK, LDC = 8 mod 32 (row-major float2 loads), LDV = 4 mod 32 (k-major float loads).
-// Mirrored by `gdn_chunk_smem_bytes` in flashrt-runtime/src/backend/cuda/ops.rs.
-template <int DK> struct GdncLayout {
-    static constexpr int C = GDNC_ROWS, N = GDNC_COLS;
-    static constexpr int LDK = DK + 8; // Ks, Qs: [C][LDK]   normalised k, q of the chunk
-    static constexpr int LDV = N + 4;  // Ss: [DK][LDV] state; Xs, Vs: [C][LDV] x, then v'
-    static constexpr int LDC = C + 8;  // As, Ps, Ts: [C][LDC]
+// Shared memory of one block. E is the storage type of the matrix operands (the target dtype:
+// q, k, v stay as loaded, unnormalised); row strides are padded by 8 elements so that every
+// fragment load below is free of bank conflicts. All offsets are multiples of 16 bytes.
+// Mirrored by the `GatedDeltaNet` arm of flashrt-runtime/src/backend/cuda/ops.rs.
+template <typename E, int DK, int N> struct GdncLayout {
+    static constexpr int C = GDNC_ROWS, PAD = 8, SZ = (int)sizeof(E);
+    static constexpr int LDK = DK + PAD; // Ks, Qs: [C][LDK] raw k, q; St: [N][LDK] state S^T
+    static constexpr int LDV = N + PAD;  // Vs: [C][LDV] raw v
+    static constexpr int LDC = C + PAD;  // As (= -A), Ps: [C][LDC]; Vt: [N][LDC] v'^T
+    static constexpr int LDT = 16 + PAD; // Ts: [C][LDT] diagonal blocks of (I + A)^-1; Yt: [8][LDT] per solver warp
     static constexpr int K = 0;
-    static constexpr int Q = K + C * LDK;
-    static constexpr int S = Q + C * LDK;
-    static constexpr int X = S + DK * LDV;
-    static constexpr int V = X + C * LDV;
-    static constexpr int A = V + C * LDV;
-    static constexpr int P = A + C * LDC;
-    static constexpr int T = P + C * LDC;
-    static constexpr int GC = T + C * LDC; // cumulative log decay gc[i]
-    static constexpr int BETA = GC + C;
-    static constexpr int EG = BETA + C; // exp(gc[i])
-    static constexpr int WL = EG + C;   // exp(gc[C-1] - gc[i])
-    static constexpr int FLOATS = WL + C;
+    static constexpr int Q = K + C * LDK * SZ;
+    static constexpr int ST = Q + C * LDK * SZ;
+    static constexpr int V = ST + N * LDK * SZ;
+    static constexpr int A = V + C * LDV * SZ;
+    static constexpr int P = A + C * LDC * SZ;
+    static constexpr int T = P + C * LDC * SZ;
+    static constexpr int VT = T + C * LDT * SZ;
+    static constexpr int Y = VT + N * LDC * SZ;
+    static constexpr int F = Y + (N / 8) * 8 * LDT * SZ; // f32 per-row vectors, C each:
+    static constexpr int GC = F;                          //   cumulative log decay gc[i], times log2(e)
+    static constexpr int BETA = GC + 4 * C;               //   beta[i]
+    static constexpr int EG = BETA + 4 * C;               //   exp(gc[i])
+    static constexpr int WL = EG + 4 * C;                 //   exp(gc[C-1] - gc[i])
+    static constexpr int INVQ = WL + 4 * C;               //   dk^-1/2 / |q_i|
+    static constexpr int INVK = INVQ + 4 * C;             //   1 / |k_i|
+    static constexpr int BYTES = INVK + 4 * C;
 };
 
-// ---- TF32 tensor-core helpers (mma.sync m16n8k8, f32 accumulate) ----
-// Fragments of lane (g = lane / 4, t = lane % 4), PTX ISA layout: A (16x8, row):
-// a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4); B (8x8, col): b0 (t, g), b1 (t+4, g);
-// C (16x8): c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1).
-// The k index of every product is permuted the same way in A and B (fragment k = t is
-// element k0 + 2t, k = t + 4 is k0 + 2t + 1), which leaves the dot products unchanged and
-// lets row-major operands load as one float2.
-// SPLIT (f32 targets): 3xTF32, x = hi + lo with both tf32, a*b ~ al*bh + ah*bl + ah*bh
-// (dropping al*bl: about 2^-22 relative, so f32-grade results). Otherwise one TF32 product
-// (10-bit mantissa, round to nearest), far below the bf16/f16 rounding of the outputs.
-struct GdncFragA {
-    uint32_t h[4], l[4];
+// ---- tensor-core and copy helpers (the only inline assembly of the chunked kernel) ----------
+// One k-step of every product covers 16 k values. Lane (g = lane / 4, t = lane % 4) holds, of
+// a row-major A tile (16 x 16), the element pairs (row g, k 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+// (g+8, 2t+8..) and of a B tile (16 x 8) the pairs (k 2t..2t+1, column g), (k 2t+8.., g);
+// its accumulator (16 x 8) elements are c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1).
+// For 16-bit E a pair is one 32-bit register and a k-step is one mma.m16n8k16 (bf16 or f16,
+// f32 accumulate). For f32 a pair is two registers and a k-step is two mma.m16n8k8 TF32, 3xTF32
+// (x = hi + lo, a b ~ al bh + ah bl + ah bh: about 2^-22 relative, f32-grade): within each
+// half the k index is permuted the same way in A and B (fragment k = t is element 2t, k = t + 4
+// is 2t + 1), which leaves the products unchanged and lets pairs load as one float2.
+template <typename E> struct GdncFrag {
+    static constexpr int W = sizeof(E) == 2 ? 1 : 2; // registers per pair
+    uint32_t r[4 * W];
 };
-struct GdncFragB {
-    uint32_t h[2], l[2];
+template <typename E> struct GdncFragB {
+    static constexpr int W = sizeof(E) == 2 ? 1 : 2;
+    uint32_t r[2 * W];
 };
 
 static __device__ __forceinline__ uint32_t gdnc_tf32(float x) {
@@ -276,105 +288,231 @@ static __device__ __forceinline__ uint32_t gdnc_tf32(float x) {
     return r;
 }
 
-static __device__ __forceinline__ void gdnc_mma1(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+static __device__ __forceinline__ void gdnc_mma_tf32(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                     uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// ---- end of TF32 tensor-core helpers ----
-
-template <bool SPLIT> static __device__ __forceinline__ void gdnc_split(float x, uint32_t& h, uint32_t& l) {
-    h = gdnc_tf32(x);
-    l = SPLIT ? gdnc_tf32(x - __uint_as_float(h)) : 0u;
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <bool SPLIT>
-static __device__ __forceinline__ GdncFragA gdnc_frag_a(float a0, float a1, float a2, float a3) {
-    GdncFragA f;
-    gdnc_split<SPLIT>(a0, f.h[0], f.l[0]);
-    gdnc_split<SPLIT>(a1, f.h[1], f.l[1]);
-    gdnc_split<SPLIT>(a2, f.h[2], f.l[2]);
-    gdnc_split<SPLIT>(a3, f.h[3], f.l[3]);
-    return f;
+static __device__ __forceinline__ void gdnc_mma(float (&c)[4], const GdncFrag<__nv_bfloat16>& a,
+                                                const GdncFragB<__nv_bfloat16>& b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
 }
 
-template <bool SPLIT> static __device__ __forceinline__ GdncFragB gdnc_frag_b(float b0, float b1) {
-    GdncFragB f;
-    gdnc_split<SPLIT>(b0, f.h[0], f.l[0]);
-    gdnc_split<SPLIT>(b1, f.h[1], f.l[1]);
-    return f;
+static __device__ __forceinline__ void gdnc_mma(float (&c)[4], const GdncFrag<__half>& a, const GdncFragB<__half>& b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
 }
 
-template <bool SPLIT>
-static __device__ __forceinline__ void gdnc_mma(float (&c)[4], const GdncFragA& a, const GdncFragB& b) {
-    if (SPLIT) {
-        gdnc_mma1(c, a.l, b.h);
-        gdnc_mma1(c, a.h, b.l);
+// Two 32-bit halves of a bf16 / f16 pair from f32 values, low element first (round to nearest).
+static __device__ __forceinline__ uint32_t gdnc_pack(float lo, float hi, __nv_bfloat16*) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+static __device__ __forceinline__ uint32_t gdnc_pack(float lo, float hi, __half*) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// 16-byte global -> shared copy; bytes < 16 fills the rest with zeros (bytes = 0: no read).
+static __device__ __forceinline__ void gdnc_cp16(void* smem, const void* gmem, int bytes) {
+    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void gdnc_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+static __device__ __forceinline__ void gdnc_cp_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// ---- end of tensor-core and copy helpers ----
+
+static __device__ __forceinline__ void gdnc_mma(float (&c)[4], const GdncFrag<float>& a, const GdncFragB<float>& b) {
+    // Register 2p / 2p+1 of a: pair p, elements k and k+1; see above for the pair order.
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const float x[4] = {__uint_as_float(a.r[4 * hf]), __uint_as_float(a.r[4 * hf + 2]), __uint_as_float(a.r[4 * hf + 1]),
+                            __uint_as_float(a.r[4 * hf + 3])};
+        const float y[2] = {__uint_as_float(b.r[2 * hf]), __uint_as_float(b.r[2 * hf + 1])};
+        uint32_t ah[4], al[4], bh[2], bl[2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            ah[i] = gdnc_tf32(x[i]);
+            al[i] = gdnc_tf32(x[i] - __uint_as_float(ah[i]));
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            bh[i] = gdnc_tf32(y[i]);
+            bl[i] = gdnc_tf32(y[i] - __uint_as_float(bh[i]));
+        }
+        gdnc_mma_tf32(c, al[0], al[1], al[2], al[3], bh[0], bh[1]);
+        gdnc_mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bl[0], bl[1]);
+        gdnc_mma_tf32(c, ah[0], ah[1], ah[2], ah[3], bh[0], bh[1]);
     }
-    gdnc_mma1(c, a.h, b.h);
 }
 
-// A tile (rows m0..m0+15, k0..k0+7) of a row-major matrix: element (m, k) at M[m * ld + k].
-template <bool SPLIT>
-static __device__ __forceinline__ GdncFragA gdnc_a_rows(const float* M, int ld, int m0, int k0, int g, int t, float s = 1.0f) {
-    const float2 x = *reinterpret_cast<const float2*>(M + (m0 + g) * ld + k0 + 2 * t);
-    const float2 y = *reinterpret_cast<const float2*>(M + (m0 + g + 8) * ld + k0 + 2 * t);
-    return gdnc_frag_a<SPLIT>(s * x.x, s * y.x, s * x.y, s * y.y);
+static __device__ __forceinline__ uint32_t gdnc_pack(float lo, float, float*) { return __float_as_uint(lo); }
+
+// Pair p of a fragment: registers [p * W, p * W + W).
+template <typename E> static __device__ __forceinline__ void gdnc_set_pair(uint32_t* r, const E* p) {
+    if constexpr (sizeof(E) == 2) {
+        r[0] = *reinterpret_cast<const uint32_t*>(p);
+    } else {
+        const float2 v = *reinterpret_cast<const float2*>(p);
+        r[0] = __float_as_uint(v.x);
+        r[1] = __float_as_uint(v.y);
+    }
+}
+template <typename E> static __device__ __forceinline__ void gdnc_set_pair(uint32_t* r, float lo, float hi) {
+    if constexpr (sizeof(E) == 2) {
+        r[0] = gdnc_pack(lo, hi, static_cast<E*>(nullptr));
+    } else {
+        r[0] = __float_as_uint(lo);
+        r[1] = __float_as_uint(hi);
+    }
 }
 
-// A tile of a k-major matrix: element (m, k) at M[k * ld + m], column k scaled by w[k].
-template <bool SPLIT>
-static __device__ __forceinline__ GdncFragA gdnc_a_cols(const float* M, int ld, int m0, int k0, int g, int t, const float* w) {
-    const float* r0 = M + (k0 + 2 * t) * ld + m0 + g;
-    const float* r1 = r0 + ld;
-    const float w0 = w[k0 + 2 * t], w1 = w[k0 + 2 * t + 1];
-    return gdnc_frag_a<SPLIT>(w0 * r0[0], w0 * r0[8], w1 * r1[0], w1 * r1[8]);
+// A tile of a row-major matrix: element (m, k) at M[m * ld + k], M at (m0, k0).
+template <typename E> static __device__ __forceinline__ GdncFrag<E> gdnc_a(const E* M, int ld, int g, int t) {
+    constexpr int W = GdncFrag<E>::W;
+    GdncFrag<E> f;
+    gdnc_set_pair<E>(f.r + 0 * W, M + g * ld + 2 * t);
+    gdnc_set_pair<E>(f.r + 1 * W, M + (g + 8) * ld + 2 * t);
+    gdnc_set_pair<E>(f.r + 2 * W, M + g * ld + 2 * t + 8);
+    gdnc_set_pair<E>(f.r + 3 * W, M + (g + 8) * ld + 2 * t + 8);
+    return f;
 }
 
-// B tile (k0..k0+7, columns n0..n0+7) of an n-major matrix: element (k, n) at M[n * ld + k].
-template <bool SPLIT>
-static __device__ __forceinline__ GdncFragB gdnc_b_nmajor(const float* M, int ld, int k0, int n0, int g, int t) {
-    const float2 x = *reinterpret_cast<const float2*>(M + (n0 + g) * ld + k0 + 2 * t);
-    return gdnc_frag_b<SPLIT>(x.x, x.y);
+// B tile of an n-major matrix: element (k, n) at M[n * ld + k], M at (k0, n0).
+template <typename E> static __device__ __forceinline__ GdncFragB<E> gdnc_b(const E* M, int ld, int g, int t) {
+    constexpr int W = GdncFragB<E>::W;
+    GdncFragB<E> f;
+    gdnc_set_pair<E>(f.r, M + g * ld + 2 * t);
+    gdnc_set_pair<E>(f.r + W, M + g * ld + 2 * t + 8);
+    return f;
 }
 
-// B tile of a k-major matrix: element (k, n) at M[k * ld + n].
-template <bool SPLIT>
-static __device__ __forceinline__ GdncFragB gdnc_b_kmajor(const float* M, int ld, int k0, int n0, int g, int t) {
-    const float* r0 = M + (k0 + 2 * t) * ld + n0 + g;
-    return gdnc_frag_b<SPLIT>(r0[0], r0[ld]);
+// B tile of a k-major matrix with row k scaled by s0[k] s1[k]: element (k, n) =
+// s0[k] s1[k] M[k * ld + n], rounded to E (M, s0, s1 at k0, n0).
+template <typename E>
+static __device__ __forceinline__ GdncFragB<E> gdnc_b_kscaled(const E* M, int ld, const float* s0, const float* s1, int g, int t) {
+    constexpr int W = GdncFragB<E>::W;
+    GdncFragB<E> f;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const int k = 2 * t + 8 * q;
+        gdnc_set_pair<E>(f.r + q * W, s0[k] * s1[k] * flashrt::to_f32(M[k * ld + g]),
+                         s0[k + 1] * s1[k + 1] * flashrt::to_f32(M[(k + 1) * ld + g]));
+    }
+    return f;
 }
 
 // Accumulator element r of lane (g, t): row g + 8 (r / 2), column 2t + r % 2 of its tile.
 static __device__ __forceinline__ int gdnc_row(int g, int r) { return g + 8 * (r >> 1); }
 static __device__ __forceinline__ int gdnc_col(int t, int r) { return 2 * t + (r & 1); }
 
-// One block = one value head h x GDNC_COLS value columns, all rows of the call, chunk by chunk.
-template <typename T, int DK, bool SPLIT> static __device__ __forceinline__ void gdnc_impl(const GdnParams& p) {
-    using L = GdncLayout<DK>;
-    constexpr int C = GDNC_ROWS, N = GDNC_COLS;
-    static_assert(C == 64 && N == 64 && GDNC_WARPS == 8, "tile assignment assumes 64 x 64 and 8 warps");
-    // State tiles (16 rows of S x 8 columns) per warp: warp w owns rows 16 ms .. and NS tiles.
-    constexpr int MT_S = DK / 16;
-    constexpr int WPM = GDNC_WARPS / MT_S;
-    constexpr int NS = (N / 8) / WPM;
-    static_assert(MT_S * WPM == GDNC_WARPS && NS * WPM == N / 8, "DK must be 64 or 128");
-    constexpr int KPL = DK / 32; // q/k elements per lane per row
+// Accumulator pairs (r = 0,1 and 2,3) stored as element pairs of a row-major matrix at M (m0, n0).
+template <typename E> static __device__ __forceinline__ void gdnc_store_acc(E* M, int ld, const float (&c)[4], int g, int t) {
+    if constexpr (sizeof(E) == 2) {
+        *reinterpret_cast<uint32_t*>(M + g * ld + 2 * t) = gdnc_pack(c[0], c[1], static_cast<E*>(nullptr));
+        *reinterpret_cast<uint32_t*>(M + (g + 8) * ld + 2 * t) = gdnc_pack(c[2], c[3], static_cast<E*>(nullptr));
+    } else {
+        *reinterpret_cast<float2*>(M + g * ld + 2 * t) = make_float2(c[0], c[1]);
+        *reinterpret_cast<float2*>(M + (g + 8) * ld + 2 * t) = make_float2(c[2], c[3]);
+    }
+}
 
-    extern __shared__ __align__(16) float gdnc_smem[];
-    float* Ks = gdnc_smem + L::K;
-    float* Qs = gdnc_smem + L::Q;
-    float* Ss = gdnc_smem + L::S;
-    float* Xs = gdnc_smem + L::X;
-    float* Vs = gdnc_smem + L::V;
-    float* As = gdnc_smem + L::A;
-    float* Ps = gdnc_smem + L::P;
-    float* Ts = gdnc_smem + L::T;
-    float* GC = gdnc_smem + L::GC;
-    float* BETA = gdnc_smem + L::BETA;
-    float* EG = gdnc_smem + L::EG;
-    float* WL = gdnc_smem + L::WL;
+// Accumulator stored transposed: element (row, col) of the tile at M[col * ld + row].
+template <typename E> static __device__ __forceinline__ void gdnc_store_acc_t(E* M, int ld, const float (&c)[4], int g, int t) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) M[gdnc_col(t, r) * ld + gdnc_row(g, r)] = flashrt::from_f32<E>(c[r]);
+}
+
+// Phase 2 of one warp: 5 lower 16x8 tiles of K K^T and Q K^T. Tiles u < CNT are in row tile
+// MA, the others in MB; tile u's column tile is (NTAB >> 3u) & 7. Writes As = -A and Ps.
+template <typename E, int DK, int N, int MA, int MB, int CNT, uint32_t NTAB>
+static __device__ __forceinline__ void gdnc_gram(unsigned char* smem, int g, int t) {
+    using L = GdncLayout<E, DK, N>;
+    const E* Ks = reinterpret_cast<const E*>(smem + L::K);
+    const E* Qs = reinterpret_cast<const E*>(smem + L::Q);
+    E* As = reinterpret_cast<E*>(smem + L::A);
+    E* Ps = reinterpret_cast<E*>(smem + L::P);
+    const float* GC = reinterpret_cast<const float*>(smem + L::GC);
+    const float* BETA = reinterpret_cast<const float*>(smem + L::BETA);
+    const float* INVQ = reinterpret_cast<const float*>(smem + L::INVQ);
+    const float* INVK = reinterpret_cast<const float*>(smem + L::INVK);
+    float gk[5][4], gq[5][4];
+#pragma unroll
+    for (int u = 0; u < 5; ++u)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) gk[u][r] = gq[u][r] = 0.0f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < DK; k0 += 16) {
+        const GdncFrag<E> ka = gdnc_a<E>(Ks + 16 * MA * L::LDK + k0, L::LDK, g, t);
+        const GdncFrag<E> qa = gdnc_a<E>(Qs + 16 * MA * L::LDK + k0, L::LDK, g, t);
+        GdncFrag<E> kb = ka, qb = qa;
+        if constexpr (MB != MA) {
+            kb = gdnc_a<E>(Ks + 16 * MB * L::LDK + k0, L::LDK, g, t);
+            qb = gdnc_a<E>(Qs + 16 * MB * L::LDK + k0, L::LDK, g, t);
+        }
+#pragma unroll
+        for (int u = 0; u < 5; ++u) {
+            const int n = (NTAB >> (3 * u)) & 7;
+            const GdncFragB<E> b = gdnc_b<E>(Ks + 8 * n * L::LDK + k0, L::LDK, g, t);
+            gdnc_mma(gk[u], u < CNT ? ka : kb, b);
+            gdnc_mma(gq[u], u < CNT ? qa : qb, b);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < 5; ++u) {
+        const int m = u < CNT ? MA : MB, n = (NTAB >> (3 * u)) & 7;
+        float av[4], pv[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int i = 16 * m + gdnc_row(g, r), j = 8 * n + gdnc_col(t, r);
+            const bool below = 8 * n + 7 < 16 * m; // the whole tile has i > j (known at compile time)
+            // Gamma_ij = exp(gc_i - gc_j) <= 1 for i >= j (GC holds gc log2(e)); never evaluated
+            // above the diagonal, where it may overflow.
+            const float gam = (below || i >= j) ? exp2f(GC[i] - GC[j]) : 0.0f;
+            const float kj = INVK[j] * gam;
+            av[r] = (below || i > j) ? -(BETA[i] * INVK[i] * kj * gk[u][r]) : 0.0f;
+            pv[r] = INVQ[i] * kj * gq[u][r];
+        }
+        gdnc_store_acc<E>(As + 16 * m * L::LDC + 8 * n, L::LDC, av, g, t);
+        gdnc_store_acc<E>(Ps + 16 * m * L::LDC + 8 * n, L::LDC, pv, g, t);
+    }
+}
+
+// One block = one value head h x N value columns, all rows of the call, chunk by chunk.
+template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc_impl(const GdnParams& p) {
+    using E = T;
+    using L = GdncLayout<E, DK, N>;
+    constexpr int C = GDNC_ROWS;
+    constexpr int NT = N / 8;        // 8-column tiles of the value columns
+    constexpr int ND = DK / 8 / 4;   // 8-row tiles of S^T's d axis per warp
+    constexpr int MJ = N / 16;       // 16-row tiles of S^T's j axis
+    static_assert(GDNC_WARPS == 4 && C == 64, "work split assumes 4 warps and 64-row chunks");
+    static_assert((N == 16 || N == 32) && (DK == 64 || DK == 128), "instantiated for N in {16, 32}, DK in {64, 128}");
+
+    extern __shared__ __align__(16) unsigned char gdnc_smem[];
+    E* Ks = reinterpret_cast<E*>(gdnc_smem + L::K);
+    E* Qs = reinterpret_cast<E*>(gdnc_smem + L::Q);
+    E* St = reinterpret_cast<E*>(gdnc_smem + L::ST);
+    E* Vs = reinterpret_cast<E*>(gdnc_smem + L::V);
+    E* As = reinterpret_cast<E*>(gdnc_smem + L::A);
+    E* Ps = reinterpret_cast<E*>(gdnc_smem + L::P);
+    E* Ts = reinterpret_cast<E*>(gdnc_smem + L::T);
+    E* Vt = reinterpret_cast<E*>(gdnc_smem + L::VT);
+    E* Yt = reinterpret_cast<E*>(gdnc_smem + L::Y);
+    float* GC = reinterpret_cast<float*>(gdnc_smem + L::GC);
+    float* BETA = reinterpret_cast<float*>(gdnc_smem + L::BETA);
+    float* EG = reinterpret_cast<float*>(gdnc_smem + L::EG);
+    float* WL = reinterpret_cast<float*>(gdnc_smem + L::WL);
+    float* INVQ = reinterpret_cast<float*>(gdnc_smem + L::INVQ);
+    float* INVK = reinterpret_cast<float*>(gdnc_smem + L::INVK);
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -387,6 +525,7 @@ template <typename T, int DK, bool SPLIT> static __device__ __forceinline__ void
     const T* ap = static_cast<const T*>(p.a);
     const T* bp = static_cast<const T*>(p.b);
     T* out = static_cast<T*>(p.out);
+    const int ld = p.ld_qkv;
     const int q_col = kh * dk;
     const int k_col = p.key_heads * dk + kh * dk;
     const int v_col = 2 * p.key_heads * dk + h * dv + j0;
@@ -394,69 +533,126 @@ template <typename T, int DK, bool SPLIT> static __device__ __forceinline__ void
     const float neg_a = -expf(p.a_log[h]);
     const float dt_bias = p.dt_bias[h];
 
-    // The state slice S[:, j0 .. j0 + N) lives in registers (accumulator layout) for the whole
-    // call; Ss holds a copy for the chunk's S products.
-    const int ms = warp / WPM, nsb = (warp % WPM) * NS;
-    float* st = p.state + (size_t)h * dk * dv;
-    float sacc[NS][4];
-#pragma unroll
-    for (int u = 0; u < NS; ++u)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int d = 16 * ms + gdnc_row(g, r), j = j0 + 8 * (nsb + u) + gdnc_col(t, r);
-            sacc[u][r] = (d < dk && j < dv) ? st[(size_t)d * dv + j] : 0.0f;
-        }
-    auto store_ss = [&]() {
-#pragma unroll
-        for (int u = 0; u < NS; ++u) {
-            float* s = Ss + (16 * ms + g) * L::LDV + 8 * (nsb + u) + 2 * t;
-            *reinterpret_cast<float2*>(s) = make_float2(sacc[u][0], sacc[u][1]);
-            *reinterpret_cast<float2*>(s + 8 * L::LDV) = make_float2(sacc[u][2], sacc[u][3]);
+    // Chunk loads: 16-byte cp.async when every row segment is 16-byte aligned (then a piece is
+    // either all inside or all outside dk / dv); else element by element.
+    constexpr int VE = 16 / (int)sizeof(E);
+    const bool vec = (reinterpret_cast<uintptr_t>(qkv) % 16 == 0) && ((size_t)ld * sizeof(E)) % 16 == 0 && dk % VE == 0 &&
+                     dv % VE == 0;
+    auto load_chunk = [&](int r0) {
+        const int n = min(C, len - r0);
+        if (vec) {
+            constexpr int KP = DK / VE, VP = N / VE;
+#pragma unroll 4
+            for (int e = tid; e < C * KP; e += GDNC_THREADS) {
+                const int i = e / KP, d = (e % KP) * VE;
+                const bool ok = i < n && d < dk;
+                const T* row = qkv + (size_t)(ok ? r0 + i : 0) * ld;
+                gdnc_cp16(Qs + i * L::LDK + d, ok ? row + q_col + d : qkv, ok ? 16 : 0);
+                gdnc_cp16(Ks + i * L::LDK + d, ok ? row + k_col + d : qkv, ok ? 16 : 0);
+            }
+            for (int e = tid; e < C * VP; e += GDNC_THREADS) {
+                const int i = e / VP, j = (e % VP) * VE;
+                const bool ok = i < n && j0 + j < dv;
+                gdnc_cp16(Vs + i * L::LDV + j, ok ? qkv + (size_t)(r0 + i) * ld + v_col + j : qkv, ok ? 16 : 0);
+            }
+            gdnc_cp_commit();
+        } else {
+            for (int e = tid; e < C * DK; e += GDNC_THREADS) {
+                const int i = e / DK, d = e % DK;
+                const bool ok = i < n && d < dk;
+                const T* row = qkv + (size_t)(r0 + i) * ld;
+                Qs[i * L::LDK + d] = ok ? row[q_col + d] : flashrt::from_f32<E>(0.0f);
+                Ks[i * L::LDK + d] = ok ? row[k_col + d] : flashrt::from_f32<E>(0.0f);
+            }
+            for (int e = tid; e < C * N; e += GDNC_THREADS) {
+                const int i = e / N, j = e % N;
+                const bool ok = i < n && j0 + j < dv;
+                Vs[i * L::LDV + j] = ok ? qkv[(size_t)(r0 + i) * ld + v_col + j] : flashrt::from_f32<E>(0.0f);
+            }
         }
     };
-    store_ss();
+    // Gates of rows 2 lane, 2 lane + 1 (warp 0), loaded one chunk ahead.
+    float ga[2] = {0.0f, 0.0f}, gb[2] = {0.0f, 0.0f};
+    auto load_gates = [&](int r0) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int i = r0 + 2 * lane + e;
+            ga[e] = i < len ? flashrt::to_f32(ap[(size_t)i * p.ld_a + h]) : 0.0f;
+            gb[e] = i < len ? flashrt::to_f32(bp[(size_t)i * p.ld_b + h]) : 0.0f;
+        }
+    };
 
-    // Output / x / v' tiles: warp w owns rows 16 om .. of the chunk and column tiles onb ..+3.
-    const int om = warp & 3, onb = (warp >> 2) * 4;
+    // The state slice, transposed: S^T[j][d] for j < N, d in warp's DK/4 rows, in registers
+    // (accumulator layout: m = j, n = d) for the whole call; St holds a copy rounded to E.
+    const int dw = warp * (DK / 4);
+    float* st = p.state + (size_t)h * dk * dv;
+    float sacc[MJ][ND][4];
+#pragma unroll
+    for (int mj = 0; mj < MJ; ++mj)
+#pragma unroll
+        for (int nd = 0; nd < ND; ++nd)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int j = j0 + 16 * mj + gdnc_row(g, r), d = dw + 8 * nd + gdnc_col(t, r);
+                sacc[mj][nd][r] = (d < dk && j < dv) ? st[(size_t)d * dv + j] : 0.0f;
+            }
+    auto store_st = [&]() {
+#pragma unroll
+        for (int mj = 0; mj < MJ; ++mj)
+#pragma unroll
+            for (int nd = 0; nd < ND; ++nd) gdnc_store_acc<E>(St + 16 * mj * L::LDK + dw + 8 * nd, L::LDK, sacc[mj][nd], g, t);
+    };
+    store_st();
+    load_chunk(0);
+    if (warp == 0) load_gates(0);
+
+    // Roles in phases 3-5: with N = 16 warps 0, 1 form x and solve for v' (column tile = warp)
+    // while warps 2, 3 form the outputs (column tile = warp - 2); with N = 32 every warp does
+    // both for column tile = warp.
+    constexpr bool SPLIT_ROLES = NT == 2;
+    const bool solver = SPLIT_ROLES ? warp < 2 : true;
+    const bool outer = SPLIT_ROLES ? warp >= 2 : true;
+    const int xt = warp, ot = SPLIT_ROLES ? warp - 2 : warp;
+
     const int nchunks = (len + C - 1) / C;
     for (int ch = 0; ch < nchunks; ++ch) {
         const int r0 = ch * C;
         const int n = min(C, len - r0); // valid rows; rows n .. C-1 are zero padding
+        if (vec) gdnc_cp_wait();
+        __syncthreads(); // the chunk's q, k, v and the state copy are in shared memory
 
-        // ---- 1. load: q, k (normalised), v, gates. Warp w: rows 8w .. 8w+7 of q and k.
+        // ---- 1. norms (thread = row of q or k) and gates (warp 0)
         {
-            float qv[8][KPL], kv[8][KPL];
+            const int i = tid & (C - 1);
+            const E* row = (tid < C ? Qs : Ks) + i * L::LDK;
+            float ss = 0.0f;
 #pragma unroll
-            for (int rr = 0; rr < 8; ++rr) {
-                const int i = warp * 8 + rr;
-                const T* row = qkv + (size_t)(r0 + i) * p.ld_qkv;
+            for (int d = 0; d < DK; d += VE) {
+                if constexpr (sizeof(E) == 2) {
+                    const uint4 w = *reinterpret_cast<const uint4*>(row + d);
+                    const E* e = reinterpret_cast<const E*>(&w);
 #pragma unroll
-                for (int u = 0; u < KPL; ++u) {
-                    const int d = lane + 32 * u;
-                    const bool ok = i < n && d < dk;
-                    qv[rr][u] = ok ? flashrt::to_f32(row[q_col + d]) : 0.0f;
-                    kv[rr][u] = ok ? flashrt::to_f32(row[k_col + d]) : 0.0f;
+                    for (int u = 0; u < 8; ++u) {
+                        const float x = flashrt::to_f32(e[u]);
+                        ss += x * x;
+                    }
+                } else {
+                    const float4 w = *reinterpret_cast<const float4*>(row + d);
+                    ss += w.x * w.x + w.y * w.y + w.z * w.z + w.w * w.w;
                 }
             }
-            constexpr int VPT = C * N / GDNC_THREADS;
-            float vv[VPT];
-#pragma unroll
-            for (int u = 0; u < VPT; ++u) {
-                const int e = tid + u * GDNC_THREADS, i = e / N, j = e % N;
-                vv[u] = (i < n && j0 + j < dv) ? flashrt::to_f32(qkv[(size_t)(r0 + i) * p.ld_qkv + v_col + j]) : 0.0f;
-            }
+            const float inv = 1.0f / sqrtf(ss + 1e-6f);
+            if (tid < C) INVQ[i] = inv * qscale;
+            else INVK[i] = inv;
             if (warp == 0) {
-                // Gates of rows 2 lane, 2 lane + 1, then the inclusive prefix sum of g.
                 float gv[2], bt[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int i = 2 * lane + e;
-                    const bool ok = i < n;
-                    const float av = ok ? flashrt::to_f32(ap[(size_t)(r0 + i) * p.ld_a + h]) : 0.0f;
-                    const float bv = ok ? flashrt::to_f32(bp[(size_t)(r0 + i) * p.ld_b + h]) : 0.0f;
-                    gv[e] = ok ? neg_a * flashrt::softplusf_(av + dt_bias) : 0.0f;
-                    bt[e] = ok ? flashrt::sigmoidf_(bv) : 0.0f;
+                    const bool ok = 2 * lane + e < n;
+                    gv[e] = ok ? neg_a * flashrt::softplusf_(ga[e] + dt_bias) : 0.0f;
+                    bt[e] = ok ? flashrt::sigmoidf_(gb[e]) : 0.0f;
                 }
+                if (ch + 1 < nchunks) load_gates(r0 + C);
                 float incl = gv[0] + gv[1];
 #pragma unroll
                 for (int o = 1; o < 32; o <<= 1) {
@@ -467,8 +663,8 @@ template <typename T, int DK, bool SPLIT> static __device__ __forceinline__ void
                 if (lane == 0) excl = 0.0f;
                 const float gc0 = excl + gv[0], gc1 = gc0 + gv[1];
                 const float last = __shfl_sync(0xffffffffu, gc1, 31);
-                GC[2 * lane] = gc0;
-                GC[2 * lane + 1] = gc1;
+                GC[2 * lane] = gc0 * 1.44269504f; // log2(e)
+                GC[2 * lane + 1] = gc1 * 1.44269504f;
                 BETA[2 * lane] = bt[0];
                 BETA[2 * lane + 1] = bt[1];
                 EG[2 * lane] = expf(gc0);
@@ -476,216 +672,191 @@ template <typename T, int DK, bool SPLIT> static __device__ __forceinline__ void
                 WL[2 * lane] = expf(last - gc0);
                 WL[2 * lane + 1] = expf(last - gc1);
             }
-#pragma unroll
-            for (int rr = 0; rr < 8; ++rr) {
-                const int i = warp * 8 + rr;
-                float qq = 0.0f, kk = 0.0f;
-#pragma unroll
-                for (int u = 0; u < KPL; ++u) {
-                    qq += qv[rr][u] * qv[rr][u];
-                    kk += kv[rr][u] * kv[rr][u];
-                }
-                qq = flashrt::warp_sum(qq);
-                kk = flashrt::warp_sum(kk);
-                const float inv_q = 1.0f / sqrtf(qq + 1e-6f) * qscale;
-                const float inv_k = 1.0f / sqrtf(kk + 1e-6f);
-#pragma unroll
-                for (int u = 0; u < KPL; ++u) {
-                    Qs[i * L::LDK + lane + 32 * u] = qv[rr][u] * inv_q;
-                    Ks[i * L::LDK + lane + 32 * u] = kv[rr][u] * inv_k;
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < VPT; ++u) {
-                const int e = tid + u * GDNC_THREADS;
-                Xs[(e / N) * L::LDV + e % N] = vv[u];
-            }
         }
         __syncthreads();
 
-        // ---- 2. Gram matrices, lower tiles only (row tile gm, column tiles gnb .. gnb+gnc-1):
-        // As = strictly-lower(beta_i (k_i . k_j) Gamma_ij), Ps = lower-incl((q_i . k_j) Gamma_ij),
-        // Gamma_ij = exp(gc_i - gc_j) (never evaluated above the diagonal: it may overflow).
+        // ---- 2. As = -strictly-lower(beta_i (k_i . k_j) Gamma_ij), Ps = lower-incl((q_i . k_j)
+        // Gamma_ij) with normalised q, k: the 20 lower 16x8 tiles of each, 5 per warp.
+        switch (warp) {
+        case 0: gdnc_gram<E, DK, N, 3, 3, 5, 0u | 1u << 3 | 2u << 6 | 3u << 9 | 4u << 12>(gdnc_smem, g, t); break;
+        case 1: gdnc_gram<E, DK, N, 3, 0, 3, 5u | 6u << 3 | 7u << 6 | 0u << 9 | 1u << 12>(gdnc_smem, g, t); break;
+        case 2: gdnc_gram<E, DK, N, 2, 2, 5, 0u | 1u << 3 | 2u << 6 | 3u << 9 | 4u << 12>(gdnc_smem, g, t); break;
+        default: gdnc_gram<E, DK, N, 2, 1, 1, 5u | 0u << 3 | 1u << 6 | 2u << 9 | 3u << 12>(gdnc_smem, g, t); break;
+        }
+        __syncthreads();
+
+        // ---- 3. (a) warp b: Ts block b = (I + A_bb)^-1 by forward substitution, lane l < 16
+        // solving column l. (b) K S and Q S with the chunk's initial state (St):
+        // solver warps x = beta (v - exp(gc) K S) into registers, output warps o = exp(gc) Q S.
+        // (c) every warp: its state-update B fragments (K scaled by exp(gc_last - gc) / |k|) into
+        // registers, so that the next chunk may be loaded during phases 4 and 5.
         {
-            // (gm, gnb, gnc) per warp: (3,0,3) (3,3,3) (2,0,3) (2,3,3) (1,0,2) (1,2,2) (0,0,2) (3,6,2)
-            const int gm = (0xC5AF >> (2 * warp)) & 3;
-            const int gnb = (0xC10618 >> (3 * warp)) & 7;
-            const int gnc = warp < 4 ? 3 : 2;
-            float gacc[3][4], pacc[3][4];
-#pragma unroll
-            for (int u = 0; u < 3; ++u)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) gacc[u][r] = pacc[u][r] = 0.0f;
-#pragma unroll 4
-            for (int k0 = 0; k0 < DK; k0 += 8) {
-                const GdncFragA ak = gdnc_a_rows<SPLIT>(Ks, L::LDK, 16 * gm, k0, g, t);
-                const GdncFragA aq = gdnc_a_rows<SPLIT>(Qs, L::LDK, 16 * gm, k0, g, t);
-#pragma unroll
-                for (int u = 0; u < 3; ++u) {
-                    if (u < gnc) {
-                        const GdncFragB b = gdnc_b_nmajor<SPLIT>(Ks, L::LDK, k0, 8 * (gnb + u), g, t);
-                        gdnc_mma<SPLIT>(gacc[u], ak, b);
-                        gdnc_mma<SPLIT>(pacc[u], aq, b);
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < 3; ++u) {
-                if (u < gnc) {
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int i = 16 * gm + gdnc_row(g, r), j = 8 * (gnb + u) + gdnc_col(t, r);
-                        const float gam = i >= j ? expf(GC[i] - GC[j]) : 0.0f;
-                        As[i * L::LDC + j] = i > j ? BETA[i] * gacc[u][r] * gam : 0.0f;
-                        Ps[i * L::LDC + j] = pacc[u][r] * gam;
-                    }
-                }
-            }
-        }
-        __syncthreads();
-
-        // ---- 3. Warps 0-3: Ts diagonal block b = (I + A_bb)^-1 by forward substitution, lane
-        // l < 16 solving column l. Then all warps: KS and QS with the chunk's initial state;
-        // Xs <- x = beta (v - exp(gc) K S), oacc <- exp(gc) Q S.
-        if (warp < 4) {
             const int b = warp, l = lane & 15;
-            const float* ab = As + 16 * b * L::LDC + 16 * b;
+            const E* ab = As + 16 * b * L::LDC + 16 * b;
             float tc[16];
 #pragma unroll
             for (int li = 0; li < 16; ++li) {
-                float s = li == l ? 1.0f : 0.0f;
+                float s0 = li == l ? 1.0f : 0.0f, s1 = 0.0f;
 #pragma unroll
-                for (int m = 0; m < li; ++m) s -= ab[li * L::LDC + m] * tc[m];
-                tc[li] = li < l ? 0.0f : s;
+                for (int m = 0; m < li; m += 2) {
+                    s0 += flashrt::to_f32(ab[li * L::LDC + m]) * tc[m];
+                    if (m + 1 < li) s1 += flashrt::to_f32(ab[li * L::LDC + m + 1]) * tc[m + 1];
+                }
+                tc[li] = li < l ? 0.0f : s0 + s1;
             }
             if (lane < 16) {
 #pragma unroll
-                for (int li = 0; li < 16; ++li) Ts[(16 * b + li) * L::LDC + 16 * b + l] = tc[li];
+                for (int li = 0; li < 16; ++li) Ts[(16 * b + li) * L::LDT + l] = flashrt::from_f32<E>(tc[li]);
             }
         }
-        float oacc[4][4];
+        float xacc[4][4], oacc[4][4];
         {
-            float xacc[4][4];
 #pragma unroll
-            for (int u = 0; u < 4; ++u)
+            for (int m = 0; m < 4; ++m)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) xacc[u][r] = oacc[u][r] = 0.0f;
+                for (int r = 0; r < 4; ++r) xacc[m][r] = oacc[m][r] = 0.0f;
+            if (SPLIT_ROLES) {
+                // One product per warp: rows of K (solver) or Q (output) times St tile.
+                const E* A0 = warp < 2 ? Ks : Qs;
+                const int nt = warp < 2 ? xt : ot;
+                float(&acc)[4][4] = xacc;
 #pragma unroll 2
-            for (int k0 = 0; k0 < DK; k0 += 8) {
-                const GdncFragA ak = gdnc_a_rows<SPLIT>(Ks, L::LDK, 16 * om, k0, g, t);
-                const GdncFragA aq = gdnc_a_rows<SPLIT>(Qs, L::LDK, 16 * om, k0, g, t);
+                for (int k0 = 0; k0 < DK; k0 += 16) {
+                    const GdncFragB<E> s = gdnc_b<E>(St + 8 * nt * L::LDK + k0, L::LDK, g, t);
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const GdncFragB b = gdnc_b_kmajor<SPLIT>(Ss, L::LDV, k0, 8 * (onb + u), g, t);
-                    gdnc_mma<SPLIT>(xacc[u], ak, b);
-                    gdnc_mma<SPLIT>(oacc[u], aq, b);
+                    for (int m = 0; m < 4; ++m) gdnc_mma(acc[m], gdnc_a<E>(A0 + 16 * m * L::LDK + k0, L::LDK, g, t), s);
+                }
+                if (warp >= 2) {
+#pragma unroll
+                    for (int m = 0; m < 4; ++m)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            oacc[m][r] = xacc[m][r];
+                            xacc[m][r] = 0.0f;
+                        }
+                }
+            } else {
+#pragma unroll 2
+                for (int k0 = 0; k0 < DK; k0 += 16) {
+                    const GdncFragB<E> s = gdnc_b<E>(St + 8 * xt * L::LDK + k0, L::LDK, g, t);
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) {
+                        gdnc_mma(xacc[m], gdnc_a<E>(Ks + 16 * m * L::LDK + k0, L::LDK, g, t), s);
+                        gdnc_mma(oacc[m], gdnc_a<E>(Qs + 16 * m * L::LDK + k0, L::LDK, g, t), s);
+                    }
                 }
             }
+            if (solver) {
 #pragma unroll
-            for (int u = 0; u < 4; ++u)
+                for (int m = 0; m < 4; ++m)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int i = 16 * om + gdnc_row(g, r), j = 8 * (onb + u) + gdnc_col(t, r);
-                    const float e = EG[i];
-                    float* x = Xs + i * L::LDV + j;
-                    *x = BETA[i] * (*x - e * xacc[u][r]);
-                    oacc[u][r] *= e;
-                }
+                    for (int r = 0; r < 4; ++r) {
+                        const int i = 16 * m + gdnc_row(g, r), j = 8 * xt + gdnc_col(t, r);
+                        const float v = flashrt::to_f32(Vs[i * L::LDV + j]);
+                        xacc[m][r] = BETA[i] * (v - EG[i] * INVK[i] * xacc[m][r]);
+                    }
+            }
+            if (outer) {
+#pragma unroll
+                for (int m = 0; m < 4; ++m)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int i = 16 * m + gdnc_row(g, r);
+                        oacc[m][r] *= EG[i] * INVQ[i];
+                    }
+            }
         }
-        __syncthreads();
+        GdncFragB<E> kfr[4][ND]; // [c step][d tile]: (k = c, n = d) = K[c][d] exp(gc_last - gc_c) / |k_c|
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+#pragma unroll
+            for (int nd = 0; nd < ND; ++nd)
+                kfr[s][nd] = gdnc_b_kscaled<E>(Ks + 16 * s * L::LDK + dw + 8 * nd, L::LDK, WL + 16 * s, INVK + 16 * s, g, t);
+        __syncthreads(); // Ts complete; K, Q, V and St are no longer read this chunk
 
-        // ---- 4. v' = (I + A)^-1 x by blocks of 16 rows, warp w on columns 8w .. 8w+7 only
-        // (columns are independent, so no block barrier): y = x_b - sum_{c<b} A_bc v'_c,
-        // v'_b = T_bb y. y is staged through Vs to turn accumulators into a B operand.
-        {
-            const int n0 = 8 * warp;
+        if (ch + 1 < nchunks) load_chunk(r0 + C);
+
+        // ---- 4. v' = (I + A)^-1 x by blocks of 16 rows, one column tile per solver warp (columns
+        // are independent): y = x_b - sum_{c<b} A_bc v'_c, v'_b = T_bb y. y passes through Yt
+        // (warp-private) to become a B operand; v' is stored transposed in Vt.
+        if (solver) {
+            E* yt = Yt + xt * 8 * L::LDT;
+            E* vt = Vt + 8 * xt * L::LDC;
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
-                float* vb = Vs + (16 * b + g) * L::LDV + n0 + 2 * t;
-                const float* xb = Xs + (16 * b + g) * L::LDV + n0 + 2 * t;
-                float y[4] = {xb[0], xb[1], xb[8 * L::LDV], xb[8 * L::LDV + 1]};
+                float y[4] = {xacc[b][0], xacc[b][1], xacc[b][2], xacc[b][3]};
 #pragma unroll
-                for (int k0 = 0; k0 < 16 * b; k0 += 8) {
-                    const GdncFragA a = gdnc_a_rows<SPLIT>(As, L::LDC, 16 * b, k0, g, t, -1.0f);
-                    const GdncFragB v = gdnc_b_kmajor<SPLIT>(Vs, L::LDV, k0, n0, g, t);
-                    gdnc_mma<SPLIT>(y, a, v);
-                }
-                *reinterpret_cast<float2*>(vb) = make_float2(y[0], y[1]);
-                *reinterpret_cast<float2*>(vb + 8 * L::LDV) = make_float2(y[2], y[3]);
+                for (int c = 0; c < b; ++c)
+                    gdnc_mma(y, gdnc_a<E>(As + 16 * b * L::LDC + 16 * c, L::LDC, g, t), gdnc_b<E>(vt + 16 * c, L::LDC, g, t));
+                gdnc_store_acc_t<E>(yt, L::LDT, y, g, t);
                 __syncwarp();
                 float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int k0 = 16 * b; k0 < 16 * b + 16; k0 += 8) {
-                    const GdncFragA a = gdnc_a_rows<SPLIT>(Ts, L::LDC, 16 * b, k0, g, t);
-                    const GdncFragB yb = gdnc_b_kmajor<SPLIT>(Vs, L::LDV, k0, n0, g, t);
-                    gdnc_mma<SPLIT>(v, a, yb);
-                }
-                __syncwarp();
-                *reinterpret_cast<float2*>(vb) = make_float2(v[0], v[1]);
-                *reinterpret_cast<float2*>(vb + 8 * L::LDV) = make_float2(v[2], v[3]);
+                gdnc_mma(v, gdnc_a<E>(Ts + 16 * b * L::LDT, L::LDT, g, t), gdnc_b<E>(yt, L::LDT, g, t));
+                gdnc_store_acc_t<E>(vt + 16 * b, L::LDC, v, g, t);
                 __syncwarp();
             }
         }
-        __syncthreads();
+        __syncthreads(); // Vt complete
 
-        // ---- 5. Output o = oacc + P v' (rows < n), then the state:
-        // S <- exp(gc_last) S + (K * exp(gc_last - gc))^T v'.
-        {
+        // ---- 5. outputs o += P v' (rows < n), then the state:
+        // S^T <- exp(gc_last) S^T + v'^T (K exp(gc_last - gc) / |k|).
+        if (outer) {
 #pragma unroll
-            for (int k0 = 0; k0 < 16 * om + 16; k0 += 8) {
-                const GdncFragA a = gdnc_a_rows<SPLIT>(Ps, L::LDC, 16 * om, k0, g, t);
+            for (int m = 0; m < 4; ++m)
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const GdncFragB v = gdnc_b_kmajor<SPLIT>(Vs, L::LDV, k0, 8 * (onb + u), g, t);
-                    gdnc_mma<SPLIT>(oacc[u], a, v);
-                }
-            }
+                for (int c = 0; c <= m; ++c)
+                    gdnc_mma(oacc[m], gdnc_a<E>(Ps + 16 * m * L::LDC + 16 * c, L::LDC, g, t),
+                             gdnc_b<E>(Vt + 8 * ot * L::LDC + 16 * c, L::LDC, g, t));
 #pragma unroll
-            for (int u = 0; u < 4; ++u)
+            for (int m = 0; m < 4; ++m)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    const int i = 16 * om + gdnc_row(g, r), j = j0 + 8 * (onb + u) + gdnc_col(t, r);
-                    if (i < n && j < dv)
-                        out[(size_t)(r0 + i) * p.ld_out + (size_t)h * dv + j] = flashrt::from_f32<T>(oacc[u][r]);
+                    const int i = 16 * m + gdnc_row(g, r), j = j0 + 8 * ot + gdnc_col(t, r);
+                    if (i < n && j < dv) out[(size_t)(r0 + i) * p.ld_out + (size_t)h * dv + j] = flashrt::from_f32<T>(oacc[m][r]);
                 }
-
+        }
+        {
             const float e_last = EG[C - 1];
 #pragma unroll
-            for (int u = 0; u < NS; ++u)
+            for (int mj = 0; mj < MJ; ++mj)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) sacc[u][r] *= e_last;
-#pragma unroll 2
-            for (int k0 = 0; k0 < C; k0 += 8) {
-                const GdncFragA a = gdnc_a_cols<SPLIT>(Ks, L::LDK, 16 * ms, k0, g, t, WL);
+                for (int nd = 0; nd < ND; ++nd)
 #pragma unroll
-                for (int u = 0; u < NS; ++u) {
-                    const GdncFragB v = gdnc_b_kmajor<SPLIT>(Vs, L::LDV, k0, 8 * (nsb + u), g, t);
-                    gdnc_mma<SPLIT>(sacc[u], a, v);
+                    for (int r = 0; r < 4; ++r) sacc[mj][nd][r] *= e_last;
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+#pragma unroll
+                for (int mj = 0; mj < MJ; ++mj) {
+                    const GdncFrag<E> va = gdnc_a<E>(Vt + 16 * mj * L::LDC + 16 * s, L::LDC, g, t);
+#pragma unroll
+                    for (int nd = 0; nd < ND; ++nd) gdnc_mma(sacc[mj][nd], va, kfr[s][nd]);
                 }
-            }
-            store_ss();
+            store_st();
         }
-        __syncthreads();
     }
 
 #pragma unroll
-    for (int u = 0; u < NS; ++u)
+    for (int mj = 0; mj < MJ; ++mj)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int d = 16 * ms + gdnc_row(g, r), j = j0 + 8 * (nsb + u) + gdnc_col(t, r);
-            if (d < dk && j < dv) st[(size_t)d * dv + j] = sacc[u][r];
-        }
+        for (int nd = 0; nd < ND; ++nd)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int j = j0 + 16 * mj + gdnc_row(g, r), d = dw + 8 * nd + gdnc_col(t, r);
+                if (d < dk && j < dv) st[(size_t)d * dv + j] = sacc[mj][nd][r];
+            }
 }
 
+#define GDNC_COLS 16 // value columns per block (16 or 32; mirrored by GDN_CHUNK_COLS in ops.rs)
+#define GDNC_MIN_BLOCKS (GDNC_COLS == 16 ? 3 : 2) // blocks per SM the 16-bit variants are built for
 #define FLASHRT_GDNC_ENTRY(D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1) gated_deltanet_chunk_k##D##_bf16(const GdnParams p) { \
-        gdnc_impl<__nv_bfloat16, D, false>(p);                                                         \
+    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, GDNC_MIN_BLOCKS) gated_deltanet_chunk_k##D##_bf16(const GdnParams p) { \
+        gdnc_impl<__nv_bfloat16, D, GDNC_COLS>(p);                                                     \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1) gated_deltanet_chunk_k##D##_f16(const GdnParams p) {  \
-        gdnc_impl<__half, D, false>(p);                                                                \
+    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, GDNC_MIN_BLOCKS) gated_deltanet_chunk_k##D##_f16(const GdnParams p) {  \
+        gdnc_impl<__half, D, GDNC_COLS>(p);                                                            \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1) gated_deltanet_chunk_k##D##_f32(const GdnParams p) {  \
-        gdnc_impl<float, D, true>(p);                                                                  \
+        gdnc_impl<float, D, GDNC_COLS>(p);                                                             \
     }
 
 FLASHRT_GDNC_ENTRY(64)

@@ -559,7 +559,9 @@ fn gated_deltanet() {
     // after decode steps; dk below the instantiated bound (100 -> 128, 50 -> 64), dv below
     // and not a multiple of the 64-column block; the 27B head shape (dk = dv = 128, 3
     // value heads per key head). Even heads decay slowly (tens of tokens or more), so the
-    // state carried across chunks and calls matters.
+    // state carried across chunks and calls matters. The last two have rows whose q, k, v
+    // segments are 16-byte aligned (input width a multiple of 8), which the kernel loads with
+    // cp.async; the others go element by element; dv 40 ends in a partial column block.
     for dtype in DTYPES {
         for (bucket, hk, hv, dk, dv, steps) in [
             (200, 2, 6, 128, 128, None),
@@ -567,6 +569,8 @@ fn gated_deltanet() {
             (130, 1, 2, 50, 70, Some(vec![130, 64, 1, 100])),
             (96, 2, 4, 100, 130, Some(vec![96, 65, 1, 2, 96])),
             (256, 1, 3, 128, 128, Some(vec![256, 2, 64, 1, 193, 1])),
+            (128, 1, 4, 128, 40, Some(vec![128, 70, 1, 100])),
+            (130, 2, 4, 64, 64, None),
         ] {
             check_gated_deltanet(&gpu, dtype, bucket, hk, hv, dk, dv, steps, true);
         }

@@ -77,6 +77,10 @@ const PER_HALF_DTYPE: &[&str] = &[
     "gemv_norm_r6",
     "gemv_norm_r7",
     "gemv_norm_r8",
+    "gemv_r1f4",
+    "gemv_norm_r1f4",
+    "gemv_r1f2",
+    "gemv_norm_r1f2",
 ];
 
 /// Kernels with a single entry point.
@@ -133,6 +137,10 @@ const PDL_READY: &[&str] = &[
     "gemv_norm_r6",
     "gemv_norm_r7",
     "gemv_norm_r8",
+    "gemv_r1f4",
+    "gemv_norm_r1f4",
+    "gemv_r1f2",
+    "gemv_norm_r1f2",
 ];
 
 /// Suffix of the entry points instantiated for a dtype.

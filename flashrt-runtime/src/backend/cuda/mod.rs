@@ -116,6 +116,10 @@ pub struct CudaOptions {
     /// Run small phases' (at most 8 rows) matmuls with flashrt's `gemv` kernel instead of
     /// cuBLASLt (default). Default from `FLASHRT_GEMV` (`0` = off).
     pub gemv: bool,
+    /// Run small phases' attention with the flash-decoding kernel
+    /// (kernels/attention_decode.cu) where it applies (default); `false` uses the generic
+    /// split kernel of kernels/attention.cu. Default from `FLASHRT_ATTN_DECODE` (`0` = off).
+    pub attn_decode: bool,
 }
 
 impl Default for CudaOptions {
@@ -125,6 +129,7 @@ impl Default for CudaOptions {
             graphs: on("FLASHRT_CUDA_GRAPHS"),
             pdl: on("FLASHRT_PDL"),
             gemv: on("FLASHRT_GEMV"),
+            attn_decode: on("FLASHRT_ATTN_DECODE"),
         }
     }
 }
@@ -665,6 +670,7 @@ impl CudaSession {
             sms: model.sms,
             pdl: model.options.pdl,
             gemv: model.options.gemv,
+            attn_decode: model.options.attn_decode,
         };
         let mut programs = Vec::new();
         for plan in &model.compiled.plans {

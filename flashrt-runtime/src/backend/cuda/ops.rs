@@ -554,6 +554,8 @@ pub struct Builder<'a> {
     pub pdl: bool,
     /// Small phases' matmuls through `gemv` ([`Builder::gemv`]).
     pub gemv: bool,
+    /// Small phases' attention through `attention_decode` ([`Builder::attention_decode`]).
+    pub attn_decode: bool,
 }
 
 fn act_code(a: Act) -> i32 {
@@ -942,11 +944,16 @@ impl Builder<'_> {
         if glu.is_some() {
             group.truncate(2);
         }
-        let per_block = if glu.is_some() {
-            gemv_feats(shape_rows) / 2
-        } else {
-            gemv_feats(shape_rows)
-        };
+        // Features per block: the rows' default, or for one row fewer when the default leaves
+        // the last wave of resident blocks mostly empty (see `gemv_r1f<F>`).
+        let widths: Vec<usize> = group.iter().map(|(op, _)| out_view(op).0.width).collect();
+        let (feats, suffix) = self.gemv_shape(
+            shape_rows,
+            &widths[..if glu.is_some() { 1 } else { widths.len() }],
+            glu.is_some(),
+            norm.is_some(),
+        )?;
+        let per_block = if glu.is_some() { feats / 2 } else { feats };
         let mut mats = [GemvMat::default(); MAX_GEMV];
         let mut total_blocks = 0u32;
         let mut names = Vec::new();
@@ -1003,9 +1010,9 @@ impl Builder<'_> {
             m: mats,
         };
         let kernel = if norm.is_some() {
-            format!("gemv_norm_r{shape_rows}")
+            format!("gemv_norm_r{shape_rows}{suffix}")
         } else {
-            format!("gemv_r{shape_rows}")
+            format!("gemv_r{shape_rows}{suffix}")
         };
         let label = format!(
             "{label} {}`{}`{}",
@@ -1023,6 +1030,44 @@ impl Builder<'_> {
         Ok(Some(
             norm.is_some() as usize + group.len() + glu.is_some() as usize,
         ))
+    }
+
+    /// Features per block and entry-point suffix for a `gemv` launch over matrices with
+    /// `widths` outputs (`glu`: one gate/up pair width). More rows use their default; one row
+    /// takes the largest of 8 / 4 / 2 whose blocks fill the resident slots (SMs x blocks per
+    /// SM, from the occupancy calculator) in waves at least 85 % full, else the fullest.
+    fn gemv_shape(
+        &self,
+        rows: usize,
+        widths: &[usize],
+        glu: bool,
+        norm: bool,
+    ) -> Result<(usize, &'static str)> {
+        if rows != 1 {
+            return Ok((gemv_feats(rows), ""));
+        }
+        let t = self.target();
+        let mut best = (0.0, 8, "");
+        for (feats, suffix) in [(8, ""), (4, "f4"), (2, "f2")] {
+            let name = format!("gemv_{}r1{suffix}", if norm { "norm_" } else { "" });
+            let func = self.kernels.typed(&name, t)?;
+            let per_block = if glu { feats / 2 } else { feats };
+            let blocks: usize = widths.iter().map(|w| w.div_ceil(per_block)).sum();
+            let resident = func
+                .occupancy_max_active_blocks_per_multiprocessor(32 * GEMV_WARPS as u32, 0, None)
+                .unwrap_or(1)
+                .max(1) as usize
+                * self.sms.max(1);
+            let waves = blocks as f64 / resident as f64;
+            let fill = waves / waves.ceil();
+            if fill >= 0.85 {
+                return Ok((feats, suffix));
+            }
+            if fill > best.0 {
+                best = (fill, feats, suffix);
+            }
+        }
+        Ok((best.1, best.2))
     }
 
     /// `ops[0]` as a fusable RmsNorm: over whole 16-byte-aligned rows (`group == width`), with
@@ -1607,7 +1652,12 @@ impl Builder<'_> {
                 };
                 if let Some(cmd) = prefill {
                     cmds.push(cmd);
-                } else if let Some(dec) = self.attention_decode(label, &p, rows, shared)? {
+                } else if let Some(dec) = self
+                    .attn_decode
+                    .then(|| self.attention_decode(label, &p, rows, shared))
+                    .transpose()?
+                    .flatten()
+                {
                     // Small phases (<= 8 rows, or every phase of a speculative model's shared
                     // <= 5 rows): one block per (KV head, split), see `attention_decode`.
                     cmds.extend(dec);
@@ -1778,16 +1828,17 @@ impl Builder<'_> {
                 // Two kernels (kernels/gated_deltanet.cu), both continuing from the state
                 // left by earlier calls:
                 // * buckets of >= 64 rows with key_dim <= 128: the chunked kernel (64-row
-                //   chunks in WY form on TF32 tensor cores, 3xTF32 for f32 targets). One
-                //   block per value head and 64 value columns, 256 threads, its shared
-                //   memory (`GDN_CHUNK_*` below, mirroring `GdncLayout`) above 48 KiB;
+                //   chunks in WY form on tensor cores: bf16/f16 mma for 16-bit targets,
+                //   3xTF32 for f32). One block per value head and 16 value columns, 128
+                //   threads, its shared memory (`GDN_CHUNK_*` below, mirroring `GdncLayout`)
+                //   above 48 KiB: 67 KiB for bf16 at key_dim 128, so 3 blocks share an SM;
                 // * otherwise (decode, verify, small prefill buckets, key_dim > 128): the
                 //   token-by-token kernel, one block per value head and 32 value columns.
                 // Which one runs depends only on the plan, so a phase always computes a row
                 // the same way.
                 const GDN_CHUNK_MIN_ROWS: usize = 64;
                 const GDN_CHUNK_ROWS: usize = 64;
-                const GDN_CHUNK_COLS: usize = 64;
+                const GDN_CHUNK_COLS: usize = 16;
                 // The chunked kernel's key_dim bound, if it runs.
                 let chunk_dk = match key_dim {
                     _ if rows < GDN_CHUNK_MIN_ROWS => None,
@@ -1828,20 +1879,35 @@ impl Builder<'_> {
                 };
                 match chunk_dk {
                     Some(dk) => {
-                        // GdncLayout<DK>: Ks, Qs [C][DK+8]; Ss [DK][N+4]; Xs, Vs [C][N+4];
-                        // As, Ps, Ts [C][C+8]; four per-row vectors [C]; f32.
+                        // GdncLayout<E, DK, N>, elements of the target dtype: Ks, Qs [C][DK+8];
+                        // St [N][DK+8]; Vs [C][N+8]; As, Ps [C][C+8]; Ts [C][24]; Vt [N][C+8];
+                        // Yt [N/8][8][24]; then six per-row f32 vectors [C].
                         let (c, n) = (GDN_CHUNK_ROWS, GDN_CHUNK_COLS);
-                        let floats = 2 * c * (dk + 8)
-                            + dk * (n + 4)
-                            + 2 * c * (n + 4)
-                            + 3 * c * (c + 8)
-                            + 4 * c;
+                        let elems = 2 * c * (dk + 8)
+                            + n * (dk + 8)
+                            + c * (n + 8)
+                            + 2 * c * (c + 8)
+                            + c * 24
+                            + n * (c + 8)
+                            + n * 24;
+                        let bytes = elems * t.size() + 6 * c * 4;
+                        let func = self.kernels.typed(variant, t)?;
+                        // Ask for the largest shared-memory carveout, so that several blocks fit
+                        // on an SM (the kernel keeps nothing in L1 worth the space).
+                        func.set_attribute(
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                            100,
+                        )
+                        .map_err(|e| Error::Backend {
+                            op: label.to_string(),
+                            msg: format!("cannot set the shared-memory carveout: {e:?}"),
+                        })?;
                         cmds.push(self.kernel_smem(
                             label,
-                            self.kernels.typed(variant, t)?,
+                            func,
                             (ceil_div(*value_dim, n), *value_heads as u32, 1),
-                            256,
-                            (floats * 4) as u32,
+                            128,
+                            bytes as u32,
                             &p,
                         )?);
                     }
@@ -2089,10 +2155,9 @@ impl Builder<'_> {
     /// serves every query head of its GQA group and every row, so each K/V byte is read once
     /// per step; then `attention_decode_combine` (grid (q_heads, rows, ceil(head_dim / 64)) x
     /// 128 threads) merges the S partial states, which live in the cuBLASLt workspace.
-    /// S = min(sms / kv_heads, 128,
-    /// ceil(max_seq / 16), workspace bound): about one block per SM at every context (the
-    /// pieces, multiples of 16 keys, are cut on the device from the live length, so splits
-    /// past the context are empty and cost one (m, l) write).
+    /// S = min(sms / kv_heads, 128, ceil(max_seq / 16), workspace bound): about one block per
+    /// SM at every context (the pieces, multiples of 16 keys, are cut on the device from the
+    /// live length, so splits past the context are empty and cost one (m, l) write).
     ///
     /// With `shared = Some(s)` (models with verify plans) every phase of at most s rows uses
     /// the same S, the same query tiling (sized for s rows) and the same partial layout, and
