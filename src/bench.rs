@@ -514,3 +514,88 @@ pub fn render(r: &BenchReport) -> String {
     );
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profile_groups_merge_layers_and_splits() {
+        // Labels as the CUDA backend writes them.
+        let cases = [
+            (
+                "decode op 12 (linear) `layers.3.mlp.down_proj.weight`",
+                "linear layers.*.mlp.down_proj.weight",
+            ),
+            (
+                "decode op 40 (linear) `layers.11.mlp.down_proj.weight`",
+                "linear layers.*.mlp.down_proj.weight",
+            ),
+            (
+                "prefill[2048] op 52 (attention) combine (22 splits)",
+                "attention combine",
+            ),
+            ("decode op 7 (gated_deltanet)", "gated_deltanet"),
+            (
+                "verify[3] op 2 (rms_norm) rms_norm + `mtp.0.q_proj.weight`",
+                "rms_norm rms_norm + mtp.*.q_proj.weight",
+            ),
+        ];
+        for (label, group) in cases {
+            assert_eq!(profile_group(label), group, "label {label:?}");
+        }
+    }
+
+    #[test]
+    fn profile_sums_and_orders_groups() {
+        let times = vec![
+            ("decode op 1 (rms_norm)".to_string(), 0.5),
+            ("decode op 2 (linear) `layers.0.a.weight`".to_string(), 2.0),
+            ("decode op 9 (linear) `layers.1.a.weight`".to_string(), 3.0),
+        ];
+        let p = profile_of("decode at 0".into(), &times);
+        assert_eq!(p.commands, 3);
+        assert!((p.total_ms - 5.5).abs() < 1e-12);
+        assert_eq!(p.groups[0].group, "linear layers.*.a.weight");
+        assert_eq!(p.groups[0].commands, 2);
+        assert!((p.groups[0].ms - 5.0).abs() < 1e-12);
+        assert_eq!(p.groups[1].group, "rms_norm");
+    }
+
+    #[test]
+    fn prefill_flops_count_linears_head_once_and_causal_pairs() {
+        let src = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/models/qwen36-27b.toml"
+        ))
+        .unwrap();
+        let ir = crate::compiler::model_from_toml(&src, "qwen36-27b.toml").unwrap();
+        let c = crate::ir::compile(
+            &ir,
+            crate::ir::Target {
+                dtype: crate::ir::DType::Bf16,
+            },
+        );
+        // Independent count from the shape (models/qwen36-27b.toml): per layer, the MLP is
+        // 3 x 5120 x 17408; a GDN mixer projects 5120 -> 10240 (qkv) + 6144 (z) + 48 + 48 and
+        // back 6144 -> 5120; an attention mixer projects 5120 -> 24 x 256 x 2 (query + gate) +
+        // 2 x 4 x 256 and back 6144 -> 5120. The MTP layer is not part of a prefill (it has
+        // its own draft plan). The LM head counts once.
+        let (h, i) = (5120.0, 17408.0);
+        let mlp = 3.0 * h * i;
+        let gdn = h * (10240.0 + 6144.0 + 96.0) + 6144.0 * h;
+        let attn = h * (12288.0 + 2048.0) + 6144.0 * h;
+        let per_token = 2.0 * (64.0 * mlp + 48.0 * gdn + 16.0 * attn);
+        let head = 2.0 * 248320.0 * h;
+        let pairs = |n: f64| n * (n + 1.0) / 2.0;
+        let per_pair = 4.0 * 24.0 * 256.0 * 16.0;
+        for n in [1usize, 2048, 16384] {
+            let want = per_token * n as f64 + head + per_pair * pairs(n as f64);
+            let got = prefill_flops(&c, n);
+            assert!(
+                (got - want).abs() / want < 1e-9,
+                "{n} tokens: {got:e} FLOPs, independent count {want:e}"
+            );
+        }
+    }
+}
