@@ -130,7 +130,7 @@ fn qwen36_27b_shape() {
         (ir.vocab, ir.hidden, ir.dtype, ir.max_seq),
         (248320, 5120, DType::Bf16, 32768)
     );
-    assert_eq!(ir.prefill_buckets, [64, 512, 2048]);
+    assert_eq!(ir.prefill_buckets, [64, 512, 2048, 4096]);
     assert_eq!(
         ir.norm,
         NormIr {
