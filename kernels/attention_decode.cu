@@ -71,7 +71,7 @@
 // and a chunk outside a row's own piece is an exact no-op for that row (max unchanged ->
 // correction 1 by select, p = 0 times finite V).
 //
-// Both entries are PDL-ready (kernels.rs PDL_READY): they start with `pdl_wait()` and then
+// Both entries are PDL-ready (not in kernels.rs NOT_PDL): they start with `pdl_wait()` and then
 // `pdl_trigger()`, so the combine's launch overlaps the main kernel.
 //
 // Traffic per step and KV head: n * head_dim * 2 elements of K and V read once (plus tile
@@ -186,33 +186,7 @@ static __device__ __forceinline__ uint32_t movm_t(uint32_t x) {
     return y;
 }
 
-template <typename T> struct Mma;
-
-template <> struct Mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-};
-
-template <> struct Mma<__half> {
-    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-};
+using flashrt::Mma; // kernels/common.cuh
 
 // Split piece [lo, hi) of row r (empty when lo >= hi); a function of n_r and S only.
 static __device__ __forceinline__ void piece_of(int pos, int r, int max_seq, int splits, int split, int& lo,

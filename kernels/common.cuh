@@ -87,7 +87,7 @@ static __device__ __forceinline__ int load_pos(const int* pos) { return __ldg(po
 // ---- programmatic dependent launch (PDL) --------------------------------------------------
 //
 // The host may launch a kernel with programmatic stream serialisation (ops.rs, for the kernels
-// kernels.rs lists as PDL-ready), which lets the kernel start while its predecessor in the
+// kernels.rs does not list in NOT_PDL), which lets the kernel start while its predecessor in the
 // stream drains. Every such kernel calls `pdl_wait()` before touching global memory: it blocks
 // until the predecessor grid has completed and its writes are visible (a no-op when launched
 // without the attribute). `pdl_trigger()` then lets the *next* kernel launch as soon as every
@@ -167,6 +167,39 @@ static __device__ __forceinline__ uint4 pack16(const float (&f)[4], const float*
 template <typename T> static __device__ __forceinline__ uint4 pack16(const float (&f)[Pack16<T>::N]) {
     return pack16(f, static_cast<const T*>(nullptr));
 }
+
+// ---- tensor-core MMA (the flash attention kernels) --------------------------------------
+
+// One m16n8k16 MMA with f32 accumulation, and the f32 -> packed pair conversion, per element
+// type (attention_prefill.cu, attention_decode.cu).
+template <typename T> struct Mma;
+
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // Low half = lo (the lower column), as the fragment layouts expect.
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+};
+
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+};
 
 } // namespace flashrt
 

@@ -86,61 +86,21 @@ const PER_HALF_DTYPE: &[&str] = &[
 /// Kernels with a single entry point.
 const PLAIN: &[&str] = &["io_scatter", "state_copy"];
 
-/// Base names of the kernels whose every entry point starts with `flashrt::pdl_wait()` (see
-/// kernels/common.cuh): only these may be launched with programmatic stream serialisation.
-/// `FLASHRT_ENTRY` kernels are all PDL-ready; the others are listed where their entry macros
-/// call the wait.
-const PDL_READY: &[&str] = &[
-    "embed",
-    "rms_norm",
-    "rms_norm_vec",
-    "gated_rms_norm",
-    "gated_rms_norm_vec",
-    "mul",
-    "mul_vec",
-    "unary",
-    "unary_vec",
-    "add_bias",
-    "split_heads",
-    "store_last_row",
-    "load_state",
-    "rope",
-    "kv_write",
-    "attention_d64",
-    "attention_d128",
-    "attention_d256",
-    "attention_d512",
-    "attention_combine",
-    "attention_decode_d64",
-    "attention_decode_d128",
-    "attention_decode_d256",
-    "attention_decode_combine",
-    "conv_out",
-    "conv_state",
-    "conv_vec",
-    "mamba2_scan_n64",
-    "mamba2_scan_n128",
-    "mamba2_scan_n256",
-    "gemv_r1",
-    "gemv_r2",
-    "gemv_r3",
-    "gemv_r4",
-    "gemv_r5",
-    "gemv_r6",
-    "gemv_r7",
-    "gemv_r8",
-    "gemv_norm_r1",
-    "gemv_norm_r2",
-    "gemv_norm_r3",
-    "gemv_norm_r4",
-    "gemv_norm_r5",
-    "gemv_norm_r6",
-    "gemv_norm_r7",
-    "gemv_norm_r8",
-    "gemv_r1f4",
-    "gemv_norm_r1f4",
-    "gemv_r1f2",
-    "gemv_norm_r1f2",
+/// Base names of the kernels whose entry points do NOT start with `flashrt::pdl_wait()` (see
+/// kernels/common.cuh): they are launched with plain stream ordering. Every other `PER_DTYPE`
+/// / `PER_HALF_DTYPE` kernel waits for its predecessor first (`FLASHRT_ENTRY` kernels and
+/// those whose entry macros call the wait) and may be launched with programmatic stream
+/// serialisation; `PLAIN` kernels never are.
+const NOT_PDL: &[&str] = &[
+    "gated_deltanet_k64",
+    "gated_deltanet_k128",
+    "gated_deltanet_k256",
+    "gated_deltanet_chunk_k64",
+    "gated_deltanet_chunk_k128",
+    "attention_prefill_d64",
+    "attention_prefill_d128",
+    "attention_prefill_d256",
+    "init_random",
 ];
 
 /// Suffix of the entry points instantiated for a dtype.
@@ -189,9 +149,10 @@ impl Kernels {
         let pdl = funcs
             .iter()
             .filter(|(name, _)| {
-                PDL_READY
-                    .iter()
-                    .any(|b| name.rsplit_once('_').is_some_and(|(base, _)| base == *b))
+                name.rsplit_once('_').is_some_and(|(base, _)| {
+                    PER_DTYPE.iter().chain(PER_HALF_DTYPE).any(|b| *b == base)
+                        && !NOT_PDL.contains(&base)
+                })
             })
             .map(|(_, f)| f.cu_function() as usize)
             .collect();

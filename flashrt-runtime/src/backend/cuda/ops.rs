@@ -558,6 +558,26 @@ pub struct Builder<'a> {
     pub attn_decode: bool,
 }
 
+/// kernels/norm.cu: packs per thread and the vector kernels' block bound; blocks of several
+/// small groups have `NORM_VEC_BLOCK` threads.
+const NORM_VPT: usize = 4;
+const NORM_VEC_THREADS: usize = 512;
+const NORM_VEC_BLOCK: usize = 128;
+
+/// Grid and block of a vector norm (`rms_norm_vec`, `gated_rms_norm_vec`) over `rows` x
+/// `groups` groups of `tpg` threads each: one group per block when a group needs more than a
+/// warp, else groups packed into blocks of `NORM_VEC_BLOCK` threads.
+fn norm_vec_grid(rows: usize, groups: usize, tpg: usize) -> (usize, usize) {
+    if tpg > 32 {
+        (rows * groups, tpg)
+    } else {
+        (
+            (rows * groups * tpg).div_ceil(NORM_VEC_BLOCK),
+            NORM_VEC_BLOCK,
+        )
+    }
+}
+
 fn act_code(a: Act) -> i32 {
     match a {
         Act::Identity => 0,
@@ -1174,11 +1194,6 @@ impl Builder<'_> {
                     tpg: i32,
                     groups: i32,
                 }
-                // kernels/norm.cu: packs per thread and the vector kernels' block bound;
-                // blocks of several small groups have NORM_VEC_BLOCK threads.
-                const NORM_VPT: usize = 4;
-                const NORM_VEC_THREADS: usize = 512;
-                const NORM_VEC_BLOCK: usize = 128;
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
                 let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
                 if xd != od || x.width != out.width || *group == 0 || x.width % group != 0 {
@@ -1228,14 +1243,7 @@ impl Builder<'_> {
                         .iter()
                         .all(|&ld| (ld as usize).is_multiple_of(pack));
                 if vec {
-                    let (blocks, threads) = if tpg > 32 {
-                        (rows * groups, tpg)
-                    } else {
-                        (
-                            (rows * groups * tpg).div_ceil(NORM_VEC_BLOCK),
-                            NORM_VEC_BLOCK,
-                        )
-                    };
+                    let (blocks, threads) = norm_vec_grid(rows, groups, tpg);
                     let q = RmsNormVecParams {
                         n: p,
                         tpg: tpg as i32,
@@ -1930,7 +1938,7 @@ impl Builder<'_> {
                 group,
                 order,
             } => {
-                // Mirror of kernels/norm.cu `GatedRmsNormVecParams`; constants as `Op::RmsNorm`.
+                // Mirror of kernels/norm.cu `GatedRmsNormVecParams`.
                 #[repr(C)]
                 #[derive(Clone, Copy)]
                 struct GatedRmsNormVecParams {
@@ -1938,9 +1946,6 @@ impl Builder<'_> {
                     tpg: i32,
                     groups: i32,
                 }
-                const NORM_VPT: usize = 4;
-                const NORM_VEC_THREADS: usize = 512;
-                const NORM_VEC_BLOCK: usize = 128;
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
                 let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
                 let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
@@ -1990,14 +1995,7 @@ impl Builder<'_> {
                         .iter()
                         .all(|&ld| (ld as usize).is_multiple_of(pack));
                 if vec {
-                    let (blocks, threads) = if tpg > 32 {
-                        (rows * groups, tpg)
-                    } else {
-                        (
-                            (rows * groups * tpg).div_ceil(NORM_VEC_BLOCK),
-                            NORM_VEC_BLOCK,
-                        )
-                    };
+                    let (blocks, threads) = norm_vec_grid(rows, groups, tpg);
                     let q = GatedRmsNormVecParams {
                         n: p,
                         tpg: tpg as i32,
