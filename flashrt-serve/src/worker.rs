@@ -13,7 +13,7 @@
 use crate::metrics::Metrics;
 use crate::tokenizer::Tokenizer;
 use flashrt_runtime::store::{CapsuleInfo, valid_id};
-use flashrt_runtime::{CapsuleStore, Error, Model, SamplerState, Session};
+use flashrt_runtime::{CapsuleStore, Error, LogitsMode, Model, SamplerState, Session};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -348,7 +348,16 @@ impl Worker {
                 ),
             ));
         }
-        Ok(self.model.session()?)
+        self.fresh_session()
+    }
+
+    /// A session as the server uses it: only the last position's logits are kept (it samples
+    /// the next token and nothing else), so a prompt's chunks skip the LM head on the device
+    /// and no row but the last crosses to the host.
+    fn fresh_session(&self) -> WResult<Session> {
+        let mut s = self.model.session()?;
+        s.set_logits_mode(LogitsMode::Last);
+        Ok(s)
     }
 
     fn observe_restore(&self, info: &flashrt_runtime::store::RestoreInfo) {
@@ -767,7 +776,7 @@ impl Worker {
         }
         let mut s = match self.scratch.take() {
             Some(s) => s,
-            None => self.model.session()?,
+            None => self.fresh_session()?,
         };
         let r = self.complete_in(&mut s, &prompt, &req, stream.as_ref(), rep);
         self.scratch = Some(s);
