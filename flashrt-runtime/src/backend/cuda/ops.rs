@@ -564,18 +564,15 @@ const NORM_VPT: usize = 4;
 const NORM_VEC_THREADS: usize = 512;
 const NORM_VEC_BLOCK: usize = 128;
 
-/// Grid and block of a vector norm (`rms_norm_vec`, `gated_rms_norm_vec`) over `rows` x
-/// `groups` groups of `tpg` threads each: one group per block when a group needs more than a
-/// warp, else groups packed into blocks of `NORM_VEC_BLOCK` threads.
-fn norm_vec_grid(rows: usize, groups: usize, tpg: usize) -> (usize, usize) {
-    if tpg > 32 {
-        (rows * groups, tpg)
-    } else {
-        (
-            (rows * groups * tpg).div_ceil(NORM_VEC_BLOCK),
-            NORM_VEC_BLOCK,
-        )
-    }
+/// The parameters of a vector norm (`rms_norm_vec`, `gated_rms_norm_vec`): the scalar
+/// kernel's struct plus the thread layout (mirrors kernels/norm.cu `RmsNormVecParams` /
+/// `GatedRmsNormVecParams`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct NormVecParams<P> {
+    n: P,
+    tpg: i32,
+    groups: i32,
 }
 
 fn act_code(a: Act) -> i32 {
@@ -861,6 +858,66 @@ impl Builder<'_> {
             &p,
         ));
         Ok(true)
+    }
+
+    /// The launch of a row norm (`kernel` = `rms_norm` or `gated_rms_norm`, parameters `p`)
+    /// over `(rows, width, group)`: the 16-byte-pack kernel `<kernel>_vec` where the group,
+    /// every row stride in `lds` and every address in `addrs` are whole packs and the group
+    /// fits NORM_VEC_THREADS threads of NORM_VPT packs — `tpg` threads per group, a power of
+    /// two up to a warp (several groups per block of NORM_VEC_BLOCK threads) or whole warps
+    /// (one group per block) —, else the scalar kernel over (groups, rows) blocks.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_cmd<P: Copy>(
+        &self,
+        label: &str,
+        kernel: &str,
+        dtype: DType,
+        p: &P,
+        (rows, width, group): (usize, usize, usize),
+        addrs: &[u64],
+        lds: &[i32],
+    ) -> Result<Cmd> {
+        let groups = width / group;
+        let pack = 16 / dtype.size();
+        let per = (group / pack).div_ceil(NORM_VPT);
+        let tpg = if per <= 32 {
+            per.next_power_of_two()
+        } else {
+            per.next_multiple_of(32)
+        };
+        let vec = group.is_multiple_of(pack)
+            && tpg <= NORM_VEC_THREADS
+            && addrs.iter().all(|a| a.is_multiple_of(16))
+            && lds.iter().all(|&ld| (ld as usize).is_multiple_of(pack));
+        if !vec {
+            return Ok(self.kernel(
+                label,
+                self.kernels.typed(kernel, dtype)?,
+                (groups as u32, rows as u32, 1),
+                reduce_threads(group),
+                p,
+            ));
+        }
+        let (blocks, threads) = if tpg > 32 {
+            (rows * groups, tpg)
+        } else {
+            (
+                (rows * groups * tpg).div_ceil(NORM_VEC_BLOCK),
+                NORM_VEC_BLOCK,
+            )
+        };
+        let q = NormVecParams {
+            n: *p,
+            tpg: tpg as i32,
+            groups: to_i32(groups, "groups", label)?,
+        };
+        Ok(self.kernel(
+            label,
+            self.kernels.typed(&format!("{kernel}_vec"), dtype)?,
+            (to_i32(blocks, "blocks", label)? as u32, 1, 1),
+            threads as u32,
+            &q,
+        ))
     }
 
     /// A `Linear` that [`Builder::gemv`] can run: no bias, 16-bit target, `k % 8 == 0`,
@@ -1186,14 +1243,6 @@ impl Builder<'_> {
                 eps,
                 group,
             } => {
-                // Mirror of kernels/norm.cu `RmsNormVecParams`.
-                #[repr(C)]
-                #[derive(Clone, Copy)]
-                struct RmsNormVecParams {
-                    n: RmsNormParams,
-                    tpg: i32,
-                    groups: i32,
-                }
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
                 let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
                 if xd != od || x.width != out.width || *group == 0 || x.width % group != 0 {
@@ -1224,47 +1273,15 @@ impl Builder<'_> {
                     one_plus: (*weight_kind == NormWeight::OnePlus) as i32,
                     eps: eps.get() as f32,
                 };
-                let groups = x.width / group;
-                // The 16-byte-pack kernel where the group, both row strides and every address
-                // are whole packs and the group fits NORM_VEC_THREADS threads of NORM_VPT
-                // packs: `tpg` threads per group, a power of two up to a warp (several groups
-                // per block) or whole warps (one group per block). Else the scalar kernel.
-                let pack = 16 / xd.size();
-                let per = (group / pack).div_ceil(NORM_VPT);
-                let tpg = if per <= 32 {
-                    per.next_power_of_two()
-                } else {
-                    per.next_multiple_of(32)
-                };
-                let vec = group.is_multiple_of(pack)
-                    && tpg <= NORM_VEC_THREADS
-                    && [xp, op_, w].iter().all(|a| a.is_multiple_of(16))
-                    && [ld_x, ld_o]
-                        .iter()
-                        .all(|&ld| (ld as usize).is_multiple_of(pack));
-                if vec {
-                    let (blocks, threads) = norm_vec_grid(rows, groups, tpg);
-                    let q = RmsNormVecParams {
-                        n: p,
-                        tpg: tpg as i32,
-                        groups: to_i32(groups, "groups", label)?,
-                    };
-                    cmds.push(self.kernel(
-                        label,
-                        self.kernels.typed("rms_norm_vec", xd)?,
-                        (to_i32(blocks, "blocks", label)? as u32, 1, 1),
-                        threads as u32,
-                        &q,
-                    ));
-                } else {
-                    cmds.push(self.kernel(
-                        label,
-                        self.kernels.typed("rms_norm", xd)?,
-                        (groups as u32, r, 1),
-                        reduce_threads(*group),
-                        &p,
-                    ));
-                }
+                cmds.push(self.norm_cmd(
+                    label,
+                    "rms_norm",
+                    xd,
+                    &p,
+                    (rows, x.width, *group),
+                    &[xp, op_, w],
+                    &[ld_x, ld_o],
+                )?);
             }
             Op::Linear {
                 x,
@@ -1938,14 +1955,6 @@ impl Builder<'_> {
                 group,
                 order,
             } => {
-                // Mirror of kernels/norm.cu `GatedRmsNormVecParams`.
-                #[repr(C)]
-                #[derive(Clone, Copy)]
-                struct GatedRmsNormVecParams {
-                    n: GatedRmsNormParams,
-                    tpg: i32,
-                    groups: i32,
-                }
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
                 let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
                 let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
@@ -1978,45 +1987,15 @@ impl Builder<'_> {
                     gate_then_norm: (*order == GateOrder::GateThenNorm) as i32,
                     eps: eps.get() as f32,
                 };
-                let groups = x.width / group;
-                // The 16-byte-pack kernel under the conditions of `Op::RmsNorm`'s (plus the
-                // gate view), else the scalar kernel.
-                let pack = 16 / xd.size();
-                let per = (group / pack).div_ceil(NORM_VPT);
-                let tpg = if per <= 32 {
-                    per.next_power_of_two()
-                } else {
-                    per.next_multiple_of(32)
-                };
-                let vec = group.is_multiple_of(pack)
-                    && tpg <= NORM_VEC_THREADS
-                    && [xp, gp, op_, p.weight].iter().all(|a| a.is_multiple_of(16))
-                    && [ld_x, ld_g, ld_o]
-                        .iter()
-                        .all(|&ld| (ld as usize).is_multiple_of(pack));
-                if vec {
-                    let (blocks, threads) = norm_vec_grid(rows, groups, tpg);
-                    let q = GatedRmsNormVecParams {
-                        n: p,
-                        tpg: tpg as i32,
-                        groups: to_i32(groups, "groups", label)?,
-                    };
-                    cmds.push(self.kernel(
-                        label,
-                        self.kernels.typed("gated_rms_norm_vec", xd)?,
-                        (to_i32(blocks, "blocks", label)? as u32, 1, 1),
-                        threads as u32,
-                        &q,
-                    ));
-                } else {
-                    cmds.push(self.kernel(
-                        label,
-                        self.kernels.typed("gated_rms_norm", xd)?,
-                        (groups as u32, r, 1),
-                        reduce_threads(*group),
-                        &p,
-                    ));
-                }
+                cmds.push(self.norm_cmd(
+                    label,
+                    "gated_rms_norm",
+                    xd,
+                    &p,
+                    (rows, x.width, *group),
+                    &[xp, gp, op_, p.weight],
+                    &[ld_x, ld_g, ld_o],
+                )?);
             }
             Op::StoreLastRow { x, state } => {
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
