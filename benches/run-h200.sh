@@ -9,7 +9,8 @@
 #      Triton kernels when its wheels are on PYTHONPATH) on the same shape and lengths;
 #   3. `benches/compare.py`: the side-by-side table and the issue's bars, checked.
 #
-# Usage (from the repository root on the GPU machine; binaries built elsewhere, see GPU.md):
+# Usage (from the repository root on the GPU machine; binaries built elsewhere, see GPU.md;
+# the peer's wheels fetched with benches/fetch-peer-wheels.sh and installed as it says):
 #   bash benches/run-h200.sh [FLASHRT_BINARY] [OUT_DIR]
 # Environment: LENGTHS (flashrt, default 2048,4096,8192,16384,32000), PEER_LENGTHS (default
 # 2048,4096,8192,16384), ITERS (default 20).
