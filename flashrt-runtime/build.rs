@@ -6,8 +6,9 @@
 //! entry point; shared device helpers live in `kernels/common.cuh`.
 //!
 //! nvcc is taken from `$FLASHRT_NVCC`, else `$NVCC`, else the repository's `.venv/nvcc`
-//! (created by `scripts/install-nvcc.sh`). Targets: `sm_90` SASS plus `compute_90` PTX (so newer
-//! GPUs JIT it); `FLASHRT_CUDA_ARCHS="80 89 120"` adds SASS for more architectures.
+//! (created by `scripts/install-nvcc.sh`). Targets: `sm_90a` SASS (Hopper, with the wgmma kernels)
+//! plus `compute_90` PTX (so newer GPUs JIT it; the sm_90a-only kernels trap there and the host
+//! never selects them); `FLASHRT_CUDA_ARCHS="80 89 120"` adds SASS for more architectures.
 //! Extra nvcc flags can be passed with `FLASHRT_NVCC_FLAGS`.
 //! The fatbin is written to `$OUT_DIR/flashrt_kernels.fatbin` and embedded by
 //! `src/backend/cuda/kernels.rs` with `include_bytes!`.
@@ -69,7 +70,7 @@ fn main() {
     cmd.arg("-fatbin")
         .arg("-O3")
         .arg("-std=c++17")
-        .arg("-gencode=arch=compute_90,code=sm_90")
+        .arg("-gencode=arch=compute_90a,code=sm_90a")
         .arg("-gencode=arch=compute_90,code=compute_90");
     if let Ok(archs) = env::var("FLASHRT_CUDA_ARCHS") {
         for a in archs

@@ -117,43 +117,17 @@ template <typename T, int D> struct Shape {
 template <typename T> struct IsF32 { static constexpr bool value = false; };
 template <> struct IsF32<float> { static constexpr bool value = true; };
 
-static __device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using flashrt::smem_u32;
 
 // ---- mbarriers and TMA bulk copies (sm_90) -----------------------------------------------
 
-static __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-// Makes the initialised mbarriers visible to the async proxy (TMA) and the other threads (with
-// the __syncthreads that follows).
-static __device__ __forceinline__ void mbar_fence_init() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
+using flashrt::mbar_arrive_expect_tx;
+using flashrt::mbar_fence_init;
+using flashrt::mbar_init;
+using flashrt::mbar_wait;
 
 static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-// Arrive and expect `bytes` more of transactions (complete_tx) in the current phase.
-static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// Wait until the phase of parity `parity` has completed.
-static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    asm volatile("{\n"
-                 ".reg .pred P1;\n"
-                 "LAB_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-                 "@P1 bra DONE;\n"
-                 "bra LAB_WAIT;\n"
-                 "DONE:\n"
-                 "}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
 }
 
 // `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned), counted on

@@ -8,6 +8,7 @@
 mod cuda_support;
 
 use cuda_support::*;
+use flashrt_runtime::backend::cuda::CudaOptions;
 use flashrt_runtime::ir::{Act, DType, F64, GateOrder, NormWeight, Op, StateKind};
 
 #[test]
@@ -360,11 +361,36 @@ fn attention() {
             check_attention(&gpu, dtype, &case, qh, kvh, hd);
         }
     }
-    // Prefill buckets of >= 64 rows: bf16/f16 targets run the tensor-core kernel
-    // (attention_prefill.cu, 128-row tiles), f32 the split kernel. Partial tiles (130 = 128 +
-    // 2 rows), partial chunks, chunks that start far from 0 and at positions that are not
-    // multiples of a tile, head_dim below the instantiated bound (96 -> 128, 200 -> 256), GQA.
-    for dtype in [DType::F32, DType::Bf16, DType::F16] {
+    attention_prefill_cases(&gpu, &[DType::F32, DType::Bf16, DType::F16]);
+}
+
+/// The prefill cases with the warpgroup-MMA kernel turned off: on an sm_90 device `attention`
+/// runs head_dim 129..=256 through attention_prefill_wgmma.cu, this through the mma.sync
+/// kernel of attention_prefill.cu (elsewhere both take the mma.sync kernel).
+#[test]
+fn attention_prefill_mma_sync() {
+    let Some(gpu) = cuda_with(
+        "attention_prefill_mma_sync",
+        CudaOptions {
+            attn_wgmma: false,
+            ..CudaOptions::default()
+        },
+    ) else {
+        return;
+    };
+    attention_prefill_cases(&gpu, &[DType::Bf16, DType::F16]);
+}
+
+/// Prefill buckets of >= 64 rows: bf16/f16 targets run a tensor-core kernel (128-row tiles:
+/// attention_prefill_wgmma.cu at head_dim 129..=256 on sm_90, else attention_prefill.cu), f32
+/// the split kernel. Partial tiles (130 = 128 + 2 rows), partial chunks, chunks that start far
+/// from 0 and at positions that are not multiples of a tile, head_dim below the instantiated
+/// bound (96 -> 128, 200 -> 256), GQA.
+fn attention_prefill_cases(
+    gpu: &std::sync::Arc<flashrt_runtime::backend::cuda::CudaBackend>,
+    dtypes: &[DType],
+) {
+    for &dtype in dtypes {
         for (bucket, qh, kvh, hd, steps) in [
             (130, 6, 1, 256, None),
             (64, 4, 2, 128, None),
@@ -379,7 +405,7 @@ fn attention() {
                 case.max_seq = steps.iter().sum::<usize>() + 16;
                 case.steps = steps;
             }
-            check_attention(&gpu, dtype, &case, qh, kvh, hd);
+            check_attention(gpu, dtype, &case, qh, kvh, hd);
         }
     }
 }

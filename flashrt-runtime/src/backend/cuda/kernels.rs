@@ -1,5 +1,5 @@
 //! The embedded kernel module: `kernels/*.cu`, compiled by `build.rs` with nvcc into one
-//! fatbin (sm_90 SASS + compute_90 PTX), loaded once per model with `cuModuleLoadData`
+//! fatbin (sm_90a SASS + compute_90 PTX), loaded once per model with `cuModuleLoadData`
 //! (~0.1 ms; no NVRTC at run time).
 //!
 //! Every entry point the backend may launch is resolved when the module loads, so a missing
@@ -61,6 +61,7 @@ const PER_HALF_DTYPE: &[&str] = &[
     "attention_prefill_d64",
     "attention_prefill_d128",
     "attention_prefill_d256",
+    "attention_prefill_wg_d256",
     "gemv_r1",
     "gemv_r2",
     "gemv_r3",
@@ -100,6 +101,7 @@ const NOT_PDL: &[&str] = &[
     "attention_prefill_d64",
     "attention_prefill_d128",
     "attention_prefill_d256",
+    "attention_prefill_wg_d256",
     "init_random",
 ];
 

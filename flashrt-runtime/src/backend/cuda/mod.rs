@@ -120,6 +120,11 @@ pub struct CudaOptions {
     /// (kernels/attention_decode.cu) where it applies (default); `false` uses the generic
     /// split kernel of kernels/attention.cu. Default from `FLASHRT_ATTN_DECODE` (`0` = off).
     pub attn_decode: bool,
+    /// Run prefill attention at head_dim 129..=256 with the warpgroup-MMA kernel
+    /// (kernels/attention_prefill_wgmma.cu) on compute capability 9.0 (default); `false`, or
+    /// any other device, uses the mma.sync kernel of kernels/attention_prefill.cu. Default
+    /// from `FLASHRT_ATTN_WGMMA` (`0` = off).
+    pub attn_wgmma: bool,
 }
 
 impl Default for CudaOptions {
@@ -130,6 +135,7 @@ impl Default for CudaOptions {
             pdl: on("FLASHRT_PDL"),
             gemv: on("FLASHRT_GEMV"),
             attn_decode: on("FLASHRT_ATTN_DECODE"),
+            attn_wgmma: on("FLASHRT_ATTN_WGMMA"),
         }
     }
 }
@@ -442,6 +448,8 @@ impl CudaBackend {
             )
             .map_err(drv("device attributes"))?
             .max(1) as usize;
+        // sm_90a code (wgmma) is in the fatbin for compute capability 9.0 only.
+        let sm90a = self.ctx.compute_capability().ok() == Some((9, 0));
         Ok(Arc::new(CudaModel {
             inner: Arc::new(ModelInner {
                 ctx: self.ctx.clone(),
@@ -454,6 +462,7 @@ impl CudaBackend {
                 _weights: arena,
                 options: self.options,
                 sms,
+                wgmma: sm90a && self.options.attn_wgmma,
             }),
         }))
     }
@@ -487,6 +496,8 @@ struct ModelInner {
     options: CudaOptions,
     /// Multiprocessor count of the device.
     sms: usize,
+    /// Prefill attention through the sm_90a warpgroup-MMA kernel.
+    wgmma: bool,
 }
 
 /// A model whose weights are on one GPU.
@@ -671,6 +682,7 @@ impl CudaSession {
             pdl: model.options.pdl,
             gemv: model.options.gemv,
             attn_decode: model.options.attn_decode,
+            wgmma: model.wgmma,
         };
         let mut programs = Vec::new();
         for plan in &model.compiled.plans {

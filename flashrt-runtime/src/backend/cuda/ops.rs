@@ -188,6 +188,81 @@ struct AttentionParams {
     partial: u64,
 }
 
+/// Prefill attention tiles (attention_prefill.cu and attention_prefill_wgmma.cu): query rows
+/// per block and keys per tile.
+const PREFILL_ROWS: usize = 128;
+const PREFILL_KEYS: usize = 64;
+/// attention_prefill_wgmma.cu `FA_WG_SMEM`: Q and 2 stages of K and V as swizzled slabs, 1 KiB
+/// of alignment slack, 5 mbarriers.
+const FA_WG_SMEM: u32 = ((PREFILL_ROWS + 4 * PREFILL_KEYS) * 256 * 2 + 1024 + 64) as u32;
+
+/// A `CUtensorMap` as kernels receive it (mirrors `FaTmaMap` in attention_prefill_wgmma.cu).
+#[repr(C, align(128))]
+#[derive(Clone, Copy)]
+struct TmaMap([u64; 16]);
+
+/// attention_prefill_wgmma.cu `AttentionTmaParams`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttentionTmaParams {
+    q: TmaMap,
+    k: TmaMap,
+    v: TmaMap,
+    a: AttentionParams,
+}
+
+/// A 3-D tiled tensor map of a 16-bit tensor at `base`: `dims` innermost first, byte strides
+/// of dims 1 and 2, boxes of {64, 1, box_rows} elements with 128-byte swizzling (one box = one
+/// wgmma slab), zeros outside the tensor.
+fn tma_map_3d(
+    t: DType,
+    base: u64,
+    dims: [u64; 3],
+    strides: [u64; 2],
+    box_rows: u32,
+) -> Result<TmaMap> {
+    use sys::{
+        CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Oob, CUtensorMapInterleave as Il,
+        CUtensorMapL2promotion as L2, CUtensorMapSwizzle as Sw,
+    };
+    let ty = match t {
+        DType::Bf16 => Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::F16 => Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        _ => return Err(Error::Unsupported(format!("tensor map of {}", t.name()))),
+    };
+    let boxes = [64u32, 1, box_rows];
+    let elem_strides = [1u32; 3];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every pointer addresses a live local array of the length the call reads (rank 3:
+    // 3 dims, 2 strides, 3 box dims, 3 element strides); `map` is written by the call and read
+    // only when it succeeds. Encoding touches no device memory.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            ty,
+            3,
+            base as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            Il::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            Sw::CU_TENSOR_MAP_SWIZZLE_128B,
+            L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            Oob::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Backend {
+            op: "attention prefill".into(),
+            msg: format!("cuTensorMapEncodeTiled failed: {r:?}"),
+        });
+    }
+    // SAFETY: the call succeeded, so the map is initialised; CUtensorMap is 16 u64 words.
+    let words: [u64; 16] = unsafe { std::mem::transmute(map.assume_init()) };
+    Ok(TmaMap(words))
+}
+
 /// `attention_decode.cu`: the split kernel's parameters plus the per-program query tiling.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -556,6 +631,8 @@ pub struct Builder<'a> {
     pub gemv: bool,
     /// Small phases' attention through `attention_decode` ([`Builder::attention_decode`]).
     pub attn_decode: bool,
+    /// Prefill attention at head_dim 129..=256 through attention_prefill_wgmma.cu (sm_90a).
+    pub wgmma: bool,
 }
 
 /// kernels/norm.cu: packs per thread and the vector kernels' block bound; blocks of several
@@ -1643,8 +1720,6 @@ impl Builder<'_> {
                 // never take it (small phases go to `attention_decode`, the rest to the split
                 // kernel of attention.cu). A device that cannot give a block
                 // the kernel's shared memory (192 KiB at head_dim 256) keeps the old kernel too.
-                const PREFILL_ROWS: usize = 128;
-                const PREFILL_KEYS: usize = 64;
                 let prefill_d = match head_dim {
                     8..=64 => Some(64),
                     65..=128 => Some(128),
@@ -1661,18 +1736,26 @@ impl Builder<'_> {
                         && [qp, op_, p.cache_k, p.cache_v].iter().all(|a| a % 16 == 0)
                 });
                 let prefill = match prefill_d {
-                    Some(d) => {
-                        let smem = (PREFILL_ROWS + 4 * PREFILL_KEYS) * d * 2;
-                        self.kernel_smem(
-                            &format!("{label} prefill d{d}"),
-                            self.kernels.typed(&format!("attention_prefill_d{d}"), t)?,
-                            (*q_heads as u32, ceil_div(rows, PREFILL_ROWS), 1),
-                            256,
-                            smem as u32,
-                            &p,
-                        )
+                    // attention_prefill_wgmma.cu (sm_90a): TMA-fed, so it takes tensor maps
+                    // of Q, K and V; if the driver cannot encode them, the mma.sync kernel.
+                    Some(256) if self.wgmma => self
+                        .attention_tma_params(&p, t, rows)
+                        .and_then(|tp| {
+                            self.kernel_smem(
+                                &format!("{label} prefill wgmma d256"),
+                                self.kernels.typed("attention_prefill_wg_d256", t)?,
+                                (*q_heads as u32, ceil_div(rows, PREFILL_ROWS), 1),
+                                256,
+                                FA_WG_SMEM,
+                                &tp,
+                            )
+                        })
                         .ok()
-                    }
+                        .map_or_else(
+                            || self.attention_prefill_mma(label, &p, t, 256, rows),
+                            |c| Ok(Some(c)),
+                        )?,
+                    Some(d) => self.attention_prefill_mma(label, &p, t, d, rows)?,
                     None => None,
                 };
                 if let Some(cmd) = prefill {
@@ -2119,6 +2202,76 @@ impl Builder<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The mma.sync prefill attention of attention_prefill.cu at head-dim bound `d`, or `None`
+    /// where the device cannot give a block its shared memory.
+    fn attention_prefill_mma(
+        &self,
+        label: &str,
+        p: &AttentionParams,
+        t: DType,
+        d: usize,
+        rows: usize,
+    ) -> Result<Option<Cmd>> {
+        let smem = (PREFILL_ROWS + 4 * PREFILL_KEYS) * d * 2;
+        Ok(self
+            .kernel_smem(
+                &format!("{label} prefill d{d}"),
+                self.kernels.typed(&format!("attention_prefill_d{d}"), t)?,
+                (p.q_heads as u32, ceil_div(rows, PREFILL_ROWS), 1),
+                256,
+                smem as u32,
+                p,
+            )
+            .ok())
+    }
+
+    /// attention_prefill_wgmma.cu's parameters: 3-D tiled tensor maps {head_dim, heads, rows}
+    /// of the query view (`rows` = the bucket) and of the K and V caches (`max_seq` rows), boxes
+    /// of 64 columns x one tile of rows, 128-byte swizzled; coordinates past head_dim or the
+    /// last row read as zeros.
+    fn attention_tma_params(
+        &self,
+        p: &AttentionParams,
+        t: DType,
+        rows: usize,
+    ) -> Result<AttentionTmaParams> {
+        let hd = p.head_dim as u64;
+        let map = |base: u64, heads: i32, rows: u64, ld: u64, box_rows: u32| {
+            tma_map_3d(
+                t,
+                base,
+                [hd, heads as u64, rows],
+                [hd * 2, ld * 2],
+                box_rows,
+            )
+        };
+        let kv_ld = (p.kv_heads as u64) * hd;
+        Ok(AttentionTmaParams {
+            q: map(
+                p.q,
+                p.q_heads,
+                rows as u64,
+                p.ld_q as u64,
+                PREFILL_ROWS as u32,
+            )?,
+            k: map(
+                p.cache_k,
+                p.kv_heads,
+                p.max_seq as u64,
+                kv_ld,
+                PREFILL_KEYS as u32,
+            )?,
+            v: map(
+                p.cache_v,
+                p.kv_heads,
+                p.max_seq as u64,
+                kv_ld,
+                PREFILL_KEYS as u32,
+            )?,
+            a: *p,
+        })
     }
 
     /// Attention of a small phase on `attention_decode.cu` (decode, MTP draft, verify and
