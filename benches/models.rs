@@ -12,8 +12,10 @@
 //!
 //! Models run with random weights on the best available backend. By default only models
 //! whose weights take at most 1 GiB on that backend run (the 27B shape needs a GPU);
-//! `FLASHRT_BENCH_MODELS=name,name` picks models explicitly. Every timed region ends with a
-//! device synchronisation; state is reset or restored outside the timed region.
+//! `FLASHRT_BENCH_MODELS=name,name` picks models explicitly; `FLASHRT_MODELS_DIR` points a
+//! binary that was built elsewhere at the model files (default: the build tree's, else ./models).
+//! Every timed region ends with a device synchronisation; state is reset or restored outside
+//! the timed region.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use flashrt::compiler::emit::{BenchKind, bench_targets};
@@ -23,7 +25,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn models(backend: &Arc<dyn Backend>) -> Vec<ModelIr> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
+    // The repository's models/, or `$FLASHRT_MODELS_DIR` / ./models where the bench binary runs
+    // on another machine (a GPU host that got the binary, not the build tree).
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
+    let dir = match std::env::var_os("FLASHRT_MODELS_DIR") {
+        Some(d) => std::path::PathBuf::from(d),
+        None if built.is_dir() => built,
+        None => std::path::PathBuf::from("models"),
+    };
     let wanted: Option<Vec<String>> = std::env::var("FLASHRT_BENCH_MODELS")
         .ok()
         .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());

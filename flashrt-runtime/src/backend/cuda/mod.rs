@@ -1208,15 +1208,22 @@ impl DeviceSession for CudaSession {
                 session: layout.fingerprint.clone(),
             });
         }
-        let mut copies = Vec::new();
+        let mut copies = Vec::with_capacity(s.regions.len());
+        // Saved regions are in layout order, so the next one is almost always the match: the
+        // lookup stays linear in the region count (restore is on the TTFT path).
+        let mut next = 0;
         for b in layout.state_buffers().filter(|b| in_set(b, set)) {
-            let r = s.regions.iter().find(|r| r.id == b.id).ok_or_else(|| {
-                Error::Capsule(format!(
-                    "saved state ({:?}) has no region `{}` needed by a {set:?} restore",
-                    s.set, b.name
-                ))
-            })?;
-            copies.push((b, r));
+            let i = match s.regions.get(next) {
+                Some(r) if r.id == b.id => next,
+                _ => s.regions.iter().position(|r| r.id == b.id).ok_or_else(|| {
+                    Error::Capsule(format!(
+                        "saved state ({:?}) has no region `{}` needed by a {set:?} restore",
+                        s.set, b.name
+                    ))
+                })?,
+            };
+            next = i + 1;
+            copies.push((b, &s.regions[i]));
         }
         match &s.storage {
             Storage::Device(src) => {
