@@ -714,6 +714,14 @@ fn mamba2_scan() {
             (50, 4, 16, 2, 128, Some(1e-3)),
             (50, 2, 64, 2, 256, Some(0.05)),
             (3, 6, 3, 3, 3, None),
+            // Buckets of >= 64 rows on bf16/f16 run the chunked kernel (state size <= 128):
+            // whole and partial 64-row chunks, head_dim not a multiple of its 32-column
+            // tiles, state sizes below the instantiated 64 / 128, and (256) the scan kernel.
+            (130, 4, 16, 2, 128, Some(1e-3)),
+            (64, 2, 64, 2, 64, None),
+            (100, 3, 50, 1, 50, None),
+            (70, 2, 33, 1, 96, Some(0.05)),
+            (64, 2, 16, 1, 256, None),
         ] {
             let xbc = heads * p + 2 * groups * n;
             let case = OpCase::new(

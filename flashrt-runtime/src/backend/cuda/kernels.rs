@@ -62,6 +62,8 @@ const PER_HALF_DTYPE: &[&str] = &[
     "attention_prefill_d128",
     "attention_prefill_d256",
     "attention_prefill_wg_d256",
+    "mamba2_chunk_n64",
+    "mamba2_chunk_n128",
     "gemv_r1",
     "gemv_r2",
     "gemv_r3",

@@ -2192,13 +2192,40 @@ impl Builder<'_> {
                     has_dt_min: dt_min.is_some() as i32,
                     dt_min: dt_min.map_or(0.0, |v| v.get() as f32),
                 };
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed(variant, t)?,
-                    (ceil_div(*head_dim, 16), *heads as u32, 1),
-                    128,
-                    &p,
-                ));
+                // Prefill buckets of >= 64 rows on 16-bit targets with state size <= 128: the
+                // chunked (SSD) kernel of mamba2.cu (`mamba2_chunk_n{64,128}`: grid
+                // (ceil(head_dim / 32), heads), 128 threads, `M2C_SMEM(NK)` = 576 NK + 25088
+                // bytes of shared memory). The choice depends on the plan only, so a phase
+                // always computes a row the same way. Everything else scans token by token.
+                let chunk = match state_size {
+                    _ if rows < 64 || !matches!(t, DType::Bf16 | DType::F16) => None,
+                    1..=64 => Some(64usize),
+                    65..=128 => Some(128),
+                    _ => None,
+                };
+                let chunked = match chunk {
+                    Some(nk) => self
+                        .kernel_smem(
+                            &format!("{label} chunked"),
+                            self.kernels.typed(&format!("mamba2_chunk_n{nk}"), t)?,
+                            (ceil_div(*head_dim, 32), *heads as u32, 1),
+                            128,
+                            (576 * nk + 25088) as u32,
+                            &p,
+                        )
+                        .ok(),
+                    None => None,
+                };
+                cmds.push(match chunked {
+                    Some(c) => c,
+                    None => self.kernel(
+                        label,
+                        self.kernels.typed(variant, t)?,
+                        (ceil_div(*head_dim, 16), *heads as u32, 1),
+                        128,
+                        &p,
+                    ),
+                });
             }
         }
         Ok(())
