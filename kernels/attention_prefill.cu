@@ -268,22 +268,8 @@ static __device__ __forceinline__ void attention_prefill_impl(const AttentionPar
     cp_async_wait<0>();
 
     if (!warp_rows) return;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        float sum = l[i];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int r = wr0 + g + 8 * i;
-        if (r >= rend) continue;
-        const float inv = 1.0f / sum;
-        T* orow = static_cast<T*>(p.out) + (size_t)r * p.ld_out + (size_t)h * hd;
-#pragma unroll
-        for (int j = 0; j < NO; ++j) {
-            const int d = 8 * j + 2 * t4;
-            if (8 * j < hd)
-                *reinterpret_cast<uint32_t*>(orow + d) = Mma<T>::pack(o[j][2 * i] * inv, o[j][2 * i + 1] * inv);
-        }
-    }
+    flashrt::flash_store<T, NO>(reinterpret_cast<const float(&)[4 * NO]>(o), l, wr0 + g, rend,
+                                static_cast<T*>(p.out) + (size_t)h * hd, p.ld_out, hd, t4);
 }
 
 // Dynamic shared memory of attention_prefill_d<D> (bytes): Q tile + 2 stages of K and V.

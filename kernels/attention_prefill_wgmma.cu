@@ -395,23 +395,8 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     }
 
     if (!group_rows) return;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        float sum = l[i];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int r = wr0 + g + 8 * i;
-        if (r >= rend) continue;
-        const float inv = 1.0f / sum;
-        T* orow = static_cast<T*>(p.out) + (size_t)r * p.ld_out + (size_t)h * p.head_dim;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            const int d = 8 * j + 2 * t4;
-            if (8 * j < p.head_dim)
-                *reinterpret_cast<uint32_t*>(orow + d) =
-                    Mma<T>::pack(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
-        }
-    }
+    flashrt::flash_store<T, 32>(o, l, wr0 + g, rend, static_cast<T*>(p.out) + (size_t)h * p.head_dim, p.ld_out,
+                                p.head_dim, t4);
 #else
     __trap();
 #endif

@@ -65,6 +65,24 @@ static __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Inclusive prefix sum over the 64 values of a warp held 2 per lane (lane l holds elements 2l
+// and 2l + 1): on return v0, v1 are the sums up to and including them, and the result is the
+// total (the chunked recurrences' cumulative log-decays).
+static __device__ __forceinline__ float warp_prefix_sum2(float& v0, float& v1) {
+    const int lane = threadIdx.x & 31;
+    float incl = v0 + v1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    if (lane == 0) excl = 0.0f;
+    v0 += excl;
+    v1 += v0;
+    return __shfl_sync(0xffffffffu, v1, 31);
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024). Every thread gets the
 // result. `scratch` holds at least 32 floats; the call ends with a barrier after which
 // `scratch` may be reused.
@@ -256,6 +274,31 @@ template <> struct Mma<__half> {
         return *reinterpret_cast<uint32_t*>(&v);
     }
 };
+
+// The epilogue of the flash attention kernels (attention_prefill.cu, attention_prefill_wgmma.cu):
+// O / l for the thread's two rows r0 and r0 + 8 in the m16n8 accumulator layout (n8 tile j:
+// o[4 j + 2 i], o[4 j + 2 i + 1] are row r0 + 8 i, columns 8 j + 2 t4 and + 1), each row's l
+// summed over the 4 lanes of its quad first. `out` points at the head's first column of row 0;
+// rows >= rend and columns >= hd are not written.
+template <typename T, int NO>
+static __device__ __forceinline__ void flash_store(const float (&o)[4 * NO], const float (&l)[2], int r0, int rend,
+                                                   T* out, int ld_out, int hd, int t4) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        float sum = l[i];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int r = r0 + 8 * i;
+        if (r >= rend) continue;
+        const float inv = 1.0f / sum;
+        T* orow = out + (size_t)r * ld_out;
+#pragma unroll
+        for (int j = 0; j < NO; ++j)
+            if (8 * j < hd)
+                *reinterpret_cast<uint32_t*>(orow + 8 * j + 2 * t4) =
+                    Mma<T>::pack(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
+    }
+}
 
 } // namespace flashrt
 

@@ -653,16 +653,8 @@ template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc
                     bt[e] = ok ? flashrt::sigmoidf_(gb[e]) : 0.0f;
                 }
                 if (ch + 1 < nchunks) load_gates(r0 + C);
-                float incl = gv[0] + gv[1];
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const float y = __shfl_up_sync(0xffffffffu, incl, o);
-                    if (lane >= o) incl += y;
-                }
-                float excl = __shfl_up_sync(0xffffffffu, incl, 1);
-                if (lane == 0) excl = 0.0f;
-                const float gc0 = excl + gv[0], gc1 = gc0 + gv[1];
-                const float last = __shfl_sync(0xffffffffu, gc1, 31);
+                float gc0 = gv[0], gc1 = gv[1];
+                const float last = flashrt::warp_prefix_sum2(gc0, gc1);
                 GC[2 * lane] = gc0 * 1.44269504f; // log2(e)
                 GC[2 * lane + 1] = gc1 * 1.44269504f;
                 BETA[2 * lane] = bt[0];

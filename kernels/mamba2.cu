@@ -419,15 +419,19 @@ template <typename T, int NK> static __device__ __forceinline__ void m2c_impl(co
     const int nw0 = warp * NW;
     float* st = p.state + (size_t)h * P * N;
     float sacc[2][NWT][4];
+    // f(value, state element index, in range) for every accumulator of the slice.
+    auto each_state = [&](auto&& f) {
 #pragma unroll
-    for (int mp = 0; mp < 2; ++mp)
+        for (int mp = 0; mp < 2; ++mp)
 #pragma unroll
-        for (int nt = 0; nt < NWT; ++nt)
+            for (int nt = 0; nt < NWT; ++nt)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int pr = p0 + 16 * mp + g + 8 * (r >> 1), n = nw0 + 8 * nt + 2 * t + (r & 1);
-                sacc[mp][nt][r] = (pr < P && n < N) ? st[(size_t)pr * N + n] : 0.0f;
-            }
+                for (int r = 0; r < 4; ++r) {
+                    const int pr = p0 + 16 * mp + g + 8 * (r >> 1), n = nw0 + 8 * nt + 2 * t + (r & 1);
+                    f(sacc[mp][nt][r], (size_t)pr * N + n, pr < P && n < N);
+                }
+    };
+    each_state([&](float& v, size_t i, bool ok) { v = ok ? st[i] : 0.0f; });
     auto store_st = [&]() {
 #pragma unroll
         for (int mp = 0; mp < 2; ++mp)
@@ -483,17 +487,8 @@ template <typename T, int NK> static __device__ __forceinline__ void m2c_impl(co
                 dts[e] = 2 * lane + e < n ? d : 0.0f;
             }
             if (ch + 1 < nchunks) load_dt(r0 + C);
-            const float a0 = dts[0] * A, a1 = dts[1] * A;
-            float incl = a0 + a1;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const float y = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            float excl = __shfl_up_sync(0xffffffffu, incl, 1);
-            if (lane == 0) excl = 0.0f;
-            const float l0 = excl + a0, l1 = l0 + a1;
-            const float last = __shfl_sync(0xffffffffu, l1, 31);
+            float l0 = dts[0] * A, l1 = dts[1] * A;
+            const float last = flashrt::warp_prefix_sum2(l0, l1);
             LAM[2 * lane] = l0 * 1.44269504f; // log2(e)
             LAM[2 * lane + 1] = l1 * 1.44269504f;
             DT[2 * lane] = dts[0];
@@ -620,15 +615,9 @@ template <typename T, int NK> static __device__ __forceinline__ void m2c_impl(co
         }
     }
 
-#pragma unroll
-    for (int mp = 0; mp < 2; ++mp)
-#pragma unroll
-        for (int nt = 0; nt < NWT; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int pr = p0 + 16 * mp + g + 8 * (r >> 1), n = nw0 + 8 * nt + 2 * t + (r & 1);
-                if (pr < P && n < N) st[(size_t)pr * N + n] = sacc[mp][nt][r];
-            }
+    each_state([&](float& v, size_t i, bool ok) {
+        if (ok) st[i] = v;
+    });
 }
 
 #define FLASHRT_M2C_ENTRY(D)                                                                          \
