@@ -140,17 +140,8 @@ static __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, u
 
 // ---- warp-level matrix primitives ----------------------------------------------------------
 
-static __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-static __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
+using flashrt::ldsm_x4;
+using flashrt::ldsm_x4_t;
 
 // Transpose of an 8x8 b16 matrix held in the standard fragment layout (lane: row lane / 4,
 // columns 2 (lane % 4) .. + 1).

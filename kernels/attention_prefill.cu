@@ -48,19 +48,9 @@ using flashrt::cp_async16;
 using flashrt::cp_async_commit;
 using flashrt::cp_async_wait;
 using flashrt::ex2;
+using flashrt::ldsm_x4;
+using flashrt::ldsm_x4_t;
 using flashrt::smem_u32;
-
-static __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-static __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
 
 using flashrt::Mma; // kernels/common.cuh
 
@@ -163,7 +153,7 @@ static __device__ __forceinline__ void attention_prefill_impl(const AttentionPar
         cp_async_wait<1>();
         __syncthreads();
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) ldmatrix_x4(qf[ks], q_off[ks & 3] + (ks >> 2) * 128);
+        for (int ks = 0; ks < KS; ++ks) ldsm_x4(qf[ks], q_off[ks & 3] + (ks >> 2) * 128);
     }
 
     float o[NO][4];
@@ -195,12 +185,12 @@ static __device__ __forceinline__ void attention_prefill_impl(const AttentionPar
 #pragma unroll
                     for (int e = 0; e < 4; ++e) a[e] = qf[ks][e];
                 } else {
-                    ldmatrix_x4(a, q_off[ks & 3] + (ks >> 2) * 128);
+                    ldsm_x4(a, q_off[ks & 3] + (ks >> 2) * 128);
                 }
 #pragma unroll
                 for (int jj = 0; jj < NS / 2; ++jj) {
                     uint32_t b[4];
-                    ldmatrix_x4(b, sKs + k_off[ks & 3] + (ks >> 2) * 128 + jj * 16 * ROW_B);
+                    ldsm_x4(b, sKs + k_off[ks & 3] + (ks >> 2) * 128 + jj * 16 * ROW_B);
                     Mma<T>::run(s[2 * jj], a, b[0], b[1]);
                     Mma<T>::run(s[2 * jj + 1], a, b[2], b[3]);
                 }
@@ -256,7 +246,7 @@ static __device__ __forceinline__ void attention_prefill_impl(const AttentionPar
 #pragma unroll
                 for (int dj = 0; dj < NO / 2; ++dj) {
                     uint32_t b[4];
-                    ldmatrix_x4_trans(b, sVs + v_off[dj & 3] + (dj >> 2) * 128 + kk * 16 * ROW_B);
+                    ldsm_x4_t(b, sVs + v_off[dj & 3] + (dj >> 2) * 128 + kk * 16 * ROW_B);
                     Mma<T>::run(o[2 * dj], a, b[0], b[1]);
                     Mma<T>::run(o[2 * dj + 1], a, b[2], b[3]);
                 }

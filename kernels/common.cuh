@@ -57,6 +57,15 @@ static __device__ __forceinline__ float softplusf_(float x) {
     return x > 20.0f ? x : log1pf(expf(x));
 }
 
+// The 16-byte pack of thread i of a 1-D grid over (row, pack), rows of `width` elements (a
+// multiple of N): row i / (width / N), first column (i % (width / N)) N.
+template <int N> static __device__ __forceinline__ void pack_of_thread(int width, int& row, int& col) {
+    const unsigned nvec = (unsigned)width / N;
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    row = (int)(i / nvec);
+    col = (int)(i % nvec) * N;
+}
+
 // ---- reductions -------------------------------------------------------------------------
 
 static __device__ __forceinline__ float warp_sum(float v) {
@@ -209,6 +218,30 @@ static __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+}
+
+// ---- ldmatrix (the mma.sync kernels) ------------------------------------------------------
+
+// 8x8 b16 matrices: lanes 8q .. 8q + 7 address the rows of matrix q; register q of lane l
+// receives, without .trans, row l / 4, columns 2 (l % 4), +1 of matrix q; with .trans, rows
+// 2 (l % 4), +1 of column l / 4, the lower row in the low half.
+static __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+static __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+static __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr)
+                 : "memory");
 }
 
 // ---- mbarriers (sm_90; TMA-fed kernels) -------------------------------------------------

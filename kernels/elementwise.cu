@@ -47,10 +47,8 @@ FLASHRT_ENTRY(mul, MulParams, 256)
 // Thread i of the 1-D grid handles pack i % (width / N) of row i / (width / N).
 template <typename T> static __device__ __forceinline__ void mul_vec_impl(const MulParams& p) {
     constexpr int N = flashrt::Pack16<T>::N;
-    const unsigned nvec = (unsigned)p.width / N;
-    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    const int row = (int)(i / nvec);
-    const int c = (int)(i % nvec) * N;
+    int row, c;
+    flashrt::pack_of_thread<N>(p.width, row, c);
     if (row >= flashrt::load_len(p.len)) return;
     float g[N], x[N], o[N];
     flashrt::unpack16<T>(flashrt::ld16(static_cast<const T*>(p.gate) + (size_t)row * p.ld_gate + c), g);
@@ -85,10 +83,8 @@ FLASHRT_ENTRY(unary, UnaryParams, 256)
 // As `mul_vec`: one 16-byte pack per thread of a 1-D grid over (row, pack).
 template <typename T> static __device__ __forceinline__ void unary_vec_impl(const UnaryParams& p) {
     constexpr int N = flashrt::Pack16<T>::N;
-    const unsigned nvec = (unsigned)p.width / N;
-    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    const int row = (int)(i / nvec);
-    const int c = (int)(i % nvec) * N;
+    int row, c;
+    flashrt::pack_of_thread<N>(p.width, row, c);
     if (row >= flashrt::load_len(p.len)) return;
     float x[N];
     flashrt::unpack16<T>(flashrt::ld16(static_cast<const T*>(p.x) + (size_t)row * p.ld_x + c), x);

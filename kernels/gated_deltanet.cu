@@ -587,15 +587,19 @@ template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc
     const int dw = warp * (DK / 4);
     float* st = p.state + (size_t)h * dk * dv;
     float sacc[MJ][ND][4];
+    // f(value, state element index, in range) for every accumulator of the slice.
+    auto each_state = [&](auto&& f) {
 #pragma unroll
-    for (int mj = 0; mj < MJ; ++mj)
+        for (int mj = 0; mj < MJ; ++mj)
 #pragma unroll
-        for (int nd = 0; nd < ND; ++nd)
+            for (int nd = 0; nd < ND; ++nd)
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int j = j0 + 16 * mj + gdnc_row(g, r), d = dw + 8 * nd + gdnc_col(t, r);
-                sacc[mj][nd][r] = (d < dk && j < dv) ? st[(size_t)d * dv + j] : 0.0f;
-            }
+                for (int r = 0; r < 4; ++r) {
+                    const int j = j0 + 16 * mj + gdnc_row(g, r), d = dw + 8 * nd + gdnc_col(t, r);
+                    f(sacc[mj][nd][r], (size_t)d * dv + j, d < dk && j < dv);
+                }
+    };
+    each_state([&](float& v, size_t i, bool ok) { v = ok ? st[i] : 0.0f; });
     auto store_st = [&]() {
 #pragma unroll
         for (int mj = 0; mj < MJ; ++mj)
@@ -827,15 +831,9 @@ template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc
         }
     }
 
-#pragma unroll
-    for (int mj = 0; mj < MJ; ++mj)
-#pragma unroll
-        for (int nd = 0; nd < ND; ++nd)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int j = j0 + 16 * mj + gdnc_row(g, r), d = dw + 8 * nd + gdnc_col(t, r);
-                if (d < dk && j < dv) st[(size_t)d * dv + j] = sacc[mj][nd][r];
-            }
+    each_state([&](float& v, size_t i, bool ok) {
+        if (ok) st[i] = v;
+    });
 }
 
 #define GDNC_COLS 16 // value columns per block (16 or 32; mirrored by GDN_CHUNK_COLS in ops.rs)

@@ -266,27 +266,9 @@ namespace flashrt_m2c {
 using flashrt::Mma;
 using flashrt::smem_u32;
 
-// ldmatrix (8x8 b16 matrices; lanes 8q .. 8q + 7 address the rows of matrix q, register q of
-// lane l receives, without .trans, row l / 4, columns 2 (l % 4), +1 of matrix q; with .trans,
-// rows 2 (l % 4), +1 of column l / 4, the lower row in the low half).
-static __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-static __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-static __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-                 : "=r"(r[0]), "=r"(r[1])
-                 : "r"(addr)
-                 : "memory");
-}
+using flashrt::ldsm_x2;
+using flashrt::ldsm_x4;
+using flashrt::ldsm_x4_t;
 
 // Lane offsets (elements) from a tile's top-left corner, row stride ld, for the m16n8k16
 // fragments (A: a0 (m 0-7, k 0-7), a1 (m 8-15, k 0-7), a2 (m 0-7, k 8-15), a3 (m 8-15, k 8-15);

@@ -358,7 +358,7 @@ fn attention() {
             (3, 2, 2, 512),
         ] {
             let case = attention_case(bucket, qh, kvh, hd);
-            check_attention(&gpu, dtype, &case, qh, kvh, hd);
+            check_attention(&gpu, dtype, &case, qh, kvh, hd, 1.0);
         }
     }
     attention_prefill_cases(&gpu, &[DType::F32, DType::Bf16, DType::F16]);
@@ -405,7 +405,7 @@ fn attention_prefill_cases(
                 case.max_seq = steps.iter().sum::<usize>() + 16;
                 case.steps = steps;
             }
-            check_attention(gpu, dtype, &case, qh, kvh, hd);
+            check_attention(gpu, dtype, &case, qh, kvh, hd, 1.0);
         }
     }
 }
@@ -420,6 +420,7 @@ fn attention_case(bucket: usize, qh: usize, kvh: usize, hd: usize) -> OpCase {
     )
 }
 
+/// Attention over the case's input as q | k | v, softmax scale `sharp / sqrt(hd)`.
 fn check_attention(
     gpu: &std::sync::Arc<flashrt_runtime::backend::cuda::CudaBackend>,
     dtype: DType,
@@ -427,6 +428,7 @@ fn check_attention(
     qh: usize,
     kvh: usize,
     hd: usize,
+    sharp: f64,
 ) {
     let (qw, kvw) = (qh * hd, kvh * hd);
     case.check(gpu, dtype, |b| {
@@ -443,7 +445,7 @@ fn check_attention(
             q_heads: qh,
             kv_heads: kvh,
             head_dim: hd,
-            scale: F64((hd as f64).powf(-0.5)),
+            scale: F64(sharp * (hd as f64).powf(-0.5)),
         });
     });
 }
@@ -488,23 +490,7 @@ fn attention_decode() {
             );
             case.max_seq = steps.iter().sum::<usize>() + 16;
             case.steps = steps;
-            case.check(&gpu, dtype, |b| {
-                let shape = [b.max_seq(), kvh, hd];
-                let ck = b.state("cache_k", &shape, StateKind::Key);
-                let cv = b.state("cache_v", &shape, StateKind::Value);
-                b.op(Op::Attention {
-                    q: b.input(0, qw),
-                    k: b.input(qw, kvw),
-                    v: b.input(qw + kvw, kvw),
-                    cache_k: ck,
-                    cache_v: cv,
-                    out: b.output(0, qw),
-                    q_heads: qh,
-                    kv_heads: kvh,
-                    head_dim: hd,
-                    scale: F64(sharp * (hd as f64).powf(-0.5)),
-                });
-            });
+            check_attention(&gpu, dtype, &case, qh, kvh, hd, sharp);
         }
     }
 }

@@ -1452,35 +1452,14 @@ impl Builder<'_> {
                     width: to_i32(x.width, "width", label)?,
                     act: act_code(*act),
                 };
-                // 16-byte packs (kernels/elementwise.cu `mul_vec`, one per thread of a 1-D
-                // grid over (row, pack)) where the width, every row stride and every address
-                // are whole packs; else one element per thread.
-                let pack = 16 / xd.size();
-                let threads = rows * (x.width / pack);
-                let vec = x.width > 0
-                    && x.width.is_multiple_of(pack)
-                    && threads <= u32::MAX as usize
-                    && [gp, xp, op_].iter().all(|a| a.is_multiple_of(16))
-                    && [ld_g, ld_x, ld_o]
-                        .iter()
-                        .all(|&ld| (ld as usize).is_multiple_of(pack));
-                cmds.push(if vec {
-                    self.kernel(
-                        label,
-                        self.kernels.typed("mul_vec", xd)?,
-                        (ceil_div(threads, 256), 1, 1),
-                        256,
-                        &p,
-                    )
-                } else {
-                    self.kernel(
-                        label,
-                        self.kernels.typed("mul", xd)?,
-                        (ceil_div(x.width, 256), r, 1),
-                        256,
-                        &p,
-                    )
-                });
+                cmds.push(self.elementwise(
+                    label,
+                    "mul",
+                    xd,
+                    (rows, r, x.width),
+                    &[(gp, ld_g), (xp, ld_x), (op_, ld_o)],
+                    &p,
+                )?);
             }
             Op::Unary { x, act, out } => {
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
@@ -1499,33 +1478,14 @@ impl Builder<'_> {
                     width: to_i32(x.width, "width", label)?,
                     act: act_code(*act),
                 };
-                // 16-byte packs where possible, as `Op::Mul`.
-                let pack = 16 / xd.size();
-                let threads = rows * (x.width / pack);
-                let vec = x.width > 0
-                    && x.width.is_multiple_of(pack)
-                    && threads <= u32::MAX as usize
-                    && [xp, op_].iter().all(|a| a.is_multiple_of(16))
-                    && [ld_x, ld_o]
-                        .iter()
-                        .all(|&ld| (ld as usize).is_multiple_of(pack));
-                cmds.push(if vec {
-                    self.kernel(
-                        label,
-                        self.kernels.typed("unary_vec", xd)?,
-                        (ceil_div(threads, 256), 1, 1),
-                        256,
-                        &p,
-                    )
-                } else {
-                    self.kernel(
-                        label,
-                        self.kernels.typed("unary", xd)?,
-                        (ceil_div(x.width, 256), r, 1),
-                        256,
-                        &p,
-                    )
-                });
+                cmds.push(self.elementwise(
+                    label,
+                    "unary",
+                    xd,
+                    (rows, r, x.width),
+                    &[(xp, ld_x), (op_, ld_o)],
+                    &p,
+                )?);
             }
             Op::SplitHeads { x, heads, outs } => {
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
@@ -2229,6 +2189,46 @@ impl Builder<'_> {
             }
         }
         Ok(())
+    }
+
+    /// An elementwise kernel of kernels/elementwise.cu over `rows` (the bucket; `r` blocks of
+    /// rows for the scalar kernel) of `width` elements: `<name>_vec`, one 16-byte pack per thread
+    /// of a 1-D grid over (row, pack), where the width, every view's address and row stride
+    /// (`views`: (address, ld)) are whole packs; else `<name>`, one element per thread.
+    fn elementwise<P: Copy>(
+        &self,
+        label: &str,
+        name: &str,
+        dtype: DType,
+        (rows, r, width): (usize, u32, usize),
+        views: &[(u64, i32)],
+        p: &P,
+    ) -> Result<Cmd> {
+        let pack = 16 / dtype.size();
+        let threads = rows * (width / pack);
+        let vec = width > 0
+            && width.is_multiple_of(pack)
+            && threads <= u32::MAX as usize
+            && views
+                .iter()
+                .all(|&(a, ld)| a.is_multiple_of(16) && (ld as usize).is_multiple_of(pack));
+        Ok(if vec {
+            self.kernel(
+                label,
+                self.kernels.typed(&format!("{name}_vec"), dtype)?,
+                (ceil_div(threads, 256), 1, 1),
+                256,
+                p,
+            )
+        } else {
+            self.kernel(
+                label,
+                self.kernels.typed(name, dtype)?,
+                (ceil_div(width, 256), r, 1),
+                256,
+                p,
+            )
+        })
     }
 
     /// The mma.sync prefill attention of attention_prefill.cu at head-dim bound `d`, or `None`
