@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Run the CUDA test binaries on a GPU machine and print a summary.
 #
-# Two halves, because the GPU machine has no Rust toolchain (see ../shared/GPU.md):
+# Two halves, because the GPU machine has no Rust toolchain:
 #
 #   here (build machine):  bash scripts/gpu-check.sh --collect
 #       builds `cargo test -p flashrt-runtime --features cuda --release --no-run`, copies the
-#       cuda_* test executables into .gpu/bin/ (git-ignored) and the reference fixtures
-#       (../shared/fixtures) into .gpu/fixtures/.
+#       cuda_* test executables into .gpu/bin/ (git-ignored). The reference fixtures travel
+#       with the working tree (tests/fixtures).
 #
 #   there (GPU machine):   bash scripts/gpu-check.sh [DIR]
-#       runs every executable in DIR/bin (default .gpu/bin) with FLASHRT_FIXTURES=DIR/fixtures,
+#       runs every executable in DIR/bin (default .gpu/bin) with FLASHRT_FIXTURES=tests/fixtures,
 #       one test at a time with output shown, writes one log per binary plus summary.json to
 #       $OUT (when set) or DIR/logs, and prints a table last. Exit status: 0 iff all passed.
 set -uo pipefail
@@ -39,15 +39,6 @@ for line in sys.stdin:
         # Debug info is most of the size; symbols stay for backtraces.
         os.system(f"strip --strip-debug {os.path.join(dst, name)} 2>/dev/null")
 ' "$DIR/bin"
-  if [ -d "$ROOT/../shared/fixtures" ]; then
-    chmod -R u+w "$DIR/fixtures" 2>/dev/null || true
-    rm -rf "$DIR/fixtures"
-    cp -r "$ROOT/../shared/fixtures" "$DIR/fixtures"
-    chmod -R u+w "$DIR/fixtures"
-    echo "collected fixtures -> $DIR/fixtures"
-  else
-    echo "warning: ../shared/fixtures not found; fixture tests will skip" >&2
-  fi
   du -sh "$DIR"
   exit 0
 fi
@@ -60,7 +51,7 @@ if ! ls "$BIN"/* >/dev/null 2>&1; then
   echo "no test binaries in $BIN: run 'bash scripts/gpu-check.sh --collect' on the build machine first" >&2
   exit 2
 fi
-export FLASHRT_FIXTURES="${FLASHRT_FIXTURES:-$DIR/fixtures}"
+export FLASHRT_FIXTURES="${FLASHRT_FIXTURES:-$ROOT/tests/fixtures}"
 export RUST_BACKTRACE=1
 
 {

@@ -20,10 +20,10 @@ fn text(o: &Output) -> String {
 }
 
 fn fixtures() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures");
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     assert!(
         p.is_dir(),
-        "the reference fixtures are expected at {} (shared/ beside the repository)",
+        "the reference fixtures are expected at {} (tests/fixtures of the repository)",
         p.display()
     );
     p

@@ -960,11 +960,11 @@ mod tests {
 
     fn fixture(name: &str) -> String {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/fixtures")
+            .join("../tests/fixtures")
             .join(name);
         let path = dir.join("config.json");
         std::fs::read_to_string(&path).unwrap_or_else(|e| {
-            panic!("fixture config {} not found ({e}); the shared/ folder must sit beside the repository", path.display())
+            panic!("fixture config {} not found ({e}); the repository keeps them in tests/fixtures", path.display())
         })
     }
 

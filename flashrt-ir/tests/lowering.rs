@@ -7,10 +7,10 @@ use std::path::PathBuf;
 
 fn fixture_ir(name: &str) -> ModelIr {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures")
+        .join("../tests/fixtures")
         .join(name);
     let json = std::fs::read_to_string(dir.join("config.json")).unwrap_or_else(|e| {
-        panic!("fixture {name} (expected beside the repository in shared/fixtures): {e}")
+        panic!("fixture {name} (expected in tests/fixtures): {e}")
     });
     ir_from_hf_config(&json, &HfOptions::default()).unwrap()
 }

@@ -1,6 +1,6 @@
 //! Checking a runtime against a folder of transformers reference outputs.
 //!
-//! The folder format is the one of `shared/fixtures/*`: `config.json` + `model.safetensors`
+//! The folder format is the one of the repository's `tests/fixtures/*`: `config.json` + `model.safetensors`
 //! (the checkpoint), `reference.safetensors` (prompt, logits, greedy ids, fork scenarios) and
 //! optionally `state.safetensors` (every cache tensor right after the prompt). All lengths are
 //! read from the files. Each comparison becomes one [`CheckLine`]; logits and state use the

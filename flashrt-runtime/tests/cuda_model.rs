@@ -2,7 +2,7 @@
 //! reference (bf16), graph replay against plain launches, and the capsule contract
 //! (byte-exact restore, identical continuation, fork, pinned tier, KV-only ablation).
 //! Skips with a message when no CUDA device is present; fixture-based tests also skip when the
-//! fixtures are not found (`$FLASHRT_FIXTURES`, else `../shared/fixtures`).
+//! fixtures are not found (`$FLASHRT_FIXTURES`, else `tests/fixtures`).
 #![cfg(feature = "cuda")]
 
 mod cuda_support;

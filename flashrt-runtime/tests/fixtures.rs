@@ -1,4 +1,4 @@
-//! The CPU reference against transformers' ground truth (`shared/fixtures`), through the HF
+//! The CPU reference against transformers' ground truth (`tests/fixtures`), through the HF
 //! importer: prompt logits, greedy ids, fork S1/S2 via the prompt capsule, state after prefill.
 
 mod common;

@@ -8,7 +8,7 @@ pub fn models_dir() -> PathBuf {
 }
 
 pub fn fixtures_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
 
 /// Every `models/*.toml`, as (file stem, source), sorted by name.

@@ -9,12 +9,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub const FIXTURES: [&str; 3] = ["qwen35-public", "lfm2-public", "nemotronh-public"];
 
-/// `shared/fixtures` beside the repository root.
+/// The repository's reference fixtures (`tests/fixtures`).
 pub fn fixtures_dir() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
     assert!(
         dir.join("README.md").is_file(),
-        "reference fixtures not found at {}: the `shared` folder (with fixtures/) must sit beside the repository root",
+        "reference fixtures not found at {} (tests/fixtures of the repository)",
         dir.display()
     );
     dir

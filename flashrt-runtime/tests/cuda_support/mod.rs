@@ -59,12 +59,12 @@ pub fn cpu() -> Arc<dyn Backend> {
     Arc::new(CpuBackend::with_threads(4))
 }
 
-/// `shared/fixtures`: `$FLASHRT_FIXTURES` if set, else beside the repository root. `None` when
-/// absent (the GPU machine gets a copy from `scripts/gpu-check.sh`).
+/// The reference fixtures: `$FLASHRT_FIXTURES` if set, else the repository's `tests/fixtures`.
+/// `None` when absent (the GPU machine gets a copy from `scripts/gpu-check.sh`).
 pub fn fixtures_dir() -> Option<PathBuf> {
     let dir = match std::env::var_os("FLASHRT_FIXTURES") {
         Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures"),
     };
     dir.join("README.md").is_file().then_some(dir)
 }

@@ -14,14 +14,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-/// `shared/fixtures/NAME` beside the repository root.
+/// `tests/fixtures/NAME` of the repository.
 pub fn fixture(name: &str) -> PathBuf {
     let d = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/fixtures")
+        .join("../tests/fixtures")
         .join(name);
     assert!(
         d.join("config.json").is_file(),
-        "fixture {} not found: the `shared` folder must sit beside the repository root",
+        "fixture {} not found in the repository's tests/fixtures",
         d.display()
     );
     d
