@@ -61,7 +61,7 @@ fn models(backend: &Arc<dyn Backend>) -> Vec<ModelIr> {
 
 fn tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
     (0..n as u64)
-        .map(|i| 3 + (flashrt::runtime::loader::mix64(i ^ salt) % (vocab as u64 - 3)) as u32)
+        .map(|i| 3 + (flashrt::runtime::init::mix64(i ^ salt) % (vocab as u64 - 3)) as u32)
         .collect()
 }
 

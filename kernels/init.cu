@@ -1,6 +1,7 @@
-// flashrt kernels: deterministic random weights, generated in place (`Backend::load_random`).
+// flashrt kernels: deterministic random weights generated in place (`Backend::load_random`), and
+// the dtype conversion of checkpoint tensors stored in another float type than the model.
 //
-// Reproduces `flashrt_runtime::loader::Init::value` element for element: the value of element i
+// Reproduces `flashrt_runtime::init::Init::value` element for element: the value of element i
 // of buffer b is a pure function of (seed, b, i) — SplitMix64's finaliser over a counter — so
 // a grid-stride loop can generate any buffer in any order, and the CUDA backend gets the same
 // weights as the CPU reference (computed in f64 here and there, then rounded to the buffer's
@@ -54,3 +55,32 @@ template <typename T> static __device__ __forceinline__ void init_random_impl(co
 }
 
 FLASHRT_ENTRY(init_random, InitParams, 256)
+
+// Checkpoint tensors stored in another float type than the model's: elements [0, n) of `in`
+// (src_kind 0: f32, 1: f16, 2: bf16, 3: f64) converted to T at `out` (through f32, rounding
+// to nearest even; f64 rounds to f32 first, as the host loader does). One read and one write
+// per element: a staging piece of 32 MiB converts in a few microseconds.
+struct ConvertParams {
+    void* out;
+    const void* in;
+    unsigned long long n;
+    unsigned int src_kind;
+    unsigned int pad;
+};
+
+template <typename T> static __device__ __forceinline__ void convert_impl(const ConvertParams& p) {
+    T* out = static_cast<T*>(p.out);
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < p.n; i += stride) {
+        float v;
+        switch (p.src_kind) {
+        case 0: v = static_cast<const float*>(p.in)[i]; break;
+        case 1: v = __half2float(static_cast<const __half*>(p.in)[i]); break;
+        case 2: v = __bfloat162float(static_cast<const __nv_bfloat16*>(p.in)[i]); break;
+        default: v = (float)static_cast<const double*>(p.in)[i];
+        }
+        out[i] = flashrt::from_f32<T>(v);
+    }
+}
+
+FLASHRT_ENTRY(convert, ConvertParams, 256)

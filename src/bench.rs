@@ -229,7 +229,7 @@ fn progress(msg: &str) {
 /// Deterministic prompt ids in `[3, vocab)`.
 fn prompt(n: usize, vocab: usize) -> Vec<u32> {
     (0..n as u64)
-        .map(|i| 3 + (crate::runtime::loader::mix64(i ^ 0x5eed) % (vocab as u64 - 3)) as u32)
+        .map(|i| 3 + (crate::runtime::init::mix64(i ^ 0x5eed) % (vocab as u64 - 3)) as u32)
         .collect()
 }
 

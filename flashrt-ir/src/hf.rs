@@ -964,7 +964,10 @@ mod tests {
             .join(name);
         let path = dir.join("config.json");
         std::fs::read_to_string(&path).unwrap_or_else(|e| {
-            panic!("fixture config {} not found ({e}); the repository keeps them in tests/fixtures", path.display())
+            panic!(
+                "fixture config {} not found ({e}); the repository keeps them in tests/fixtures",
+                path.display()
+            )
         })
     }
 

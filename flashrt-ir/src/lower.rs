@@ -40,6 +40,18 @@ impl Compiled {
     pub fn fingerprint(&self) -> &str {
         &self.layout.fingerprint
     }
+
+    /// The same model with its fingerprint covering a digest of its weights, so capsules of
+    /// different weights (another checkpoint, another random seed) can never be restored into
+    /// each other. `compile` alone fingerprints IR + layout + kernel version + dtype; a loaded
+    /// model's fingerprint is `fnv1a(that, digest)`. Buffers, offsets and plans are unchanged.
+    pub fn with_weights_digest(mut self, digest: &str) -> Compiled {
+        let mut bytes = self.layout.fingerprint.clone().into_bytes();
+        bytes.push(b':');
+        bytes.extend_from_slice(digest.as_bytes());
+        self.layout.fingerprint = format!("{:016x}", fnv1a(&bytes));
+        self
+    }
 }
 
 /// Compile checked IR for a target.

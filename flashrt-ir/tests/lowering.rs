@@ -9,9 +9,8 @@ fn fixture_ir(name: &str) -> ModelIr {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures")
         .join(name);
-    let json = std::fs::read_to_string(dir.join("config.json")).unwrap_or_else(|e| {
-        panic!("fixture {name} (expected in tests/fixtures): {e}")
-    });
+    let json = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap_or_else(|e| panic!("fixture {name} (expected in tests/fixtures): {e}"));
     ir_from_hf_config(&json, &HfOptions::default()).unwrap()
 }
 

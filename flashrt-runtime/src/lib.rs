@@ -11,9 +11,12 @@
 //!   history, logits; append / decode / snapshot / restore / fork / rollback).
 //! * [`capsule`]: [`Capsule`], the whole execution state at a token boundary: every state
 //!   region plus position, pending token, sampler state, counters and the last logits row.
-//! * [`loader`]: Hugging Face safetensors checkpoints -> host weights, with one error listing
-//!   every mismatch; deterministic random weights.
-//! * [`safetensors`]: a strict reader/writer that treats every file as untrusted.
+//! * [`loader`]: Hugging Face safetensors checkpoints streamed into a backend's
+//!   [`WeightSink`] (memory-mapped, in their stored dtype, hashed into the weights digest a
+//!   model's fingerprint covers), with one error listing every mismatch; [`init`]:
+//!   deterministic random weights.
+//! * [`safetensors`]: safetensors files through the format's crate, mapped, every file
+//!   treated as untrusted.
 //! * [`reference`]: checks a runtime against a folder of transformers reference outputs.
 //! * [`sampling`]: greedy / temperature / top-k / top-p sampling whose RNG state lives in the
 //!   capsule, so restored and forked sessions sample the same continuation.
@@ -37,6 +40,7 @@ pub mod capsule;
 pub mod capsule_file;
 pub mod error;
 pub mod host_state;
+pub mod init;
 pub mod loader;
 pub mod reference;
 pub mod safetensors;
@@ -48,11 +52,15 @@ pub mod store;
 pub use flashrt_ir as ir;
 
 pub use backend::cpu::CpuBackend;
-pub use backend::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, SavedState};
+pub use backend::{
+    Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, SavedState, SourceDtype,
+    WeightSink,
+};
 pub use capsule::{Capsule, CapsuleMeta, Counters, LogitsRow, Region, SamplerState};
 pub use error::{Error, Result};
 pub use host_state::HostSaved;
-pub use loader::{load_hf_weights, random_weights};
+pub use init::random_weights;
+pub use loader::{Checkpoint, LoadProgress, LoadReport, load_hf_weights};
 pub use reference::{
     CheckLine, ReferenceOptions, ReferenceReport, check_reference, check_reference_with,
 };

@@ -1,19 +1,38 @@
-//! Weights: Hugging Face checkpoint folders and deterministic random weights.
+//! Weights from Hugging Face checkpoint folders, streamed into a backend.
 //!
-//! [`load_hf_weights`] maps every weight buffer of a compiled layout to the checkpoint tensor
-//! named by its `source` (Hugging Face names), converting f32 / bf16 / f16 / f64 to f32.
-//! Everything that does not fit is collected and reported in **one** error: missing tensors,
-//! unexpected tensors, tensors whose shape does not match, unsupported dtypes, duplicates
-//! across shards. Known extras are skipped: `mtp.*` (the runtime runs no MTP head yet), the
-//! vision tower of multimodal checkpoints (`model.visual.*`, `visual.*`), `lm_head.weight` of
-//! a tied model, and stored rotary `inv_freq` buffers.
+//! A [`Checkpoint`] maps every shard of a folder (the ones `model.safetensors.index.json`
+//! names, else `model*.safetensors`) and parses their headers with the `safetensors` crate;
+//! no tensor data is read yet. [`Checkpoint::resolve`] matches every weight buffer of a
+//! compiled layout with the tensor its `source` names (Hugging Face names, with the aliases
+//! real checkpoints use) and reports everything that does not fit in **one** error: missing
+//! tensors, unexpected tensors, shapes that do not match, unsupported dtypes, duplicates across
+//! shards. Known extras are skipped and said so once in the log: the vision tower of
+//! multimodal checkpoints (`model.visual.*`), an `mtp.*` head the model does not declare,
+//! `lm_head.weight` of a tied model, and stored rotary `inv_freq` buffers.
+//!
+//! [`Checkpoint::load`] then streams the matched tensors, shard by shard in file order, into a
+//! [`WeightSink`] the backend owns, in their stored dtype (the sink converts where the model's
+//! dtype differs). It reads each shard sequentially through its memory map, asks the kernel to
+//! read a window ahead ([`SafeTensors::prefetch`]) so the disk stays busy while the backend
+//! copies, and drops each piece's pages from the process once the sink has it
+//! ([`SafeTensors::release`]): resident memory stays at the backend's staging buffers whatever
+//! the checkpoint's size. On the way it hashes every tensor (name, dtype, shape, data; XXH3, on
+//! a second thread while the sink copies) into the weights digest a loaded model's fingerprint
+//! covers, and reports progress (bytes, rate, shard) to a [`LoadProgress`].
 
-use crate::backend::HostWeights;
+use crate::backend::{SourceDtype, WeightSink};
 use crate::error::{Error, Result};
-use crate::safetensors::{Dtype, SafeTensors};
-use flashrt_ir::{Compiled, NormWeight, Op, Role};
+use crate::safetensors::SafeTensors;
+use flashrt_ir::{BufferId, Compiled, Role};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
+use xxhash_rust::xxh3::{Xxh3, xxh3_128};
+
+/// Bytes handed to the sink per call (and prefetched / released per step).
+const PIECE: usize = 32 << 20;
+/// How far ahead of the copy the kernel is asked to read.
+const READ_AHEAD: usize = 512 << 20;
 
 /// The safetensors files of a checkpoint folder: the shards named in
 /// `model.safetensors.index.json` if present, else every `model*.safetensors`, else every
@@ -82,14 +101,20 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Checkpoint tensors skipped silently.
-fn ignorable(name: &str, tied: bool) -> bool {
-    name.starts_with("mtp.")
-        || name.starts_with("model.mtp.")
-        || name.starts_with("model.visual.")
-        || name.starts_with("visual.")
-        || name.ends_with(".rotary_emb.inv_freq")
-        || (tied && name == "lm_head.weight")
+/// Checkpoint tensors that are skipped (not an error) when no buffer uses them, and the group
+/// they are reported under.
+fn skipped_group(name: &str, tied: bool) -> Option<&'static str> {
+    if name.starts_with("model.visual.") || name.starts_with("visual.") {
+        Some("vision tower (model.visual.*): flashrt serves the text model")
+    } else if name.starts_with("mtp.") || name.starts_with("model.mtp.") {
+        Some("MTP head (mtp.*): the model declares no [mtp] section")
+    } else if name.ends_with(".rotary_emb.inv_freq") {
+        Some("stored rotary inv_freq buffers (recomputed)")
+    } else if tied && name == "lm_head.weight" {
+        Some("lm_head.weight of a tied model (the embedding is used)")
+    } else {
+        None
+    }
 }
 
 /// Other names a source tensor may carry in real checkpoints.
@@ -104,6 +129,126 @@ fn alternatives(source: &str) -> Vec<String> {
     v
 }
 
+/// A checkpoint folder: every shard mapped, every header parsed.
+pub struct Checkpoint {
+    dir: PathBuf,
+    shards: Vec<SafeTensors>,
+    /// Tensor name -> shard index.
+    index: BTreeMap<String, usize>,
+    duplicates: Vec<String>,
+}
+
+/// One weight buffer matched with its checkpoint tensor.
+#[derive(Clone, Debug)]
+pub struct Matched {
+    pub buffer: BufferId,
+    pub name: String,
+    pub shard: usize,
+    pub dtype: SourceDtype,
+    pub start: usize,
+    pub end: usize,
+    pub shape: Vec<usize>,
+}
+
+/// What [`Checkpoint::load`] did.
+#[derive(Clone, Debug)]
+pub struct LoadReport {
+    /// Bytes of tensor data streamed into the sink.
+    pub bytes: u64,
+    pub tensors: usize,
+    pub seconds: f64,
+    /// Hex XXH3-128 digest over every loaded tensor's name, dtype, shape and data.
+    pub digest: String,
+    /// Checkpoint tensors left out, by group.
+    pub skipped: Vec<Skipped>,
+}
+
+/// Checkpoint tensors a model does not use and the loader leaves out without an error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Skipped {
+    /// What they are and why they are left out.
+    pub group: String,
+    pub tensors: usize,
+    pub bytes: u64,
+}
+
+/// Progress of a long load. Every method has an empty default.
+pub trait LoadProgress {
+    /// Loading starts: `bytes` of tensor data in `shards` files.
+    fn start(&mut self, bytes: u64, shards: usize) {
+        let _ = (bytes, shards);
+    }
+    /// Shard `index` (0-based) of the folder, `name`, is being read.
+    fn shard(&mut self, index: usize, name: &str) {
+        let _ = (index, name);
+    }
+    /// `bytes` more have reached the backend.
+    fn advance(&mut self, bytes: u64) {
+        let _ = bytes;
+    }
+    fn finish(&mut self, report: &LoadReport) {
+        let _ = report;
+    }
+}
+
+/// No progress output.
+pub struct Silent;
+impl LoadProgress for Silent {}
+
+/// A progress bar on standard error (bytes, rate, time left, the shard being read) when it is
+/// a terminal, and one log line at the end either way.
+pub struct TerminalProgress {
+    bar: indicatif::ProgressBar,
+    shards: usize,
+}
+
+impl TerminalProgress {
+    pub fn new() -> Self {
+        let bar = indicatif::ProgressBar::with_draw_target(
+            Some(0),
+            indicatif::ProgressDrawTarget::stderr_with_hz(8),
+        );
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+            )
+            .expect("a valid template")
+            .progress_chars("=> "),
+        );
+        TerminalProgress { bar, shards: 0 }
+    }
+}
+
+impl Default for TerminalProgress {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LoadProgress for TerminalProgress {
+    fn start(&mut self, bytes: u64, shards: usize) {
+        self.shards = shards;
+        self.bar.set_length(bytes);
+    }
+    fn shard(&mut self, index: usize, name: &str) {
+        self.bar
+            .set_message(format!("loading {name} ({}/{})", index + 1, self.shards));
+    }
+    fn advance(&mut self, bytes: u64) {
+        self.bar.inc(bytes);
+    }
+    fn finish(&mut self, r: &LoadReport) {
+        self.bar.finish_and_clear();
+        tracing::info!(
+            "loaded {} tensors, {:.2} GB in {:.1} s ({:.2} GB/s)",
+            r.tensors,
+            r.bytes as f64 / 1e9,
+            r.seconds,
+            r.bytes as f64 / 1e9 / r.seconds.max(1e-9)
+        );
+    }
+}
+
 /// Shapes agree if they hold the same elements in the same order: equal after dropping
 /// size-1 dims (a depthwise conv stored `[C, 1, K]` fills a `[C, K]` buffer).
 fn same_shape(a: &[usize], b: &[usize]) -> bool {
@@ -111,267 +256,311 @@ fn same_shape(a: &[usize], b: &[usize]) -> bool {
     a.iter().product::<usize>() == b.iter().product::<usize>() && sq(a) == sq(b)
 }
 
-/// Load every weight buffer of `compiled` from the checkpoint in `dir`.
-pub fn load_hf_weights(compiled: &Compiled, dir: &Path) -> Result<HostWeights> {
-    let files = checkpoint_files(dir)?;
-    let mut shards = Vec::with_capacity(files.len());
-    for f in &files {
-        shards.push(SafeTensors::read(f)?);
+impl Checkpoint {
+    /// Map the folder's shards and parse their headers.
+    pub fn open(dir: &Path) -> Result<Checkpoint> {
+        let files = checkpoint_files(dir)?;
+        let mut shards = Vec::with_capacity(files.len());
+        for f in &files {
+            shards.push(SafeTensors::open(f)?);
+        }
+        Ok(Checkpoint::from_shards(dir, shards))
     }
-    load_from_shards(compiled, &shards, &dir.display().to_string())
-}
 
-/// [`load_hf_weights`] over already-parsed files.
-pub fn load_from_shards(
-    compiled: &Compiled,
-    shards: &[SafeTensors],
-    origin: &str,
-) -> Result<HostWeights> {
-    let layout = &compiled.layout;
-    let mut index: BTreeMap<&str, usize> = BTreeMap::new();
-    let mut duplicates = Vec::new();
-    for (i, s) in shards.iter().enumerate() {
-        for name in s.tensors.keys() {
-            if let Some(prev) = index.insert(name.as_str(), i) {
-                duplicates.push(format!(
-                    "{name} (in {} and {})",
-                    shards[prev].origin, s.origin
+    /// A checkpoint over already-parsed files (tests).
+    pub fn from_shards(dir: &Path, shards: Vec<SafeTensors>) -> Checkpoint {
+        let mut index = BTreeMap::new();
+        let mut duplicates = Vec::new();
+        for (i, s) in shards.iter().enumerate() {
+            for name in s.tensors.keys() {
+                if let Some(prev) = index.insert(name.clone(), i) {
+                    duplicates.push(format!(
+                        "{name} (in {} and {})",
+                        shards[prev].origin, s.origin
+                    ));
+                }
+            }
+        }
+        Checkpoint {
+            dir: dir.to_path_buf(),
+            shards,
+            index,
+            duplicates,
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Total bytes of the shard files.
+    pub fn file_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.len() as u64).sum()
+    }
+
+    /// Every tensor name of the checkpoint.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// The shard and header entry of tensor `name`.
+    pub fn tensor(&self, name: &str) -> Option<(&SafeTensors, &crate::safetensors::TensorInfo)> {
+        let &i = self.index.get(name)?;
+        Some((&self.shards[i], &self.shards[i].tensors[name]))
+    }
+
+    /// Match every weight buffer of `compiled` with its tensor; one error lists every
+    /// mismatch. Also returns what is skipped, by group.
+    pub fn resolve(&self, compiled: &Compiled) -> Result<(Vec<Matched>, Vec<Skipped>)> {
+        let layout = &compiled.layout;
+        let mut used: BTreeSet<&str> = BTreeSet::new();
+        let mut missing = Vec::new();
+        let mut misshaped = Vec::new();
+        let mut bad_dtype = Vec::new();
+        let mut matched = Vec::new();
+        for b in layout.buffers.iter().filter(|b| b.role == Role::Weight) {
+            let Some(source) = &b.source else {
+                missing.push(format!(
+                    "{} (layout buffer without a checkpoint name)",
+                    b.name
                 ));
+                continue;
+            };
+            let found = alternatives(source)
+                .into_iter()
+                .find_map(|n| self.index.get_key_value(n.as_str()).map(|(k, &i)| (k, i)));
+            let Some((name, shard)) = found else {
+                missing.push(source.clone());
+                continue;
+            };
+            used.insert(name);
+            let info = &self.shards[shard].tensors[name];
+            if !same_shape(&info.shape, &b.shape) {
+                misshaped.push(format!(
+                    "{name}: checkpoint {:?}, model expects {:?}",
+                    info.shape, b.shape
+                ));
+                continue;
+            }
+            let Some(dtype) = info.dtype.source() else {
+                bad_dtype.push(format!("{name}: {}", info.dtype.name()));
+                continue;
+            };
+            matched.push(Matched {
+                buffer: b.id,
+                name: name.clone(),
+                shard,
+                dtype,
+                start: info.start,
+                end: info.end,
+                shape: info.shape.clone(),
+            });
+        }
+        let tied = compiled.ir.tied_embeddings;
+        let mut unexpected = Vec::new();
+        let mut skipped: BTreeMap<&str, (usize, u64)> = BTreeMap::new();
+        for (n, &i) in &self.index {
+            if used.contains(n.as_str()) {
+                continue;
+            }
+            match skipped_group(n, tied) {
+                Some(g) => {
+                    let t = &self.shards[i].tensors[n];
+                    let e = skipped.entry(g).or_default();
+                    e.0 += 1;
+                    e.1 += (t.end - t.start) as u64;
+                }
+                None => unexpected.push(n.clone()),
             }
         }
-    }
-    let mut used: BTreeSet<&str> = BTreeSet::new();
-    let mut missing = Vec::new();
-    let mut misshaped = Vec::new();
-    let mut bad_dtype = Vec::new();
-    let mut tensors: Vec<Option<Vec<f32>>> = vec![None; layout.buffers.len()];
-    for b in layout.buffers.iter().filter(|b| b.role == Role::Weight) {
-        let Some(source) = &b.source else {
-            missing.push(format!(
-                "{} (layout buffer without a checkpoint name)",
-                b.name
-            ));
-            continue;
-        };
-        let found = alternatives(source)
+        let skipped = skipped
             .into_iter()
-            .find_map(|n| index.get_key_value(n.as_str()).map(|(k, &i)| (*k, i)));
-        let Some((name, shard)) = found else {
-            missing.push(source.clone());
-            continue;
-        };
-        used.insert(name);
-        let info = &shards[shard].tensors[name];
-        if !same_shape(&info.shape, &b.shape) {
-            misshaped.push(format!(
-                "{name}: checkpoint {:?}, model expects {:?}",
-                info.shape, b.shape
-            ));
-            continue;
-        }
-        if !matches!(
-            info.dtype,
-            Dtype::F32 | Dtype::F16 | Dtype::Bf16 | Dtype::F64
-        ) {
-            bad_dtype.push(format!("{name}: {}", info.dtype.name()));
-            continue;
-        }
-        tensors[b.id.index()] = Some(shards[shard].f32(name)?);
-    }
-    let tied = compiled.ir.tied_embeddings;
-    let unexpected: Vec<&str> = index
-        .keys()
-        .copied()
-        .filter(|n| !used.contains(n) && !ignorable(n, tied))
-        .collect();
-    if missing.is_empty()
-        && misshaped.is_empty()
-        && unexpected.is_empty()
-        && bad_dtype.is_empty()
-        && duplicates.is_empty()
-    {
-        return Ok(HostWeights { tensors });
-    }
-    let mut msg = format!(
-        "checkpoint {origin} does not match model `{}`:",
-        compiled.ir.name
-    );
-    let mut section = |title: &str, items: &[String]| {
-        if !items.is_empty() {
-            msg.push_str(&format!("\n  {title} ({}):", items.len()));
-            for it in items {
-                msg.push_str(&format!("\n    {it}"));
-            }
-        }
-    };
-    section("missing tensors", &missing);
-    section(
-        "unexpected tensors",
-        &unexpected.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
-    );
-    section("misshaped tensors", &misshaped);
-    section("unsupported dtypes", &bad_dtype);
-    section("duplicate tensors", &duplicates);
-    Err(Error::Checkpoint(msg))
-}
-
-/// SplitMix64: a tiny, well-mixed deterministic generator.
-/// SplitMix64's finaliser: a bijective 64-bit mix.
-#[inline]
-pub fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// How one weight buffer is initialised by [`random_weights`]. The discriminants are part of
-/// the contract with the CUDA backend's `init_random` kernel, which reproduces the values on
-/// the device.
-#[derive(Clone, Copy, Debug, PartialEq)]
-#[repr(u32)]
-pub enum Init {
-    /// `mean + std * N(0, 1)` (Box-Muller).
-    Normal { mean: f64, std: f64 } = 0,
-    /// `U(lo, hi)`.
-    Uniform { lo: f64, hi: f64 } = 1,
-    /// `log(U(lo, hi))` (decay rates A = exp(A_log) in [lo, hi]).
-    LogUniform { lo: f64, hi: f64 } = 2,
-    /// Inverse softplus of a log-uniform dt in `[lo, hi]`.
-    InvSoftplusDt { lo: f64, hi: f64 } = 3,
-}
-
-impl Init {
-    /// `(kind, a, b)` as the device kernel takes them.
-    pub fn params(self) -> (u32, f64, f64) {
-        match self {
-            Init::Normal { mean, std } => (0, mean, std),
-            Init::Uniform { lo, hi } => (1, lo, hi),
-            Init::LogUniform { lo, hi } => (2, lo, hi),
-            Init::InvSoftplusDt { lo, hi } => (3, lo, hi),
-        }
-    }
-
-    /// Element `i` of buffer `buffer` for `seed`: a pure function of its arguments
-    /// (counter-based), so any backend can generate any element independently.
-    pub fn value(self, seed: u64, buffer: u32, i: u64) -> f32 {
-        let key = mix64(seed ^ mix64(((buffer as u64) << 1) | 1));
-        // Uniform in (0, 1): 53 random bits, centred in their interval.
-        let u = |k: u64| ((mix64(key ^ k) >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
-        let (u1, u2) = (u(2 * i), u(2 * i + 1));
-        (match self {
-            Init::Normal { mean, std } => {
-                mean + std * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
-            }
-            Init::Uniform { lo, hi } => lo + (hi - lo) * u1,
-            Init::LogUniform { lo, hi } => (lo + (hi - lo) * u1).ln(),
-            Init::InvSoftplusDt { lo, hi } => {
-                let dt = (lo.ln() + (hi.ln() - lo.ln()) * u1).exp();
-                dt + (-(-dt).exp_m1()).ln()
-            }
-        }) as f32
-    }
-}
-
-/// Deterministic random weights with sensible scales, for demos and benchmarks: projections
-/// and embeddings N(0, 0.02); norm scales near 1 (near 0 for `1 + w` norms); conv kernels
-/// U(±1/√K); decay rates `A_log = log U(1, 16)`; `dt_bias` = softplus⁻¹ of dt ∈ [1e-3, 0.1];
-/// Mamba2 `D` near 1; biases 0. Each buffer draws from its own stream (seed, buffer index).
-pub fn random_weights(compiled: &Compiled, seed: u64) -> HostWeights {
-    let inits = weight_inits(compiled);
-    let tensors = compiled
-        .layout
-        .buffers
-        .iter()
-        .map(|b| {
-            inits[b.id.index()].map(|init| {
-                (0..b.numel() as u64)
-                    .map(|i| init.value(seed, b.id.0, i))
-                    .collect()
+            .map(|(g, (tensors, bytes))| Skipped {
+                group: g.to_string(),
+                tensors,
+                bytes,
             })
-        })
-        .collect();
-    HostWeights { tensors }
-}
-
-/// The initialiser of every weight buffer (`None` for other buffers), chosen by how the plans
-/// use it: norms near their identity, projections N(0, 0.02), conv taps uniform, decay rates
-/// and dt biases in ranges that keep the recurrences stable.
-pub fn weight_inits(compiled: &Compiled) -> Vec<Option<Init>> {
-    let layout = &compiled.layout;
-    let mut init: Vec<Option<Init>> = vec![None; layout.buffers.len()];
-    let mut set = |id: flashrt_ir::BufferId, i: Init| {
-        let slot = &mut init[id.index()];
-        if slot.is_none() {
-            *slot = Some(i);
+            .collect();
+        if missing.is_empty()
+            && misshaped.is_empty()
+            && unexpected.is_empty()
+            && bad_dtype.is_empty()
+            && self.duplicates.is_empty()
+        {
+            return Ok((matched, skipped));
         }
-    };
-    const ZERO: Init = Init::Normal {
-        mean: 0.0,
-        std: 0.0,
-    };
-    let small = Init::Normal {
-        mean: 0.0,
-        std: 0.02,
-    };
-    let near_one = Init::Normal {
-        mean: 1.0,
-        std: 0.02,
-    };
-    let dt = Init::InvSoftplusDt { lo: 1e-3, hi: 0.1 };
-    for plan in &compiled.plans {
-        for op in &plan.ops {
-            match op {
-                Op::Embed { table, .. } => set(*table, small),
-                Op::Linear { w, bias, .. } => {
-                    set(*w, small);
-                    if let Some(b) = bias {
-                        set(*b, ZERO);
-                    }
+        let mut msg = format!(
+            "checkpoint {} does not match model `{}`:",
+            self.dir.display(),
+            compiled.ir.name
+        );
+        let mut section = |title: &str, items: &[String]| {
+            if !items.is_empty() {
+                msg.push_str(&format!("\n  {title} ({}):", items.len()));
+                for it in items {
+                    msg.push_str(&format!("\n    {it}"));
                 }
-                Op::RmsNorm {
-                    weight: Some(w),
-                    weight_kind,
-                    ..
-                } => set(
-                    *w,
-                    match weight_kind {
-                        NormWeight::Plain => near_one,
-                        NormWeight::OnePlus => small,
-                    },
-                ),
-                Op::GatedRmsNorm { weight, .. } => set(*weight, near_one),
-                Op::CausalConv1d {
-                    weight,
-                    bias,
-                    kernel,
-                    ..
-                } => {
-                    let a = 1.0 / (*kernel as f64).sqrt();
-                    set(*weight, Init::Uniform { lo: -a, hi: a });
-                    if let Some(b) = bias {
-                        set(*b, ZERO);
-                    }
+            }
+        };
+        section("missing tensors", &missing);
+        section("unexpected tensors", &unexpected);
+        section("misshaped tensors", &misshaped);
+        section("unsupported dtypes", &bad_dtype);
+        section("duplicate tensors", &self.duplicates);
+        Err(Error::Checkpoint(msg))
+    }
+
+    /// Stream every weight of `compiled` into `sink` (see the module docs). Does not call
+    /// [`WeightSink::finish`]: the caller does, with the fingerprint the digest gives.
+    pub fn load(
+        &self,
+        compiled: &Compiled,
+        sink: &mut dyn WeightSink,
+        progress: &mut dyn LoadProgress,
+    ) -> Result<LoadReport> {
+        let t0 = Instant::now();
+        let (mut matched, skipped) = self.resolve(compiled)?;
+        for k in &skipped {
+            tracing::info!(
+                "skipping {} checkpoint tensors ({:.1} MB): {}",
+                k.tensors,
+                k.bytes as f64 / 1e6,
+                k.group
+            );
+        }
+        // File order: each shard is read front to back, once.
+        matched.sort_by_key(|m| (m.shard, m.start));
+        let total: u64 = matched.iter().map(|m| (m.end - m.start) as u64).sum();
+        progress.start(total, self.shards.len());
+        // Every piece, in read order: (matched index, byte range in its shard).
+        let mut pieces = Vec::new();
+        for (i, m) in matched.iter().enumerate() {
+            let step = PIECE / m.dtype.size() * m.dtype.size();
+            let mut at = m.start;
+            while at < m.end || (at == m.end && m.start == m.end) {
+                let end = (at + step).min(m.end);
+                pieces.push((i, at..end));
+                if end == m.end {
+                    break;
                 }
-                Op::GatedDeltaNet { a_log, dt_bias, .. } => {
-                    set(*a_log, Init::LogUniform { lo: 1.0, hi: 16.0 });
-                    set(*dt_bias, dt);
-                }
-                Op::Mamba2Scan {
-                    a_log, d, dt_bias, ..
-                } => {
-                    set(*a_log, Init::LogUniform { lo: 1.0, hi: 16.0 });
-                    set(*d, near_one);
-                    set(*dt_bias, dt);
-                }
-                _ => {}
+                at = end;
             }
         }
+        let mut ahead = 0; // pieces[..ahead] have been prefetched
+        let mut ahead_bytes = 0usize; // bytes prefetched beyond the current piece
+        let mut hashes: Vec<(String, u64)> = Vec::with_capacity(matched.len());
+        let mut hasher = Xxh3::new();
+        let mut shard_seen = usize::MAX;
+        for (p, (i, range)) in pieces.iter().enumerate() {
+            let m = &matched[*i];
+            let shard = &self.shards[m.shard];
+            if m.shard != shard_seen {
+                shard_seen = m.shard;
+                let name = Path::new(&shard.origin)
+                    .file_name()
+                    .map_or(shard.origin.clone(), |n| n.to_string_lossy().into_owned());
+                progress.shard(m.shard, &name);
+            }
+            while ahead < pieces.len() && (ahead <= p || ahead_bytes < READ_AHEAD) {
+                let (j, r) = &pieces[ahead];
+                self.shards[matched[*j].shard].prefetch(r.clone());
+                ahead_bytes += r.len();
+                ahead += 1;
+            }
+            ahead_bytes = ahead_bytes.saturating_sub(range.len());
+            if range.start == m.start {
+                hasher.reset();
+                hasher.update(m.name.as_bytes());
+                hasher.update(&[0]);
+                hasher.update(m.dtype.name().as_bytes());
+                for d in &m.shape {
+                    hasher.update(&(*d as u64).to_le_bytes());
+                }
+            }
+            let bytes = shard.bytes(range.clone());
+            let first = (range.start - m.start) / m.dtype.size();
+            if bytes.len() >= (1 << 20) {
+                // Hash on a second thread while the sink copies the same (page-cached) bytes.
+                std::thread::scope(|s| {
+                    let h = s.spawn(|| hasher.update(bytes));
+                    let r = sink.put(m.buffer, first, m.dtype, bytes);
+                    h.join().expect("hashing does not panic");
+                    r
+                })?;
+            } else {
+                hasher.update(bytes);
+                sink.put(m.buffer, first, m.dtype, bytes)?;
+            }
+            shard.release(range.clone());
+            progress.advance(range.len() as u64);
+            if range.end == m.end {
+                hashes.push((m.name.clone(), hasher.digest()));
+            }
+        }
+        hashes.sort();
+        let mut all = Vec::with_capacity(hashes.len() * 40);
+        for (name, h) in &hashes {
+            all.extend_from_slice(name.as_bytes());
+            all.push(0);
+            all.extend_from_slice(&h.to_le_bytes());
+        }
+        let report = LoadReport {
+            bytes: total,
+            tensors: matched.len(),
+            seconds: t0.elapsed().as_secs_f64(),
+            digest: format!("{:032x}", xxh3_128(&all)),
+            skipped,
+        };
+        progress.finish(&report);
+        Ok(report)
     }
-    layout
-        .buffers
-        .iter()
-        .map(|b| (b.role == Role::Weight).then(|| init[b.id.index()].unwrap_or(small)))
-        .collect()
+}
+
+/// A sink that keeps f32 copies on the host ([`load_hf_weights`]: tests and tools that want
+/// the values themselves). It makes no model.
+struct Collect {
+    tensors: Vec<Option<Vec<f32>>>,
+}
+
+impl WeightSink for Collect {
+    fn put(&mut self, id: BufferId, first: usize, dtype: SourceDtype, bytes: &[u8]) -> Result<()> {
+        let t = self.tensors[id.index()]
+            .as_mut()
+            .ok_or_else(|| Error::Checkpoint(format!("buffer {} is not a weight", id.0)))?;
+        let n = bytes.len() / dtype.size();
+        let dst = t.get_mut(first..first + n).ok_or_else(|| {
+            Error::Checkpoint(format!("elements {first}..{} out of range", first + n))
+        })?;
+        dtype.to_f32(bytes, dst);
+        Ok(())
+    }
+    fn finish(
+        self: Box<Self>,
+        _compiled: std::sync::Arc<Compiled>,
+    ) -> Result<std::sync::Arc<dyn crate::backend::DeviceModel>> {
+        Err(Error::Unsupported(
+            "a host collector makes no device model".into(),
+        ))
+    }
+}
+
+/// Every weight buffer of `compiled` from the checkpoint in `dir`, as f32 on the host, with
+/// the weights digest. For tests and tools: a model loads through [`Checkpoint::load`] into
+/// its backend's sink instead.
+pub fn load_hf_weights(compiled: &Compiled, dir: &Path) -> Result<crate::backend::HostWeights> {
+    let ckpt = Checkpoint::open(dir)?;
+    let mut sink = Collect {
+        tensors: compiled
+            .layout
+            .buffers
+            .iter()
+            .map(|b| (b.role == Role::Weight).then(|| vec![0f32; b.numel()]))
+            .collect(),
+    };
+    ckpt.load(compiled, &mut sink, &mut Silent)?;
+    Ok(crate::backend::HostWeights {
+        tensors: sink.tensors,
+    })
 }
 
 #[cfg(test)]
@@ -384,44 +573,5 @@ mod tests {
         assert!(same_shape(&[64], &[64]));
         assert!(!same_shape(&[4, 192], &[192, 4]));
         assert!(!same_shape(&[64, 32], &[64, 16]));
-    }
-
-    #[test]
-    fn inverse_softplus_dt_round_trips() {
-        // softplus(dt_bias) must give back a dt inside [1e-3, 0.1].
-        let init = Init::InvSoftplusDt { lo: 1e-3, hi: 0.1 };
-        for i in 0..1000 {
-            let x = init.value(5, 3, i) as f64;
-            let dt = x.exp().ln_1p();
-            assert!(
-                (1e-3 * 0.999..=0.1 * 1.001).contains(&dt),
-                "element {i}: dt {dt}"
-            );
-        }
-    }
-
-    #[test]
-    fn init_values_are_counter_based_and_well_spread() {
-        let n = Init::Normal {
-            mean: 0.0,
-            std: 1.0,
-        };
-        // A pure function of (seed, buffer, index).
-        assert_eq!(n.value(1, 2, 3), n.value(1, 2, 3));
-        assert_ne!(n.value(1, 2, 3), n.value(1, 3, 3));
-        assert_ne!(n.value(1, 2, 3), n.value(2, 2, 3));
-        let v: Vec<f64> = (0..20000).map(|i| n.value(9, 1, i) as f64).collect();
-        let mean = v.iter().sum::<f64>() / v.len() as f64;
-        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / v.len() as f64;
-        assert!(
-            mean.abs() < 0.03 && (var - 1.0).abs() < 0.05,
-            "mean {mean}, var {var}"
-        );
-        let u = Init::Uniform { lo: -2.0, hi: 3.0 };
-        assert!(
-            (0..1000)
-                .map(|i| u.value(4, 0, i))
-                .all(|x| (-2.0..=3.0).contains(&x))
-        );
     }
 }

@@ -1,17 +1,22 @@
-//! A small, strict reader (and writer) of the safetensors format.
+//! Safetensors files, read through the format's reference crate (`safetensors`) over a
+//! memory map, and written through it.
 //!
 //! Layout of a file: an 8-byte little-endian header length `n`, `n` bytes of JSON
 //! (`{"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}}`),
-//! then the data, with offsets relative to the end of the header. Every file is treated as
-//! untrusted: header length, JSON, dtypes, shapes and offsets are all checked, and any defect
-//! is an [`Error::Checkpoint`] naming the file and the tensor, never a panic.
+//! then the data, with offsets relative to the end of the header. Every file is untrusted: the
+//! crate checks the header length, the JSON, that the offsets tile the data section exactly
+//! and that every tensor's byte size is its shape times its dtype; any defect becomes an
+//! [`Error::Checkpoint`] naming the file (and the tensor, where one is at fault), never a
+//! panic.
+//!
+//! [`SafeTensors::open`] maps the file instead of reading it: parsing touches only the header,
+//! and a loader streams tensor data straight from the page cache, hinting the kernel ahead of
+//! itself ([`SafeTensors::prefetch`]) and dropping pages from the process once they are
+//! copied ([`SafeTensors::release`]), so resident memory does not grow with the file.
 
 use crate::error::{Error, Result};
-use serde_json::{Map, Value};
 use std::collections::BTreeMap;
-
-/// Headers larger than this are rejected (real headers are a few MB at most).
-const MAX_HEADER: u64 = 256 << 20;
+use std::path::Path;
 
 /// Element type of a stored tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,6 +76,33 @@ impl Dtype {
             Dtype::Other(_) => return None,
         })
     }
+    /// The float element type a weight sink takes, for the float dtypes.
+    pub fn source(&self) -> Option<crate::backend::SourceDtype> {
+        use crate::backend::SourceDtype as S;
+        Some(match self {
+            Dtype::F64 => S::F64,
+            Dtype::F32 => S::F32,
+            Dtype::F16 => S::F16,
+            Dtype::Bf16 => S::Bf16,
+            _ => return None,
+        })
+    }
+    fn to_crate(&self) -> Option<safetensors::Dtype> {
+        use safetensors::Dtype as D;
+        Some(match self {
+            Dtype::F64 => D::F64,
+            Dtype::F32 => D::F32,
+            Dtype::F16 => D::F16,
+            Dtype::Bf16 => D::BF16,
+            Dtype::I64 => D::I64,
+            Dtype::I32 => D::I32,
+            Dtype::I16 => D::I16,
+            Dtype::I8 => D::I8,
+            Dtype::U8 => D::U8,
+            Dtype::Bool => D::BOOL,
+            Dtype::Other(_) => return None,
+        })
+    }
 }
 
 /// Where one tensor lies in a parsed file.
@@ -89,11 +121,26 @@ impl TensorInfo {
     }
 }
 
-/// A parsed safetensors file (the bytes plus a validated index).
+/// The bytes behind a parsed file.
+enum Backing {
+    Owned(Vec<u8>),
+    Mapped(memmap2::Mmap),
+}
+
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::Owned(v) => v,
+            Backing::Mapped(m) => m,
+        }
+    }
+}
+
+/// A parsed safetensors file (the bytes, owned or mapped, plus a validated index).
 pub struct SafeTensors {
     /// File name, for messages.
     pub origin: String,
-    bytes: Vec<u8>,
+    bytes: Backing,
     pub tensors: BTreeMap<String, TensorInfo>,
     pub metadata: BTreeMap<String, String>,
 }
@@ -103,69 +150,66 @@ fn corrupt(origin: &str, msg: impl std::fmt::Display) -> Error {
 }
 
 impl SafeTensors {
-    /// Read and validate a file.
-    pub fn read(path: &std::path::Path) -> Result<SafeTensors> {
-        let bytes = std::fs::read(path).map_err(|e| Error::Io {
+    /// Map and validate a file. Only the header is read now; data pages come in as they are
+    /// touched.
+    pub fn open(path: &Path) -> Result<SafeTensors> {
+        let io = |e| Error::Io {
             path: path.display().to_string(),
             source: e,
-        })?;
-        SafeTensors::parse(bytes, &path.display().to_string())
+        };
+        // Look before opening: opening a FIFO for reading would block.
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            return Err(corrupt(&path.display().to_string(), "not a regular file"));
+        }
+        // An empty file cannot be mapped; the parser gives it its proper error.
+        if meta.len() == 0 {
+            return SafeTensors::parse(Vec::new(), &path.display().to_string());
+        }
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: the map is read-only and private. Checkpoint files are not expected to change
+        // while a model loads; if one is truncated underneath us, reads past the new end fault
+        // (SIGBUS), which is the documented hazard of mapping files, as in every runtime that
+        // maps weights.
+        let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(io)?;
+        #[cfg(unix)]
+        let _ = map.advise(memmap2::Advice::Sequential);
+        SafeTensors::from_backing(Backing::Mapped(map), &path.display().to_string())
+    }
+
+    /// [`SafeTensors::open`] (kept for callers that read small files such as references).
+    pub fn read(path: &Path) -> Result<SafeTensors> {
+        SafeTensors::open(path)
     }
 
     /// Validate `bytes` as a safetensors file.
     pub fn parse(bytes: Vec<u8>, origin: &str) -> Result<SafeTensors> {
-        if bytes.len() < 8 {
-            return Err(corrupt(
-                origin,
-                format!(
-                    "file is {} bytes, shorter than the 8-byte header length",
-                    bytes.len()
-                ),
-            ));
-        }
-        let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
-        let avail = (bytes.len() - 8) as u64;
-        if n > avail || n > MAX_HEADER {
-            return Err(corrupt(
-                origin,
-                format!(
-                    "header length {n} exceeds the {avail} bytes after it (truncated or not a safetensors file)"
-                ),
-            ));
-        }
-        let n = n as usize;
-        let header = std::str::from_utf8(&bytes[8..8 + n])
-            .map_err(|e| corrupt(origin, format!("header is not UTF-8: {e}")))?;
-        let json: Value = serde_json::from_str(header.trim_end())
-            .map_err(|e| corrupt(origin, format!("header is not valid JSON: {e}")))?;
-        let Value::Object(entries) = json else {
-            return Err(corrupt(origin, "header is not a JSON object"));
-        };
+        SafeTensors::from_backing(Backing::Owned(bytes), origin)
+    }
+
+    fn from_backing(bytes: Backing, origin: &str) -> Result<SafeTensors> {
+        let buf = bytes.bytes();
+        let (n, meta) = safetensors::SafeTensors::read_metadata(buf)
+            .map_err(|e| corrupt(origin, explain(buf, &e)))?;
         let data_start = 8 + n;
-        let data_len = bytes.len() - data_start;
         let mut tensors = BTreeMap::new();
-        let mut metadata = BTreeMap::new();
-        for (name, v) in &entries {
-            if name == "__metadata__" {
-                if let Value::Object(m) = v {
-                    for (k, v) in m {
-                        if let Some(s) = v.as_str() {
-                            metadata.insert(k.clone(), s.to_string());
-                        }
-                    }
-                }
-                continue;
-            }
-            let info = parse_entry(origin, name, v, data_len)?;
+        for (name, info) in meta.tensors() {
+            let (begin, end) = info.data_offsets;
             tensors.insert(
-                name.clone(),
+                name,
                 TensorInfo {
-                    start: info.start + data_start,
-                    end: info.end + data_start,
-                    ..info
+                    dtype: Dtype::parse(&format!("{:?}", info.dtype)),
+                    shape: info.shape.clone(),
+                    start: data_start + begin,
+                    end: data_start + end,
                 },
             );
         }
+        let metadata = meta
+            .metadata()
+            .as_ref()
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default();
         Ok(SafeTensors {
             origin: origin.to_string(),
             bytes,
@@ -174,8 +218,22 @@ impl SafeTensors {
         })
     }
 
+    /// Total bytes of the file.
+    pub fn len(&self) -> usize {
+        self.bytes.bytes().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     pub fn info(&self, name: &str) -> Option<&TensorInfo> {
         self.tensors.get(name)
+    }
+
+    /// Bytes `range` of the file (a tensor's `start..end`, or part of it).
+    pub fn bytes(&self, range: std::ops::Range<usize>) -> &[u8] {
+        &self.bytes.bytes()[range]
     }
 
     /// The raw bytes of a tensor.
@@ -183,7 +241,39 @@ impl SafeTensors {
         let t = self
             .info(name)
             .ok_or_else(|| corrupt(&self.origin, format!("no tensor `{name}`")))?;
-        Ok(&self.bytes[t.start..t.end])
+        Ok(&self.bytes.bytes()[t.start..t.end])
+    }
+
+    /// Ask the kernel to start reading `range` of a mapped file into the page cache (no-op for
+    /// owned bytes). Returns at once; the reads proceed while the caller works.
+    pub fn prefetch(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let Backing::Mapped(m) = &self.bytes
+            && let Some((off, len)) = page_range(range, m.len(), false)
+        {
+            let _ = m.advise_range(memmap2::Advice::WillNeed, off, len);
+        }
+        #[cfg(not(unix))]
+        let _ = range;
+    }
+
+    /// Drop the pages of `range` from this process (they stay in the page cache), so a long
+    /// streaming read keeps the resident set flat. No-op for owned bytes. Only whole pages
+    /// inside the range are dropped; the next access of a dropped page reads it again.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let Backing::Mapped(m) = &self.bytes
+            && let Some((off, len)) = page_range(range, m.len(), true)
+        {
+            // SAFETY: the mapping is a read-only private map of a file, never written through;
+            // MADV_DONTNEED only discards this process's page table entries for the range, and
+            // later reads fault the same file contents back in. No reference into the range
+            // is used in a way that depends on the pages staying resident.
+            let _ =
+                unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, off, len) };
+        }
+        #[cfg(not(unix))]
+        let _ = range;
     }
 
     /// A float tensor converted to f32 (F32, F16, BF16, F64).
@@ -191,7 +281,7 @@ impl SafeTensors {
         let t = self
             .info(name)
             .ok_or_else(|| corrupt(&self.origin, format!("no tensor `{name}`")))?;
-        let b = &self.bytes[t.start..t.end];
+        let b = &self.bytes.bytes()[t.start..t.end];
         to_f32(&t.dtype, b).ok_or_else(|| {
             corrupt(
                 &self.origin,
@@ -208,7 +298,7 @@ impl SafeTensors {
         let t = self
             .info(name)
             .ok_or_else(|| corrupt(&self.origin, format!("no tensor `{name}`")))?;
-        let b = &self.bytes[t.start..t.end];
+        let b = &self.bytes.bytes()[t.start..t.end];
         Ok(match t.dtype {
             Dtype::I64 => b
                 .chunks_exact(8)
@@ -237,82 +327,90 @@ impl SafeTensors {
     }
 }
 
-fn parse_entry(origin: &str, name: &str, v: &Value, data_len: usize) -> Result<TensorInfo> {
-    let bad = |msg: &str| corrupt(origin, format!("tensor `{name}`: {msg}"));
-    let Value::Object(m) = v else {
-        return Err(bad("entry is not an object"));
+/// The page-aligned part of `range` within a map of `len` bytes: widened to whole pages for
+/// prefetching, narrowed to whole pages for releasing.
+#[cfg(unix)]
+fn page_range(range: std::ops::Range<usize>, len: usize, inner: bool) -> Option<(usize, usize)> {
+    const PAGE: usize = 4096;
+    let end = range.end.min(len);
+    let (start, end) = if inner {
+        (range.start.div_ceil(PAGE) * PAGE, end / PAGE * PAGE)
+    } else {
+        (range.start / PAGE * PAGE, end)
     };
-    let dtype = Dtype::parse(
-        m.get("dtype")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("missing or non-string `dtype`"))?,
-    );
-    let shape = m
-        .get("shape")
-        .and_then(Value::as_array)
-        .ok_or_else(|| bad("missing or non-list `shape`"))?
-        .iter()
-        .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-        .collect::<Option<Vec<usize>>>()
-        .ok_or_else(|| bad("`shape` holds a non-integer"))?;
-    let offs = m
-        .get("data_offsets")
-        .and_then(Value::as_array)
-        .filter(|a| a.len() == 2)
-        .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
-        .ok_or_else(|| bad("`data_offsets` is not a pair of integers"))?;
-    let (begin, end) = offs;
-    if begin > end || end > data_len as u64 {
-        return Err(bad(&format!(
-            "data_offsets [{begin}, {end}] out of range (data section is {data_len} bytes)"
-        )));
+    (end > start).then(|| (start, end - start))
+}
+
+/// The crate's error in this project's words, with the offending tensor named where the
+/// crate does not name it (a byte size that does not match shape and dtype).
+fn explain(buf: &[u8], e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::HeaderTooSmall | E::InvalidHeaderLength | E::HeaderTooLarge => {
+            let n = buf
+                .get(..8)
+                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+            match n {
+                None => format!(
+                    "file is {} bytes, shorter than the 8-byte header length",
+                    buf.len()
+                ),
+                Some(n) => format!(
+                    "header length {n} does not fit the {} bytes after it (truncated or not a safetensors file)",
+                    buf.len() - 8
+                ),
+            }
+        }
+        E::InvalidHeader(_) => format!("header is not UTF-8: {e}"),
+        E::InvalidHeaderDeserialization(_) => format!("header is not a valid tensor index: {e}"),
+        E::InvalidOffset(name) => format!(
+            "tensor `{name}`: data_offsets do not follow the previous tensor (overlapping, out of order or out of range)"
+        ),
+        E::MetadataIncompleteBuffer => {
+            "the tensors' data does not end where the file ends (truncated, or trailing bytes)"
+                .to_string()
+        }
+        E::TensorInvalidInfo => match misfit(buf) {
+            Some(name) => format!(
+                "tensor `{name}`: byte size does not match its shape and dtype (wrong dtype size or corrupt offsets)"
+            ),
+            None => format!("{e} (wrong dtype size or corrupt offsets)"),
+        },
+        other => other.to_string(),
     }
-    let (begin, end) = (begin as usize, end as usize);
-    let numel = shape
-        .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .ok_or_else(|| bad("shape overflows"))?;
-    if let Some(size) = dtype.size() {
-        let want = numel
-            .checked_mul(size)
-            .ok_or_else(|| bad("shape overflows"))?;
-        if want != end - begin {
-            return Err(bad(&format!(
-                "{} bytes for shape {shape:?} of {} ({want} expected): wrong dtype size or corrupt offsets",
-                end - begin,
-                dtype.name()
-            )));
+}
+
+/// The first tensor whose byte range does not hold shape x dtype bytes (for messages only).
+fn misfit(buf: &[u8]) -> Option<String> {
+    let n = u64::from_le_bytes(buf.get(..8)?.try_into().ok()?) as usize;
+    let header: serde_json::Value =
+        serde_json::from_slice(buf.get(8..8usize.checked_add(n)?)?).ok()?;
+    for (name, v) in header.as_object()? {
+        if name == "__metadata__" {
+            continue;
+        }
+        let size = Dtype::parse(v.get("dtype")?.as_str()?).size()?;
+        let numel: u64 = v
+            .get("shape")?
+            .as_array()?
+            .iter()
+            .map(|d| d.as_u64())
+            .product::<Option<u64>>()?;
+        let offs = v.get("data_offsets")?.as_array()?;
+        let (a, b) = (offs.first()?.as_u64()?, offs.get(1)?.as_u64()?);
+        if b.checked_sub(a) != numel.checked_mul(size as u64) {
+            return Some(name.clone());
         }
     }
-    Ok(TensorInfo {
-        dtype,
-        shape,
-        start: begin,
-        end,
-    })
+    None
 }
 
 /// Convert little-endian float bytes to f32; `None` for non-float dtypes.
 pub fn to_f32(dtype: &Dtype, b: &[u8]) -> Option<Vec<f32>> {
-    Some(match dtype {
-        Dtype::F32 => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
-            .collect(),
-        Dtype::F16 => b
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes(c.try_into().expect("2")).to_f32())
-            .collect(),
-        Dtype::Bf16 => b
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes(c.try_into().expect("2")).to_f32())
-            .collect(),
-        Dtype::F64 => b
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().expect("8")) as f32)
-            .collect(),
-        _ => return None,
-    })
+    let src = dtype.source()?;
+    let mut out = vec![0f32; b.len() / src.size()];
+    src.to_f32(b, &mut out);
+    Some(out)
 }
 
 /// One tensor to write.
@@ -323,42 +421,43 @@ pub struct TensorOut<'a> {
     pub data: &'a [u8],
 }
 
-/// Serialise tensors (in the given order) into safetensors bytes.
+impl safetensors::View for &TensorOut<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+            .to_crate()
+            .expect("serialize checks the dtype first")
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Serialise tensors into safetensors bytes (the crate orders them by dtype alignment, then
+/// name). Panics if a tensor's bytes do not match its shape and dtype, or its dtype is not
+/// one this module names: callers build these from their own data.
 pub fn serialize(tensors: &[TensorOut<'_>], metadata: &BTreeMap<String, String>) -> Vec<u8> {
-    let mut header = Map::new();
-    if !metadata.is_empty() {
-        let m: Map<String, Value> = metadata
+    for t in tensors {
+        assert!(
+            t.dtype.to_crate().is_some(),
+            "cannot write tensor `{}` of dtype {}",
+            t.name,
+            t.dtype.name()
+        );
+    }
+    let info = (!metadata.is_empty()).then(|| {
+        metadata
             .iter()
-            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-            .collect();
-        header.insert("__metadata__".into(), Value::Object(m));
-    }
-    let mut off = 0usize;
-    for t in tensors {
-        let mut e = Map::new();
-        e.insert("dtype".into(), Value::String(t.dtype.name().to_string()));
-        e.insert(
-            "shape".into(),
-            Value::Array(t.shape.iter().map(|&d| Value::from(d)).collect()),
-        );
-        e.insert(
-            "data_offsets".into(),
-            Value::Array(vec![Value::from(off), Value::from(off + t.data.len())]),
-        );
-        header.insert(t.name.to_string(), Value::Object(e));
-        off += t.data.len();
-    }
-    let mut h = Value::Object(header).to_string().into_bytes();
-    while !h.len().is_multiple_of(8) {
-        h.push(b' ');
-    }
-    let mut out = Vec::with_capacity(8 + h.len() + off);
-    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
-    out.extend_from_slice(&h);
-    for t in tensors {
-        out.extend_from_slice(t.data);
-    }
-    out
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    });
+    safetensors::serialize(tensors.iter().map(|t| (t.name, t)), info)
+        .unwrap_or_else(|e| panic!("serialize: {e}"))
 }
 
 /// f32 values as little-endian bytes.
@@ -399,6 +498,15 @@ mod tests {
         )
     }
 
+    /// A file with one F32 tensor `t` of shape [3] whose header claims `bytes` bytes.
+    fn with_size(bytes: usize) -> Vec<u8> {
+        let h = format!(r#"{{"t":{{"dtype":"F32","shape":[3],"data_offsets":[0,{bytes}]}}}}"#);
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(h.as_bytes());
+        out.extend(std::iter::repeat_n(0u8, bytes));
+        out
+    }
+
     #[test]
     fn roundtrip() {
         let st = SafeTensors::parse(sample(), "mem").unwrap();
@@ -407,6 +515,28 @@ mod tests {
         assert_eq!(st.info("a").unwrap().shape, vec![2, 3]);
         assert!(st.f32("ids").is_err());
         assert!(st.f32("missing").is_err());
+    }
+
+    #[test]
+    fn mapped_files_read_like_owned_ones() {
+        let dir = std::env::temp_dir().join(format!("flashrt-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("a.safetensors");
+        std::fs::write(&p, sample()).unwrap();
+        let st = SafeTensors::open(&p).unwrap();
+        let info = st.info("a").unwrap().clone();
+        st.prefetch(info.start..info.end);
+        assert_eq!(st.f32("a").unwrap(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        // Released pages read back the same bytes.
+        st.release(0..st.len());
+        assert_eq!(st.f32("a").unwrap(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        std::fs::write(dir.join("empty.safetensors"), b"").unwrap();
+        let e = SafeTensors::open(&dir.join("empty.safetensors"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("shorter than the 8-byte header"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -420,30 +550,30 @@ mod tests {
         // Absurd header length.
         let mut b = good.clone();
         b[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        let e = SafeTensors::parse(b, "x").err().unwrap().to_string();
         assert!(
-            SafeTensors::parse(b, "x")
-                .err()
-                .unwrap()
-                .to_string()
-                .contains("header length")
+            e.contains("header length") && e.starts_with("invalid checkpoint: x:"),
+            "{e}"
         );
         // Bad JSON.
         let mut b = good.clone();
         b[8] = b'[';
         b[9] = b'{';
         assert!(SafeTensors::parse(b, "x").is_err());
-        // Wrong dtype size: F32 header over 2-byte elements.
-        let data = [0u8; 6];
-        let bytes = serialize(
-            &[TensorOut {
-                name: "t",
-                dtype: Dtype::F32,
-                shape: vec![3],
-                data: &data,
-            }],
-            &BTreeMap::new(),
+        // Wrong dtype size: F32 header over 2-byte elements names the tensor.
+        let e = SafeTensors::parse(with_size(6), "x")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("tensor `t`") && e.contains("wrong dtype size"),
+            "{e}"
         );
-        let e = SafeTensors::parse(bytes, "x").err().unwrap().to_string();
-        assert!(e.contains("wrong dtype size"), "{e}");
+        assert!(SafeTensors::parse(with_size(12), "x").is_ok());
+        // Trailing garbage after the last tensor.
+        let mut b = with_size(12);
+        b.push(0);
+        let e = SafeTensors::parse(b, "x").err().unwrap().to_string();
+        assert!(e.contains("does not end where the file ends"), "{e}");
     }
 }

@@ -29,7 +29,7 @@ pub enum WeightSource {
     Host(HostWeights),
     /// A Hugging Face checkpoint folder (its safetensors files; `config.json` is not read).
     HfDir(PathBuf),
-    /// [`loader::random_weights`] with this seed.
+    /// [`crate::init::random_weights`] with this seed.
     Random(u64),
 }
 
@@ -37,6 +37,22 @@ struct ModelInner {
     backend: Arc<dyn Backend>,
     device: Arc<dyn DeviceModel>,
     compiled: Arc<Compiled>,
+    weights_digest: String,
+}
+
+/// The backend computes in the dtype `compiled` was compiled for.
+fn check_target(backend: &Arc<dyn Backend>, compiled: &Compiled) -> Result<()> {
+    let want = backend.target(&compiled.ir);
+    if compiled.layout.target != want {
+        return Err(Error::Unsupported(format!(
+            "{} was compiled for {}, backend {} needs {}",
+            compiled.ir.name,
+            compiled.layout.target.dtype.name(),
+            backend.name(),
+            want.dtype.name()
+        )));
+    }
+    Ok(())
 }
 
 /// A compiled model with its weights on a backend. Cheap to clone (shared).
@@ -103,29 +119,53 @@ impl Model {
         ir: &ModelIr,
         weights: WeightSource,
     ) -> Result<Model> {
-        let compiled = Arc::new(compile(ir, backend.target(ir)));
-        let host = match weights {
-            WeightSource::Host(h) => h,
-            WeightSource::HfDir(dir) => loader::load_hf_weights(&compiled, &dir)?,
+        let compiled = compile(ir, backend.target(ir));
+        match weights {
+            WeightSource::Host(h) => Model::from_compiled(backend, Arc::new(compiled), h),
+            WeightSource::HfDir(dir) => {
+                let ckpt = loader::Checkpoint::open(&dir)?;
+                let mut progress = loader::TerminalProgress::new();
+                Model::from_checkpoint(backend, compiled, &ckpt, &mut progress)
+            }
             // Generated where the weights live (on the device for CUDA: no host copy).
             WeightSource::Random(seed) => {
+                let digest = format!("random-seed:{seed}");
+                let compiled = Arc::new(compiled.with_weights_digest(&digest));
+                check_target(&backend, &compiled)?;
                 let device = backend.load_random(compiled.clone(), seed)?;
-                return Ok(Model::assemble(backend, device, compiled));
+                Ok(Model::assemble(backend, device, compiled, digest))
             }
-        };
-        Model::from_compiled(backend, compiled, host)
+        }
+    }
+
+    /// Stream a checkpoint's weights into the backend (see [`loader::Checkpoint::load`]);
+    /// the model's fingerprint covers the weights' digest.
+    pub fn from_checkpoint(
+        backend: Arc<dyn Backend>,
+        compiled: Compiled,
+        checkpoint: &loader::Checkpoint,
+        progress: &mut dyn loader::LoadProgress,
+    ) -> Result<Model> {
+        check_target(&backend, &compiled)?;
+        let mut sink = backend.weight_sink(&compiled)?;
+        let report = checkpoint.load(&compiled, sink.as_mut(), progress)?;
+        let compiled = Arc::new(compiled.with_weights_digest(&report.digest));
+        let device = sink.finish(compiled.clone())?;
+        Ok(Model::assemble(backend, device, compiled, report.digest))
     }
 
     fn assemble(
         backend: Arc<dyn Backend>,
         device: Arc<dyn DeviceModel>,
         compiled: Arc<Compiled>,
+        weights_digest: String,
     ) -> Model {
         Model {
             inner: Arc::new(ModelInner {
                 backend,
                 device,
                 compiled,
+                weights_digest,
             }),
         }
     }
@@ -139,24 +179,31 @@ impl Model {
         Model::from_ir(backend, ir, WeightSource::Random(seed))
     }
 
-    /// Upload weights for an already compiled model (compiled for `backend.target(..)`).
+    /// Upload host weights for a model compiled for `backend.target(..)`; the fingerprint
+    /// covers a digest of the values.
     pub fn from_compiled(
         backend: Arc<dyn Backend>,
         compiled: Arc<Compiled>,
         weights: HostWeights,
     ) -> Result<Model> {
-        let want = backend.target(&compiled.ir);
-        if compiled.layout.target != want {
-            return Err(Error::Unsupported(format!(
-                "{} was compiled for {}, backend {} needs {}",
-                compiled.ir.name,
-                compiled.layout.target.dtype.name(),
-                backend.name(),
-                want.dtype.name()
-            )));
+        check_target(&backend, &compiled)?;
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for t in weights.tensors.iter().flatten() {
+            h.update(&(t.len() as u64).to_le_bytes());
+            for x in t {
+                h.update(&x.to_le_bytes());
+            }
         }
+        let digest = format!("host:{:032x}", h.digest128());
+        let compiled = Arc::new((*compiled).clone().with_weights_digest(&digest));
         let device = backend.load(compiled.clone(), weights)?;
-        Ok(Model::assemble(backend, device, compiled))
+        Ok(Model::assemble(backend, device, compiled, digest))
+    }
+
+    /// What the fingerprint says about the weights: a checkpoint's XXH3-128 digest (names,
+    /// dtypes, shapes, data), `random-seed:N`, or `host:` and a digest of host values.
+    pub fn weights_digest(&self) -> &str {
+        &self.inner.weights_digest
     }
 
     pub fn compiled(&self) -> &Arc<Compiled> {

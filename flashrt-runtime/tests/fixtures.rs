@@ -79,6 +79,30 @@ fn nemotron_h_matches_transformers() {
     assert_complete(&r);
 }
 
+#[test]
+fn qwen35_released_layout_matches_transformers() {
+    // bf16 shards + index, nested text_config, model.language_model.*, a vision tower that is
+    // skipped, an MTP head that is loaded but that transformers never runs.
+    let r = run("qwen35real-public");
+    assert_eq!(r.model_type, "qwen3_5_text");
+    assert_eq!(r.tolerance, 1e-3);
+    assert_eq!(
+        r.checks
+            .iter()
+            .filter(|c| c.name.starts_with("state "))
+            .count(),
+        8,
+        "{r}"
+    );
+    assert!(
+        !r.checks.iter().any(|c| c.name.contains("mtp")),
+        "the reference has no MTP state to compare: {r}"
+    );
+    assert_eq!(r.not_covered.len(), 1, "{r}");
+    assert!(r.not_covered[0].contains("MTP head"), "{r}");
+    assert_complete(&r);
+}
+
 /// Rewrite `reference.safetensors` of a copied fixture with `edit` applied to one tensor.
 fn perturbed(name: &str, tensor: &str, edit: impl Fn(&mut Vec<u8>)) -> TempDir {
     let dir = copy_fixture(name);

@@ -1,10 +1,8 @@
 //! Stand-in for the CUDA backend when flashrt is built without the `cuda` feature: same
 //! names, and every constructor reports that CUDA was not compiled in.
 
+use super::{Backend, WeightSink};
 use crate::error::{Error, Result};
-use std::sync::Arc;
-
-use super::{Backend, DeviceModel, HostWeights};
 use flashrt_ir::{Compiled, ModelIr, Target};
 
 /// Never constructed: [`CudaBackend::new`] always fails in this build.
@@ -31,7 +29,7 @@ impl Backend for CudaBackend {
     fn target(&self, _ir: &ModelIr) -> Target {
         match self._never {}
     }
-    fn load(&self, _c: Arc<Compiled>, _w: HostWeights) -> Result<Arc<dyn DeviceModel>> {
+    fn weight_sink(&self, _c: &Compiled) -> Result<Box<dyn WeightSink>> {
         match self._never {}
     }
 }

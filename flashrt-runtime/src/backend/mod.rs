@@ -15,7 +15,7 @@
 //! them (and the token ids) into the I/O arena and then runs the plan unchanged.
 
 use crate::error::Result;
-use flashrt_ir::{BufferId, Compiled, Phase, StateKind};
+use flashrt_ir::{BufferId, Compiled, DType, Phase, Role, StateKind};
 use std::any::Any;
 use std::sync::Arc;
 
@@ -27,9 +27,136 @@ pub mod cuda;
 pub mod cuda;
 
 /// Host-side weights in layout order: one f32 vector per weight buffer (`None` for non-weight
-/// buffers). Backends convert to their dtype at upload time.
+/// buffers). A convenience for tests and generated weights; checkpoints stream through a
+/// [`WeightSink`] instead and never exist on the host as a whole.
 pub struct HostWeights {
     pub tensors: Vec<Option<Vec<f32>>>,
+}
+
+/// Element type of tensor bytes handed to a [`WeightSink`] (little-endian, as stored).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SourceDtype {
+    F64,
+    F32,
+    F16,
+    Bf16,
+}
+
+impl SourceDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            SourceDtype::F64 => 8,
+            SourceDtype::F32 => 4,
+            SourceDtype::F16 | SourceDtype::Bf16 => 2,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            SourceDtype::F64 => "F64",
+            SourceDtype::F32 => "F32",
+            SourceDtype::F16 => "F16",
+            SourceDtype::Bf16 => "BF16",
+        }
+    }
+    /// The same element type in the layout's terms, where it has one (F64 has none).
+    pub fn layout_dtype(self) -> Option<DType> {
+        match self {
+            SourceDtype::F64 => None,
+            SourceDtype::F32 => Some(DType::F32),
+            SourceDtype::F16 => Some(DType::F16),
+            SourceDtype::Bf16 => Some(DType::Bf16),
+        }
+    }
+    /// Element `i` of `bytes` as f32 (f64 rounds to nearest, like `as f32`).
+    pub fn to_f32(self, bytes: &[u8], out: &mut [f32]) {
+        match self {
+            SourceDtype::F64 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+                    *o = f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32;
+                }
+            }
+            SourceDtype::F32 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes(c.try_into().expect("4 bytes"));
+                }
+            }
+            SourceDtype::F16 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::f16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32();
+                }
+            }
+            SourceDtype::Bf16 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::bf16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32();
+                }
+            }
+        }
+    }
+}
+
+/// Where weights go while they load: the backend's own weight memory for one compiled model.
+///
+/// A loader (a checkpoint reader, the random generator, a test) pushes each weight buffer's
+/// elements in any order and in pieces of any size, in the dtype they are stored in; the sink
+/// converts to the buffer's dtype (the CPU backend to f32 on the host, the CUDA backend on
+/// the device, and only where the dtypes differ) and owns every byte from then on. Nothing
+/// about the source survives a `put`, so the loader can release its copy right after. The
+/// direction is one way: loaders know this trait, backends know nothing of loaders.
+pub trait WeightSink {
+    /// Store `bytes` (elements of `dtype`) as elements `first..first + n` of weight buffer
+    /// `id`. Every element of every weight buffer must be put exactly once before `finish`.
+    fn put(&mut self, id: BufferId, first: usize, dtype: SourceDtype, bytes: &[u8]) -> Result<()>;
+    /// Wait for every copy, free staging memory, and make the model. `compiled` is the model
+    /// the sink was created for, possibly with its fingerprint now covering the weights
+    /// ([`flashrt_ir::Compiled::with_weights_digest`]); its layout must be the same.
+    fn finish(self: Box<Self>, compiled: Arc<Compiled>) -> Result<Arc<dyn DeviceModel>>;
+}
+
+/// Put every buffer of `weights` into `sink` (as f32).
+pub fn put_host_weights(
+    compiled: &Compiled,
+    weights: &HostWeights,
+    sink: &mut dyn WeightSink,
+) -> Result<()> {
+    let layout = &compiled.layout;
+    if weights.tensors.len() != layout.buffers.len() {
+        return Err(crate::error::Error::Checkpoint(format!(
+            "{} host tensors for {} layout buffers",
+            weights.tensors.len(),
+            layout.buffers.len()
+        )));
+    }
+    for (b, t) in layout.buffers.iter().zip(&weights.tensors) {
+        match (b.role, t) {
+            (Role::Weight, Some(t)) if t.len() == b.numel() => {
+                let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();
+                sink.put(b.id, 0, SourceDtype::F32, &bytes)?;
+            }
+            (Role::Weight, Some(t)) => {
+                return Err(crate::error::Error::Checkpoint(format!(
+                    "weight `{}`: {} values for shape {:?}",
+                    b.name,
+                    t.len(),
+                    b.shape
+                )));
+            }
+            (Role::Weight, None) => {
+                return Err(crate::error::Error::Checkpoint(format!(
+                    "weight `{}` has no host tensor",
+                    b.name
+                )));
+            }
+            (_, Some(_)) => {
+                return Err(crate::error::Error::Checkpoint(format!(
+                    "data given for non-weight buffer `{}`",
+                    b.name
+                )));
+            }
+            (_, None) => {}
+        }
+    }
+    Ok(())
 }
 
 /// Which state regions a save/restore touches.
@@ -95,14 +222,35 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> String;
     /// The layout target this backend computes in (CPU: f32; CUDA: the model dtype).
     fn target(&self, ir: &flashrt_ir::ModelIr) -> flashrt_ir::Target;
-    /// Upload weights; the compiled model must have been compiled for `self.target(..)`.
-    fn load(&self, compiled: Arc<Compiled>, weights: HostWeights) -> Result<Arc<dyn DeviceModel>>;
-    /// Deterministic random weights ([`crate::loader::random_weights`]: the same values on
-    /// every backend, up to dtype rounding). Backends with their own memory override this to
-    /// generate the values in place instead of staging them on the host.
+    /// A sink for the weights of `compiled` (compiled for `self.target(..)`): the weight
+    /// memory is allocated here, once; [`WeightSink::finish`] makes the model.
+    fn weight_sink(&self, compiled: &Compiled) -> Result<Box<dyn WeightSink>>;
+    /// Upload host weights (tests, generated weights) through [`Backend::weight_sink`].
+    fn load(&self, compiled: Arc<Compiled>, weights: HostWeights) -> Result<Arc<dyn DeviceModel>> {
+        let mut sink = self.weight_sink(&compiled)?;
+        put_host_weights(&compiled, &weights, sink.as_mut())?;
+        sink.finish(compiled)
+    }
+    /// Deterministic random weights ([`crate::init::random_weights`]: the same values on
+    /// every backend, up to dtype rounding), generated buffer by buffer. Backends with their
+    /// own memory override this to generate the values in place instead.
     fn load_random(&self, compiled: Arc<Compiled>, seed: u64) -> Result<Arc<dyn DeviceModel>> {
-        let weights = crate::loader::random_weights(&compiled, seed);
-        self.load(compiled, weights)
+        let mut sink = self.weight_sink(&compiled)?;
+        let inits = crate::init::weight_inits(&compiled);
+        for b in compiled.layout.buffers.iter() {
+            if let Some(init) = inits[b.id.index()] {
+                let bytes: Vec<u8> = (0..b.numel() as u64)
+                    .flat_map(|i| init.value(seed, b.id.0, i).to_le_bytes())
+                    .collect();
+                sink.put(b.id, 0, SourceDtype::F32, &bytes)?;
+            }
+        }
+        sink.finish(compiled)
+    }
+    /// Bytes of memory this backend can still give to a model's weights and sessions (the
+    /// free device memory; host memory for the CPU backend), where it knows.
+    fn memory_available(&self) -> Option<usize> {
+        None
     }
     /// Seconds one copy of `bytes` within this backend's memory takes (the median of `iters`
     /// after a warm-up): the floor that snapshots and restores are compared with.

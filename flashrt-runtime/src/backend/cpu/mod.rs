@@ -34,7 +34,7 @@
 
 mod ops;
 
-use super::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, SavedState};
+use super::{Backend, DeviceModel, DeviceSession, RegionSet, SavedState, SourceDtype, WeightSink};
 use crate::error::{Error, Result};
 use flashrt_ir::{BufferId, Compiled, DType, ModelIr, Op, Phase, Plan, Role, Target, View};
 use ops::OutRows;
@@ -77,9 +77,99 @@ impl Backend for CpuBackend {
     fn target(&self, _ir: &ModelIr) -> Target {
         Target { dtype: DType::F32 }
     }
-    fn load(&self, compiled: Arc<Compiled>, weights: HostWeights) -> Result<Arc<dyn DeviceModel>> {
+    fn weight_sink(&self, compiled: &Compiled) -> Result<Box<dyn WeightSink>> {
+        let layout = &compiled.layout;
+        if layout.target.dtype != DType::F32 {
+            return Err(backend_err(
+                "load",
+                format!(
+                    "the CPU backend runs f32 layouts; this one was compiled for {}",
+                    layout.target.dtype.name()
+                ),
+            ));
+        }
+        let arena = layout.arena_bytes(Role::Weight) / 4;
+        let mut weights = Vec::new();
+        weights.try_reserve_exact(arena).map_err(|_| {
+            backend_err(
+                "load",
+                format!("cannot allocate {} bytes of weights", arena * 4),
+            )
+        })?;
+        weights.resize(arena, 0f32);
+        Ok(Box::new(CpuSink {
+            weights,
+            buffers: layout
+                .buffers
+                .iter()
+                .map(|b| (b.role, b.offset / 4, b.numel(), b.name.clone()))
+                .collect(),
+            filled: vec![0; layout.buffers.len()],
+            threads: self.threads,
+        }))
+    }
+
+    fn memory_available(&self) -> Option<usize> {
+        // MemAvailable of /proc/meminfo (kB), where there is one.
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    }
+}
+
+/// The CPU backend's weight sink: every piece converted to f32 straight into the weight arena.
+struct CpuSink {
+    weights: Vec<f32>,
+    /// Per layout buffer: role, f32 offset in its arena, elements, name.
+    buffers: Vec<(Role, usize, usize, String)>,
+    /// Elements put so far, per buffer.
+    filled: Vec<usize>,
+    threads: usize,
+}
+
+impl WeightSink for CpuSink {
+    fn put(&mut self, id: BufferId, first: usize, dtype: SourceDtype, bytes: &[u8]) -> Result<()> {
+        let n = bytes.len() / dtype.size();
+        let Some((role, off, numel, name)) = self.buffers.get(id.index()) else {
+            return Err(backend_err("load", format!("no buffer with id {}", id.0)));
+        };
+        if *role != Role::Weight || first + n > *numel || !bytes.len().is_multiple_of(dtype.size())
+        {
+            return Err(backend_err(
+                "load",
+                format!(
+                    "elements {first}..{} of `{name}` ({} of {numel} elements, role {})",
+                    first + n,
+                    dtype.name(),
+                    role.name()
+                ),
+            ));
+        }
+        dtype.to_f32(bytes, &mut self.weights[off + first..off + first + n]);
+        self.filled[id.index()] += n;
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>, compiled: Arc<Compiled>) -> Result<Arc<dyn DeviceModel>> {
+        for ((role, _, numel, name), &got) in self.buffers.iter().zip(&self.filled) {
+            if *role == Role::Weight && got != *numel {
+                return Err(backend_err(
+                    "load",
+                    format!("weight `{name}`: {got} of {numel} elements were loaded"),
+                ));
+            }
+        }
+        if compiled.layout.buffers.len() != self.buffers.len()
+            || compiled.layout.arena_bytes(Role::Weight) != self.weights.len() * 4
+        {
+            return Err(backend_err(
+                "load",
+                "the model to finish has another layout than the sink was made for",
+            ));
+        }
         Ok(Arc::new(CpuModel {
-            inner: Arc::new(ModelData::new(compiled, weights, self.threads)?),
+            inner: Arc::new(ModelData::new(compiled, self.weights, self.threads)?),
         }))
     }
 }
@@ -111,27 +201,8 @@ fn backend_err(op: &str, msg: impl Into<String>) -> Error {
 }
 
 impl ModelData {
-    fn new(compiled: Arc<Compiled>, weights: HostWeights, threads: usize) -> Result<ModelData> {
+    fn new(compiled: Arc<Compiled>, warena: Vec<f32>, threads: usize) -> Result<ModelData> {
         let layout = &compiled.layout;
-        if layout.target.dtype != DType::F32 {
-            return Err(backend_err(
-                "load",
-                format!(
-                    "the CPU backend runs f32 layouts; this one was compiled for {}",
-                    layout.target.dtype.name()
-                ),
-            ));
-        }
-        if weights.tensors.len() != layout.buffers.len() {
-            return Err(backend_err(
-                "load",
-                format!(
-                    "{} host tensors for {} layout buffers",
-                    weights.tensors.len(),
-                    layout.buffers.len()
-                ),
-            ));
-        }
         let mut locs = Vec::with_capacity(layout.buffers.len());
         for b in &layout.buffers {
             if b.offset % 4 != 0 || (b.dtype.size() != 4) {
@@ -148,38 +219,6 @@ impl ModelData {
                 off: b.offset / 4,
                 len: b.numel(),
             });
-        }
-        let mut warena = vec![0f32; layout.arena_bytes(Role::Weight) / 4];
-        for (b, t) in layout.buffers.iter().zip(weights.tensors) {
-            match (b.role, t) {
-                (Role::Weight, Some(t)) => {
-                    if t.len() != b.numel() {
-                        return Err(backend_err(
-                            "load",
-                            format!(
-                                "weight {}: {} values for shape {:?}",
-                                b.name,
-                                t.len(),
-                                b.shape
-                            ),
-                        ));
-                    }
-                    warena[b.offset / 4..b.offset / 4 + t.len()].copy_from_slice(&t);
-                }
-                (Role::Weight, None) => {
-                    return Err(backend_err(
-                        "load",
-                        format!("no data for weight {}", b.name),
-                    ));
-                }
-                (_, Some(_)) => {
-                    return Err(backend_err(
-                        "load",
-                        format!("data given for non-weight buffer {}", b.name),
-                    ));
-                }
-                (_, None) => {}
-            }
         }
         let mut m = ModelData {
             compiled: compiled.clone(),

@@ -53,6 +53,7 @@ const PER_DTYPE: &[&str] = &[
     "mamba2_scan_n128",
     "mamba2_scan_n256",
     "init_random",
+    "convert",
 ];
 
 /// Kernels whose entry points are `<name>_<dtype>` for the 16-bit dtypes only (tensor-core

@@ -5,9 +5,11 @@
 //! * [`CudaBackend`] owns a context on one device. [`CudaBackend::available`] checks that
 //!   libcuda and libcublasLt can be opened *before* cudarc touches them (a missing library
 //!   panics inside cudarc), then that a device exists.
-//! * [`CudaBackend::load`](super::Backend::load) loads the embedded kernel fatbin
-//!   ([`kernels`]), creates the cuBLASLt handle ([`gemm`]) and uploads the weights into one
-//!   weight arena, converting the host f32 tensors to each buffer's dtype.
+//! * [`CudaBackend::weight_sink`](super::Backend::weight_sink) loads the embedded kernel
+//!   fatbin ([`kernels`]), creates the cuBLASLt handle ([`gemm`]) and allocates one weight
+//!   arena, which a [`CudaSink`] fills from a loader through a ring of pinned staging buffers
+//!   (tensors in the model's dtype are copied as they are; others are converted on the
+//!   device); random weights are generated in place.
 //! * A [`CudaSession`] allocates its state, scratch and I/O arenas (one allocation each), a
 //!   cuBLASLt workspace (also holding split-KV attention partials), a small input staging
 //!   record and two pinned logits bounce buffers, all at creation; nothing is allocated
@@ -67,7 +69,9 @@ pub mod gemm;
 pub mod kernels;
 pub mod ops;
 
-use super::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, SavedState, StepLogits};
+use super::{
+    Backend, DeviceModel, DeviceSession, RegionSet, SavedState, SourceDtype, StepLogits, WeightSink,
+};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
@@ -219,12 +223,21 @@ impl Backend for CudaBackend {
         Target { dtype }
     }
 
-    fn load(&self, compiled: Arc<Compiled>, weights: HostWeights) -> Result<Arc<dyn DeviceModel>> {
-        self.load_with(compiled, WeightFill::Host(weights))
+    fn weight_sink(&self, compiled: &Compiled) -> Result<Box<dyn WeightSink>> {
+        Ok(Box::new(CudaSink::new(self, compiled)?))
     }
 
     fn load_random(&self, compiled: Arc<Compiled>, seed: u64) -> Result<Arc<dyn DeviceModel>> {
-        self.load_with(compiled, WeightFill::Random(seed))
+        let mut sink = CudaSink::new(self, &compiled)?;
+        sink.fill_random(&compiled, seed)?;
+        Box::new(sink).finish(compiled)
+    }
+
+    fn memory_available(&self) -> Option<usize> {
+        self.ctx.bind_to_thread().ok()?;
+        cudarc::driver::result::mem_get_info()
+            .ok()
+            .map(|(free, _)| free)
     }
 
     fn copy_seconds(&self, bytes: usize, iters: usize) -> Result<f64> {
@@ -234,13 +247,6 @@ impl Backend for CudaBackend {
     fn matmul_flops(&self, dtype: DType) -> Result<f64> {
         self.device_matmul_flops(dtype, 8192, 10)
     }
-}
-
-/// Where the weight values come from.
-enum WeightFill {
-    Host(HostWeights),
-    /// Generated on the device by `init_random` (same values as `loader::random_weights`).
-    Random(u64),
 }
 
 /// `init_random`'s parameters (kernels/init.cu).
@@ -344,11 +350,61 @@ impl CudaBackend {
         times.sort_by(f64::total_cmp);
         Ok(2.0 * (n as f64).powi(3) / times[times.len() / 2])
     }
+}
 
-    fn load_with(&self, compiled: Arc<Compiled>, fill: WeightFill) -> Result<Arc<dyn DeviceModel>> {
-        self.ctx.bind_to_thread().map_err(drv("bind context"))?;
+/// `convert`'s parameters (kernels/init.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ConvertParams {
+    out: u64,
+    input: u64,
+    n: u64,
+    src_kind: u32,
+    pad: u32,
+}
+
+/// Bytes of each pinned staging slot of a [`CudaSink`] (the loader's pieces fit one).
+const STAGING_BYTES: usize = 32 << 20;
+/// Staging slots: one being filled from the page cache while the others' copies run.
+const STAGING_SLOTS: usize = 4;
+
+/// One pinned staging buffer, the device buffer a conversion reads (allocated on first
+/// need), and the event after the last copy that read it.
+struct Slot {
+    host: PinnedHostSlice<u8>,
+    dev: Option<CudaSlice<u8>>,
+    done: CudaEvent,
+}
+
+/// The CUDA backend's weight sink: the weight arena, allocated once, filled through a ring of
+/// pinned staging buffers. A piece is copied from the loader's bytes (the page cache) into the
+/// next free slot, then moved to the device asynchronously on the sink's stream — straight into
+/// the arena when the stored dtype is the buffer's, else into the slot's device buffer and
+/// converted by `convert_<dtype>` into the arena. While a slot's copy runs, the next slot is
+/// being filled, so host reads and host-to-device copies overlap; host memory in use is the
+/// ring, whatever the checkpoint's size.
+pub struct CudaSink {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    name: String,
+    options: CudaOptions,
+    kernels: Kernels,
+    blas: Blas,
+    stream: Arc<CudaStream>,
+    arena: CudaSlice<u8>,
+    base: u64,
+    /// Per layout buffer: role, byte offset, elements, dtype, name.
+    buffers: Vec<(Role, usize, usize, DType, String)>,
+    filled: Vec<usize>,
+    slots: Vec<Slot>,
+    next: usize,
+}
+
+impl CudaSink {
+    fn new(backend: &CudaBackend, compiled: &Compiled) -> Result<CudaSink> {
+        backend.ctx.bind_to_thread().map_err(drv("bind context"))?;
         let layout = &compiled.layout;
-        let want = self.target(&compiled.ir);
+        let want = backend.target(&compiled.ir);
         if layout.target != want {
             return Err(Error::Config(format!(
                 "model `{}` was compiled for {} but the CUDA backend computes it in {}",
@@ -357,91 +413,210 @@ impl CudaBackend {
                 want.dtype.name()
             )));
         }
-        if let WeightFill::Host(weights) = &fill
-            && weights.tensors.len() != layout.buffers.len()
-        {
-            return Err(Error::Checkpoint(format!(
-                "{} host tensors for {} layout buffers",
-                weights.tensors.len(),
-                layout.buffers.len()
-            )));
-        }
-        let kernels = Kernels::load(&self.ctx)?;
+        let kernels = Kernels::load(&backend.ctx)?;
         let blas = Blas::new()?;
-        let stream = self.ctx.new_stream().map_err(drv("create stream"))?;
+        let stream = backend.ctx.new_stream().map_err(drv("create stream"))?;
         let arena = alloc_zeroed(&stream, layout.arena_bytes(Role::Weight), "weight arena")?;
         stream.synchronize().map_err(drv("allocate weight arena"))?;
         let base = dptr(&arena);
-        let weights = match fill {
-            WeightFill::Host(w) => w,
-            WeightFill::Random(seed) => {
-                let inits = crate::loader::weight_inits(&compiled);
-                for b in layout.buffers.iter().filter(|b| b.role == Role::Weight) {
-                    let Some(init) = inits[b.id.index()] else {
-                        continue;
-                    };
-                    let (kind, a, bb) = init.params();
-                    let p = InitParams {
-                        out: base + b.offset as u64,
-                        n: b.numel() as u64,
-                        seed,
-                        buffer: b.id.0,
-                        kind,
-                        a,
-                        b: bb,
-                    };
-                    let func = kernels.typed("init_random", b.dtype)?;
-                    let grid = (b.numel().div_ceil(256).clamp(1, 8192) as u32, 1, 1);
-                    let mut args = [&p as *const InitParams as *mut std::ffi::c_void];
-                    // SAFETY: `init_random_<dtype>` takes one by-value `InitParams` (same repr(C)
-                    // layout as kernels/init.cu); it writes `n` elements of the buffer's dtype
-                    // at `out`, a range inside the live, idle weight arena; `p` outlives the
-                    // launch call, which copies the parameters.
-                    unsafe {
-                        cudarc::driver::result::launch_kernel(
-                            func.cu_function(),
-                            grid,
-                            (256, 1, 1),
-                            0,
-                            stream.cu_stream(),
-                            &mut args,
-                        )
-                    }
-                    .map_err(drv(&format!("init weight `{}`", b.name)))?;
-                }
-                stream.synchronize().map_err(drv("random weights"))?;
-                HostWeights {
-                    tensors: Vec::new(),
-                }
-            }
-        };
-        for b in layout
+        Ok(CudaSink {
+            ctx: backend.ctx.clone(),
+            ordinal: backend.ordinal,
+            name: backend.name.clone(),
+            options: backend.options,
+            kernels,
+            blas,
+            stream,
+            arena,
+            base,
+            buffers: layout
+                .buffers
+                .iter()
+                .map(|b| (b.role, b.offset, b.numel(), b.dtype, b.name.clone()))
+                .collect(),
+            filled: vec![0; layout.buffers.len()],
+            slots: Vec::new(),
+            next: 0,
+        })
+    }
+
+    /// Generate [`crate::init::random_weights`] in place (no host staging).
+    fn fill_random(&mut self, compiled: &Compiled, seed: u64) -> Result<()> {
+        let inits = crate::init::weight_inits(compiled);
+        for b in compiled
+            .layout
             .buffers
             .iter()
-            .filter(|b| b.role == Role::Weight && !weights.tensors.is_empty())
+            .filter(|b| b.role == Role::Weight)
         {
-            let t = weights.tensors[b.id.index()].as_ref().ok_or_else(|| {
-                Error::Checkpoint(format!("weight `{}` has no host tensor", b.name))
-            })?;
-            if t.len() != b.numel() {
+            let Some(init) = inits[b.id.index()] else {
+                continue;
+            };
+            let (kind, a, bb) = init.params();
+            let p = InitParams {
+                out: self.base + b.offset as u64,
+                n: b.numel() as u64,
+                seed,
+                buffer: b.id.0,
+                kind,
+                a,
+                b: bb,
+            };
+            let func = self.kernels.typed("init_random", b.dtype)?;
+            let grid = (b.numel().div_ceil(256).clamp(1, 8192) as u32, 1, 1);
+            let mut args = [&p as *const InitParams as *mut std::ffi::c_void];
+            // SAFETY: `init_random_<dtype>` takes one by-value `InitParams` (same repr(C)
+            // layout as kernels/init.cu); it writes `n` elements of the buffer's dtype at
+            // `out`, a range inside the live weight arena, which only this stream touches; `p`
+            // outlives the launch call, which copies the parameters.
+            unsafe {
+                cudarc::driver::result::launch_kernel(
+                    func.cu_function(),
+                    grid,
+                    (256, 1, 1),
+                    0,
+                    self.stream.cu_stream(),
+                    &mut args,
+                )
+            }
+            .map_err(drv(&format!("init weight `{}`", b.name)))?;
+            self.filled[b.id.index()] = b.numel();
+        }
+        Ok(())
+    }
+
+    /// The next staging slot, once its previous copy has finished.
+    fn slot(&mut self) -> Result<usize> {
+        if self.slots.len() < STAGING_SLOTS {
+            // SAFETY: a slot's bytes are only read by copies of the range just written.
+            let host = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(STAGING_BYTES, 0) }
+                .map_err(drv("allocate pinned staging"))?;
+            let done = self.ctx.new_event(None).map_err(drv("create event"))?;
+            self.slots.push(Slot {
+                host,
+                dev: None,
+                done,
+            });
+            return Ok(self.slots.len() - 1);
+        }
+        let i = self.next;
+        self.next = (self.next + 1) % STAGING_SLOTS;
+        self.slots[i]
+            .done
+            .synchronize()
+            .map_err(drv("weight upload"))?;
+        Ok(i)
+    }
+}
+
+impl WeightSink for CudaSink {
+    fn put(&mut self, id: BufferId, first: usize, dtype: SourceDtype, bytes: &[u8]) -> Result<()> {
+        let Some((role, offset, numel, to, name)) = self.buffers.get(id.index()).cloned() else {
+            return Err(Error::Checkpoint(format!("no buffer with id {}", id.0)));
+        };
+        let n = bytes.len() / dtype.size();
+        if role != Role::Weight || first + n > numel || !bytes.len().is_multiple_of(dtype.size()) {
+            return Err(Error::Checkpoint(format!(
+                "elements {first}..{} of `{name}` ({} of {numel} elements, role {})",
+                first + n,
+                dtype.name(),
+                role.name()
+            )));
+        }
+        if to == DType::I32 {
+            return Err(Error::Unsupported(format!("weight `{name}` of dtype i32")));
+        }
+        let same = dtype.layout_dtype() == Some(to);
+        let per = STAGING_BYTES / dtype.size();
+        for (k, chunk) in bytes.chunks(per * dtype.size()).enumerate() {
+            let elem0 = first + k * per;
+            let count = chunk.len() / dtype.size();
+            let dst = self.base + (offset + elem0 * to.size()) as u64;
+            let i = self.slot()?;
+            let stream = self.stream.cu_stream();
+            let slot = &mut self.slots[i];
+            let host = slot.host.as_mut_slice().map_err(drv("staging"))?;
+            host[..chunk.len()].copy_from_slice(chunk);
+            if same {
+                // SAFETY: the source is the slot's pinned buffer, not written again before
+                // `done` (recorded below) completes; the destination range lies inside the
+                // weight arena (checked against the buffer's extent above).
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(dst, &host[..chunk.len()], stream)
+                }
+                .map_err(drv(&format!("upload weight `{name}`")))?;
+            } else {
+                if slot.dev.is_none() {
+                    slot.dev = Some(alloc_zeroed(
+                        &self.stream,
+                        STAGING_BYTES,
+                        "conversion staging",
+                    )?);
+                }
+                let src = dptr(slot.dev.as_ref().expect("allocated above"));
+                // SAFETY: as above; the device staging buffer holds STAGING_BYTES and is only
+                // used by this stream, in order.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(src, &host[..chunk.len()], stream)
+                }
+                .map_err(drv(&format!("upload weight `{name}`")))?;
+                let p = ConvertParams {
+                    out: dst,
+                    input: src,
+                    n: count as u64,
+                    src_kind: match dtype {
+                        SourceDtype::F32 => 0,
+                        SourceDtype::F16 => 1,
+                        SourceDtype::Bf16 => 2,
+                        SourceDtype::F64 => 3,
+                    },
+                    pad: 0,
+                };
+                let func = self.kernels.typed("convert", to)?;
+                let grid = (count.div_ceil(256).clamp(1, 4096) as u32, 1, 1);
+                let mut args = [&p as *const ConvertParams as *mut std::ffi::c_void];
+                // SAFETY: `convert_<dtype>` takes one by-value `ConvertParams` (same repr(C)
+                // layout as kernels/init.cu); it reads `count` source elements from the staging
+                // buffer and writes `count` elements of `to` inside the weight arena.
+                unsafe {
+                    cudarc::driver::result::launch_kernel(
+                        func.cu_function(),
+                        grid,
+                        (256, 1, 1),
+                        0,
+                        stream,
+                        &mut args,
+                    )
+                }
+                .map_err(drv(&format!("convert weight `{name}`")))?;
+            }
+            slot.done
+                .record(&self.stream)
+                .map_err(drv("weight upload"))?;
+        }
+        self.filled[id.index()] += n;
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>, compiled: Arc<Compiled>) -> Result<Arc<dyn DeviceModel>> {
+        let sink = *self;
+        sink.ctx.bind_to_thread().map_err(drv("bind context"))?;
+        sink.stream.synchronize().map_err(drv("weight upload"))?;
+        for ((role, _, numel, _, name), &got) in sink.buffers.iter().zip(&sink.filled) {
+            if *role == Role::Weight && got != *numel {
                 return Err(Error::Checkpoint(format!(
-                    "weight `{}`: {} values for shape {:?}",
-                    b.name,
-                    t.len(),
-                    b.shape
+                    "weight `{name}`: {got} of {numel} elements were loaded"
                 )));
             }
-            let bytes = encode(t, b.dtype).ok_or_else(|| {
-                Error::Unsupported(format!("weight `{}` of dtype {}", b.name, b.dtype.name()))
-            })?;
-            // SAFETY: the destination range [offset, offset + bytes) lies inside the weight
-            // arena (the layout sized the arena to hold every buffer), which is allocated and
-            // idle; the copy is synchronous, so `bytes` may be dropped afterwards.
-            unsafe { cudarc::driver::result::memcpy_htod_sync(base + b.offset as u64, &bytes) }
-                .map_err(drv(&format!("upload weight `{}`", b.name)))?;
         }
-        let name = self.name.clone();
-        let sms = self
+        if compiled.layout.buffers.len() != sink.buffers.len()
+            || compiled.layout.arena_bytes(Role::Weight) != sink.arena.len()
+        {
+            return Err(Error::Config(
+                "the model to finish has another layout than the sink was made for".into(),
+            ));
+        }
+        let sms = sink
             .ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -449,39 +624,23 @@ impl CudaBackend {
             .map_err(drv("device attributes"))?
             .max(1) as usize;
         // sm_90a code (wgmma) is in the fatbin for compute capability 9.0 only.
-        let sm90a = self.ctx.compute_capability().ok() == Some((9, 0));
+        let sm90a = sink.ctx.compute_capability().ok() == Some((9, 0));
         Ok(Arc::new(CudaModel {
             inner: Arc::new(ModelInner {
-                ctx: self.ctx.clone(),
-                ordinal: self.ordinal,
-                name,
+                ctx: sink.ctx,
+                ordinal: sink.ordinal,
+                name: sink.name,
                 compiled,
-                kernels,
-                blas,
-                weight_base: base,
-                _weights: arena,
-                options: self.options,
+                kernels: sink.kernels,
+                blas: sink.blas,
+                weight_base: sink.base,
+                _weights: sink.arena,
+                options: sink.options,
                 sms,
-                wgmma: sm90a && self.options.attn_wgmma,
+                wgmma: sm90a && sink.options.attn_wgmma,
             }),
         }))
     }
-}
-
-/// Host f32 values as the bytes of `dtype` (round to nearest even).
-fn encode(v: &[f32], dtype: DType) -> Option<Vec<u8>> {
-    Some(match dtype {
-        DType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        DType::Bf16 => v
-            .iter()
-            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-            .collect(),
-        DType::F16 => v
-            .iter()
-            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-            .collect(),
-        DType::I32 => return None,
-    })
 }
 
 struct ModelInner {
