@@ -7,9 +7,8 @@
 //! after two warm-up prefills at the same length (so lazy kernel loading and graph capture are
 //! not counted); restored TTFT is a restore of the prompt's capsule plus one decode step.
 
-use crate::runtime::{Backend, Model, Session};
+use crate::runtime::{Model, Session};
 use serde::Serialize;
-use std::sync::Arc;
 use std::time::Instant;
 
 /// What to measure.
@@ -17,7 +16,6 @@ pub struct BenchOptions {
     pub lengths: Vec<usize>,
     pub iters: usize,
     pub decode_steps: usize,
-    pub seed: u64,
     /// Also time every device command of a decode step (at each length) and of one full
     /// prefill chunk (at 0 and at the last chunk of the longest prompt), grouped by op.
     pub profile: bool,
@@ -244,27 +242,17 @@ fn timed(
     Ok(ms(t))
 }
 
-pub fn run(
-    backend: Arc<dyn Backend>,
-    ir: &crate::ir::ModelIr,
-    opts: &BenchOptions,
-) -> Result<BenchReport, String> {
+/// Measure `model` (random weights or a checkpoint; `load_ms` is how long it took to load).
+pub fn run(model: &Model, load_ms: f64, opts: &BenchOptions) -> Result<BenchReport, String> {
     let err = |e: crate::runtime::Error| e.to_string();
+    let ir = model.ir();
+    let backend = model.backend().clone();
     if let Some(&bad) = opts.lengths.iter().find(|&&n| n == 0 || n >= ir.max_seq) {
         return Err(format!(
             "prompt length {bad} must be between 1 and max_seq - 1 = {}",
             ir.max_seq - 1
         ));
     }
-    progress(&format!(
-        "loading {} with random weights (seed {}) on {}",
-        ir.name,
-        opts.seed,
-        backend.name()
-    ));
-    let t = Instant::now();
-    let model = Model::with_random_weights(backend.clone(), ir, opts.seed).map_err(err)?;
-    let load_ms = ms(t);
     let layout = &model.compiled().layout;
     let weight_bytes = layout.arena_bytes(crate::ir::Role::Weight);
     progress(&format!(

@@ -1,11 +1,152 @@
-//! The command implementations behind `flashrt` (kept in the library so tests can call them).
+//! The `flashrt` command line: every command's flags and help text are the clap definitions
+//! below (one usage text, generated from the code), and the implementations sit beside them
+//! (kept in the library so tests can call them). `RUST_LOG` sets the log level (default
+//! `info`, to standard error).
 
-use crate::runtime::Backend;
+use clap::{Args, Parser, Subcommand};
 use flashrt_ir::{Compiled, Role};
-use flashrt_serve::args::Args;
+use flashrt_serve::cli::{BackendKind, ModelArgs, ServeArgs, backend};
 use std::fmt::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
+
+/// flashrt — latency-first serving of hybrid language models with execution-state capsules
+#[derive(Parser, Debug)]
+#[command(name = "flashrt", version, about, long_about = None, arg_required_else_help = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the embedded demo model: prefill, snapshot, fork two branches, roll back, the
+    /// KV-only ablation; print a table of operations, times, bytes and checks
+    Demo(DemoArgs),
+    /// Generate from a checkpoint (or a TOML model) once: text in, streamed text out
+    Run(crate::run::RunArgs),
+    /// Chat in the terminal: one session across turns, capsules to save, restore, fork and
+    /// roll back
+    Chat(crate::chat::ChatArgs),
+    /// Serve a model over HTTP: OpenAI-compatible completions and chat, a sessions API over
+    /// capsules, a tiered capsule store
+    Serve(ServeArgs),
+    /// Cold and restored time-to-first-token, snapshot/restore next to the copy floor, decode
+    /// step next to the weight-bandwidth floor, per prompt length
+    Bench(BenchArgs),
+    /// Compile a model TOML: print its buffer layout, plans per phase and capsule size
+    Compile(CompileArgs),
+    /// Translate a Hugging Face config.json (qwen3_5 / qwen3_5_text, lfm2, nemotron_h) into
+    /// a model TOML
+    ImportHf(ImportArgs),
+    /// Check a checkpoint folder against transformers' reference outputs (config.json,
+    /// model.safetensors, reference.safetensors[, state.safetensors])
+    CheckReference(CheckArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Backend (default: the best available)
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
+    /// Prompt length in tokens
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub prompt: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct CompileArgs {
+    /// The model TOML
+    pub model: PathBuf,
+    /// Dtype to compile for (default: the model's)
+    #[arg(long, value_name = "DTYPE")]
+    pub target: Option<String>,
+    /// Also write the generated Rust (model type, capsule struct) to this file
+    #[arg(long, value_name = "FILE")]
+    pub emit_rust: Option<PathBuf>,
+    /// List every op of every plan
+    #[arg(long)]
+    pub ops: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ImportArgs {
+    /// A config.json, or the checkpoint folder holding it
+    pub config: PathBuf,
+    /// Model name (default: the folder's)
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Positions per session (default: max_position_embeddings)
+    #[arg(long, value_name = "N")]
+    pub max_seq: Option<usize>,
+    /// Prefill buckets, rows (default: 64,512,2048,4096 up to max_seq)
+    #[arg(long, value_delimiter = ',', value_name = "ROWS")]
+    pub buckets: Option<Vec<usize>>,
+    /// Model dtype (default: the config's)
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// The checkpoint folder with its reference outputs
+    pub dir: PathBuf,
+    /// Backend (default: the best available)
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt lengths to measure
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "2048,4096,8192,16384",
+        value_name = "N"
+    )]
+    pub lengths: Vec<usize>,
+    /// Repetitions of snapshot and restore
+    #[arg(long, default_value_t = 20, value_name = "N")]
+    pub iters: usize,
+    /// Decode steps timed per length
+    #[arg(long, default_value_t = 20, value_name = "N")]
+    pub decode_steps: usize,
+    /// Write the report as JSON
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Also time every kernel of a decode step and of a prefill chunk (CUDA)
+    #[arg(long)]
+    pub profile: bool,
+}
+
+/// Logs to standard error; `RUST_LOG` filters (default `info`).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+/// Run a parsed command line.
+pub fn dispatch(cli: Cli) -> Result<ExitCode, String> {
+    match cli.command {
+        Command::Demo(a) => demo(&a),
+        Command::Run(a) => crate::run::run(&a),
+        Command::Chat(a) => crate::chat::chat(&a),
+        Command::Serve(a) => flashrt_serve::cli::serve(&a),
+        Command::Bench(a) => bench(&a),
+        Command::Compile(a) => compile(&a),
+        Command::ImportHf(a) => import_hf(&a),
+        Command::CheckReference(a) => check_reference(&a),
+    }
+}
 
 /// Bytes in binary units: `1.50 GiB`.
 pub fn human_bytes(b: usize) -> String {
@@ -134,25 +275,11 @@ pub fn compile_report(c: &Compiled, ops: bool) -> String {
     s
 }
 
-/// The backend `--backend cpu|cuda` names, else the best available.
-fn backend(choice: Option<&str>) -> Result<Arc<dyn Backend>, String> {
-    Ok(match choice {
-        None => crate::runtime::backend::best().map_err(|e| e.to_string())?,
-        Some("cpu") => Arc::new(crate::runtime::CpuBackend::new()),
-        Some("cuda") => {
-            Arc::new(crate::runtime::backend::cuda::CudaBackend::new(0).map_err(|e| e.to_string())?)
-        }
-        Some(other) => return Err(format!("unknown backend `{other}` (cpu or cuda)")),
-    })
-}
-
 /// `flashrt check-reference <DIR>`: exit 0 when every check passes, 1 otherwise.
-pub fn check_reference(args: &[String]) -> Result<ExitCode, String> {
-    let a = Args::parse(args, &[], &["backend"])?;
-    let dir = std::path::PathBuf::from(a.one("checkpoint folder")?);
-    let backend = backend(a.get("backend"))?;
-    let report = crate::runtime::check_reference(&dir, backend)
-        .map_err(|e| format!("{}: {e}", dir.display()))?;
+pub fn check_reference(a: &CheckArgs) -> Result<ExitCode, String> {
+    let backend = backend(a.backend)?;
+    let report = crate::runtime::check_reference(&a.dir, backend)
+        .map_err(|e| format!("{}: {e}", a.dir.display()))?;
     println!("{report}");
     Ok(if report.passed() {
         ExitCode::SUCCESS
@@ -162,20 +289,15 @@ pub fn check_reference(args: &[String]) -> Result<ExitCode, String> {
 }
 
 /// `flashrt demo`.
-pub fn demo(args: &[String]) -> Result<ExitCode, String> {
-    let a = Args::parse(args, &[], &["backend", "prompt"])?;
-    if let Some(p) = a.positional.first() {
-        return Err(format!("unexpected argument `{p}`"));
-    }
-    let prompt: usize = a.num("prompt")?.unwrap_or(256);
-    let backend = backend(a.get("backend"))?;
-    if prompt == 0 || prompt + 64 > crate::demo::Demo::ir_max_seq() {
+pub fn demo(a: &DemoArgs) -> Result<ExitCode, String> {
+    let backend = backend(a.backend)?;
+    if a.prompt == 0 || a.prompt + 64 > crate::demo::Demo::ir_max_seq() {
         return Err(format!(
             "--prompt must be between 1 and {}",
             crate::demo::Demo::ir_max_seq() - 64
         ));
     }
-    let report = crate::demo::run(backend, prompt).map_err(|e| e.to_string())?;
+    let report = crate::demo::run(backend, a.prompt).map_err(|e| e.to_string())?;
     print!("{}", crate::demo::render(&report));
     Ok(if report.passed() {
         ExitCode::SUCCESS
@@ -184,46 +306,85 @@ pub fn demo(args: &[String]) -> Result<ExitCode, String> {
     })
 }
 
-/// `flashrt bench <model.toml> [--random-weights] [--lengths 2048,4096] [--iters N]
-/// [--decode-steps N] [--json FILE] [--backend cpu|cuda]`.
-pub fn bench(args: &[String]) -> Result<ExitCode, String> {
-    // `--random-weights` is accepted for clarity: random weights are the only mode so far
-    // (checkpoints are not needed for timing).
-    let a = Args::parse(
-        args,
-        &["random-weights", "profile"],
-        &[
-            "backend",
-            "lengths",
-            "iters",
-            "decode-steps",
-            "seed",
-            "json",
-        ],
-    )?;
+/// `flashrt bench`: a TOML model with random weights, or a checkpoint exactly like it.
+pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
     let opts = crate::bench::BenchOptions {
-        lengths: a
-            .list("lengths")?
-            .unwrap_or_else(|| vec![2048, 4096, 8192, 16384]),
-        iters: a.num("iters")?.unwrap_or(20),
-        decode_steps: a.num("decode-steps")?.unwrap_or(20),
-        seed: a.num("seed")?.unwrap_or(7),
-        profile: a.has("profile"),
+        lengths: a.lengths.clone(),
+        iters: a.iters,
+        decode_steps: a.decode_steps,
+        profile: a.profile,
     };
-    let path = a.one("model file")?.to_string();
-    let json = a.get("json").map(str::to_string);
-    let backend = backend(a.get("backend"))?;
-    let src = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {path}: {e}"))?;
-    let ir = crate::compiler::model_from_toml(&src, &path).map_err(|d| d.to_string())?;
-    let report = crate::bench::run(backend, &ir, &opts)?;
+    let mut margs = a.model.clone();
+    // A TOML model without weights is benchmarked with random ones.
+    if margs.checkpoint.is_none() && margs.model.as_ref().is_some_and(|m| m.is_file()) {
+        margs.random_weights = true;
+    }
+    let loaded = flashrt_serve::cli::open(&margs)?;
+    let report = crate::bench::run(&loaded.model, loaded.load_seconds * 1e3, &opts)?;
     print!("{}", crate::bench::render(&report));
     for p in &report.profiles {
         print!("\n{}", crate::bench::render_profile(p));
     }
-    if let Some(j) = json {
+    if let Some(j) = &a.json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-        std::fs::write(&j, text).map_err(|e| format!("cannot write {j}: {e}"))?;
-        println!("wrote {j}");
+        std::fs::write(j, text).map_err(|e| format!("cannot write {}: {e}", j.display()))?;
+        println!("wrote {}", j.display());
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn read(path: &std::path::Path) -> Result<String, String> {
+    std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
+/// `flashrt compile`.
+pub fn compile(a: &CompileArgs) -> Result<ExitCode, String> {
+    let src = read(&a.model)?;
+    let ir = crate::compiler::model_from_toml(&src, &a.model.display().to_string())
+        .map_err(|d| d.to_string())?;
+    let dtype = match &a.target {
+        None => ir.dtype,
+        Some(t) => {
+            crate::ir::DType::parse(t).ok_or_else(|| format!("unknown target dtype `{t}`"))?
+        }
+    };
+    let compiled = crate::ir::compile(&ir, crate::ir::Target { dtype });
+    print!("{}", compile_report(&compiled, a.ops));
+    if let Some(out) = &a.emit_rust {
+        let code = crate::compiler::emit::rust_source(&ir);
+        std::fs::write(out, code).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
+        println!("wrote generated Rust to {}", out.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `flashrt import-hf`.
+pub fn import_hf(a: &ImportArgs) -> Result<ExitCode, String> {
+    let path = if a.config.is_dir() {
+        a.config.join("config.json")
+    } else {
+        a.config.clone()
+    };
+    let json = read(&path)?;
+    let mut opts = crate::ir::hf::HfOptions {
+        name: a.name.clone(),
+        max_seq: a.max_seq,
+        prefill_buckets: a.buckets.clone(),
+        ..Default::default()
+    };
+    if let Some(d) = &a.dtype {
+        opts.dtype =
+            Some(crate::ir::DType::parse(d).ok_or_else(|| format!("unknown dtype `{d}`"))?);
+    }
+    if opts.name.is_none() {
+        opts.name = path.canonicalize().ok().and_then(|p| {
+            p.parent()
+                .and_then(|d| d.file_name())
+                .map(|n| n.to_string_lossy().replace(['-', '.'], "_"))
+        });
+    }
+    let ir = crate::ir::hf::ir_from_hf_config(&json, &opts)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    print!("{}", crate::compiler::ir_to_toml(&ir));
     Ok(ExitCode::SUCCESS)
 }

@@ -16,8 +16,10 @@
 extern crate self as flashrt;
 
 pub mod bench;
+pub mod chat;
 pub mod cli;
 pub mod demo;
+pub mod run;
 
 pub use flashrt_compiler as compiler;
 pub use flashrt_ir as ir;

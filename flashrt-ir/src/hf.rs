@@ -29,18 +29,21 @@ use std::fmt;
 pub struct HfOptions {
     /// Model name (snake_case). Default: derived from the model type.
     pub name: Option<String>,
-    /// Default: `max_position_embeddings`, capped at [`DEFAULT_MAX_SEQ_CAP`].
+    /// Default: `max_position_embeddings` (a runtime loading the checkpoint caps it to what
+    /// fits in its memory; see `flashrt_runtime::Model::load_hf_dir`).
     pub max_seq: Option<usize>,
-    /// Default: `[16, 64]`; every bucket is capped to `max_seq`.
+    /// Default: [`DEFAULT_PREFILL_BUCKETS`], the ladder the hand-tuned models use, up to
+    /// `max_seq`; every given bucket is capped to `max_seq`.
     pub prefill_buckets: Option<Vec<usize>>,
     /// Default: the config's `dtype` / `torch_dtype` (bf16 when neither is present).
     pub dtype: Option<DType>,
 }
 
-/// `max_seq` never defaults above this (KV regions are sized by it).
-pub const DEFAULT_MAX_SEQ_CAP: usize = 32768;
-/// Default prefill buckets.
-pub const DEFAULT_PREFILL_BUCKETS: [usize; 2] = [16, 64];
+/// `max_seq` when a config has no `max_position_embeddings`.
+pub const DEFAULT_MAX_SEQ: usize = 32768;
+/// Default prefill buckets: a ladder up to 4096 rows, so a long prompt runs in large chunks
+/// (each chunk streams every weight once) and a short one in a small plan.
+pub const DEFAULT_PREFILL_BUCKETS: [usize; 4] = [64, 512, 2048, 4096];
 
 /// Why a config could not be imported.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -342,16 +345,17 @@ fn common(cfg: &Cfg, default_name: &str, opts: &HfOptions, default_tied: bool) -
         Some(m) => m,
         None => cfg
             .opt_usize("max_position_embeddings")?
-            .unwrap_or(DEFAULT_MAX_SEQ_CAP)
-            .clamp(1, DEFAULT_MAX_SEQ_CAP),
+            .unwrap_or(DEFAULT_MAX_SEQ)
+            .max(1),
     };
-    let mut buckets: Vec<usize> = opts
-        .prefill_buckets
-        .clone()
-        .unwrap_or_else(|| DEFAULT_PREFILL_BUCKETS.to_vec())
-        .into_iter()
-        .map(|b| b.min(max_seq))
-        .collect();
+    let mut buckets: Vec<usize> = match &opts.prefill_buckets {
+        Some(b) => b.iter().map(|&b| b.min(max_seq)).collect(),
+        None => DEFAULT_PREFILL_BUCKETS
+            .iter()
+            .copied()
+            .filter(|&b| b <= max_seq)
+            .collect(),
+    };
     if buckets.contains(&0) {
         return Err(HfError::Invalid("prefill buckets must be positive".into()));
     }
@@ -977,7 +981,17 @@ mod tests {
         assert_eq!(ir.name, "qwen3_5_text");
         assert_eq!((ir.vocab, ir.hidden, ir.max_seq), (512, 64, 4096));
         assert_eq!(ir.dtype, DType::F32);
-        assert_eq!(ir.prefill_buckets, vec![16, 64]);
+        // The default ladder, as the hand-tuned models use it.
+        assert_eq!(ir.prefill_buckets, vec![64, 512, 2048, 4096]);
+        let short = ir_from_hf_config(
+            &fixture("qwen35-public"),
+            &HfOptions {
+                max_seq: Some(1000),
+                ..HfOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(short.prefill_buckets, vec![64, 512]);
         assert_eq!(ir.weights, WeightNaming::Qwen35);
         assert_eq!(ir.norm.weight, NormWeight::OnePlus);
         assert_eq!(ir.norm.eps, F64(1e-6));

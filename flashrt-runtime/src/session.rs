@@ -40,6 +40,28 @@ struct ModelInner {
     weights_digest: String,
 }
 
+/// The largest `max_seq` (at most `ir.max_seq`, a multiple of 1024 when it has to shrink)
+/// for which the weights and one session's arenas take at most 90 % of the memory the
+/// backend has free. `ir.max_seq` when the backend does not say.
+pub fn fit_max_seq(ir: &ModelIr, backend: &dyn Backend) -> usize {
+    let Some(free) = backend.memory_available() else {
+        return ir.max_seq;
+    };
+    let c = compile(ir, backend.target(ir));
+    let l = &c.layout;
+    let fixed = l.arena_bytes(Role::Weight)
+        + l.arena_bytes(Role::Scratch)
+        + l.arena_bytes(Role::Io)
+        + l.capsule_fixed_bytes();
+    let per_token = l.capsule_bytes_per_token().max(1);
+    let budget = free / 10 * 9;
+    if fixed + per_token * ir.max_seq <= budget {
+        return ir.max_seq;
+    }
+    let fit = budget.saturating_sub(fixed) / per_token / 1024 * 1024;
+    fit.clamp(1024.min(ir.max_seq), ir.max_seq)
+}
+
 /// The backend computes in the dtype `compiled` was compiled for.
 fn check_target(backend: &Arc<dyn Backend>, compiled: &Compiled) -> Result<()> {
     let want = backend.target(&compiled.ir);
@@ -102,8 +124,25 @@ impl Model {
         if opts.name.is_none() {
             opts.name = name_from_dir(dir);
         }
-        let ir = ir_from_hf_config(&json, &opts)
+        let mut ir = ir_from_hf_config(&json, &opts)
             .map_err(|e| Error::Config(format!("{}: {e}", cfg.display())))?;
+        if opts.max_seq.is_none() {
+            let fit = fit_max_seq(&ir, backend.as_ref());
+            if fit < ir.max_seq {
+                tracing::info!(
+                    "max_seq {} (config.json) capped to {fit}: weights and one session's state \
+                     must fit in {} GB of free memory (--max-seq overrides)",
+                    ir.max_seq,
+                    backend.memory_available().unwrap_or(0) / 1_000_000_000
+                );
+                let opts = HfOptions {
+                    max_seq: Some(fit),
+                    ..opts
+                };
+                ir = ir_from_hf_config(&json, &opts)
+                    .map_err(|e| Error::Config(format!("{}: {e}", cfg.display())))?;
+            }
+        }
         Model::from_ir(backend, &ir, WeightSource::HfDir(dir.to_path_buf()))
     }
 

@@ -1,27 +1,21 @@
-//! `flashrt serve`: load a model, start a [`Server`], run until Ctrl-C, persist the store.
+//! What the `flashrt` commands that run a model share — where the model, its weights and its
+//! text come from ([`ModelArgs`], [`open`]) — and `flashrt serve` ([`ServeArgs`], [`serve`]).
+//!
+//! It lives in this crate because `serve` is implemented here, below the `flashrt` binary
+//! that dispatches every command; `run`, `chat` and `bench` reuse [`ModelArgs`] and [`open`].
+//!
+//! Loading order matters to a user: the tokenizer and chat template are read first, so a
+//! broken `tokenizer.json` fails in a second, not after minutes of weights.
 
-use crate::args::Args;
-use crate::tokenizer::Tokenizer;
+use crate::text::{GenerationDefaults, Text};
 use crate::{ServeConfig, Server};
+use flashrt_runtime::ir::DType;
 use flashrt_runtime::ir::hf::HfOptions;
 use flashrt_runtime::{Backend, Model, WeightSource};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-
-/// Usage lines for the `flashrt` help text.
-pub const USAGE: &str = concat!(
-    "    flashrt serve <model.toml> (--random-weights [--seed N] | --checkpoint DIR) [OPTIONS]\n",
-    "    flashrt serve --checkpoint DIR [--max-seq N] [--buckets 16,64] [OPTIONS]\n",
-    "        Serve a model over HTTP: OpenAI-compatible completions, a sessions API over\n",
-    "        capsules, a tiered capsule store. Ctrl-C stops it and writes every stored\n",
-    "        capsule to --store-dir. OPTIONS (BYTES takes K/M/G suffixes):\n",
-    "        --bind 127.0.0.1:8077     --token BEARER           --backend cpu|cuda\n",
-    "        --store-dir DIR           --files-dir DIR          --max-sessions N\n",
-    "        --budget-device BYTES     --budget-host BYTES      --budget-disk BYTES\n",
-    "        --tokenizer tokenizer.json (needs the `tokenizers` feature)   --no-auto-cache\n",
-);
 
 /// `4G`, `512M`, `64K`, `1000`.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -49,8 +43,65 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok((n * mul as f64) as u64)
 }
 
-/// The model a `serve` command line names.
-#[derive(Clone, Debug)]
+/// A backend by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// The f32 reference.
+    Cpu,
+    /// One NVIDIA GPU (needs a build with `--features cuda`).
+    Cuda,
+}
+
+/// The backend `--backend` names, else the best available (CUDA when compiled in and a GPU is
+/// present; `FLASHRT_BACKEND=cpu|cuda` forces one).
+pub fn backend(kind: Option<BackendKind>) -> Result<Arc<dyn Backend>, String> {
+    Ok(match kind {
+        None => flashrt_runtime::backend::best().map_err(|e| e.to_string())?,
+        Some(BackendKind::Cpu) => Arc::new(flashrt_runtime::CpuBackend::new()),
+        Some(BackendKind::Cuda) => Arc::new(
+            flashrt_runtime::backend::cuda::CudaBackend::new(0).map_err(|e| e.to_string())?,
+        ),
+    })
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    DType::parse(s).ok_or_else(|| format!("unknown dtype `{s}` (f32, bf16 or f16)"))
+}
+
+/// Where a model, its weights and its text come from.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct ModelArgs {
+    /// A Hugging Face checkpoint folder (config.json + *.safetensors), or a model TOML
+    #[arg(value_name = "MODEL")]
+    pub model: Option<PathBuf>,
+    /// Weights of a TOML model from this checkpoint folder (alone: the checkpoint to run)
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: Option<PathBuf>,
+    /// Deterministic random weights for a TOML model
+    #[arg(long)]
+    pub random_weights: bool,
+    /// Seed of --random-weights
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub seed: u64,
+    /// Backend (default: CUDA when built with it and a GPU is present, else the CPU)
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
+    /// Positions per session of a checkpoint (default: config.json's, capped to what fits)
+    #[arg(long, value_name = "N")]
+    pub max_seq: Option<usize>,
+    /// Prefill buckets of a checkpoint, rows (default: 64,512,2048,4096 up to max_seq)
+    #[arg(long, value_delimiter = ',', value_name = "ROWS")]
+    pub buckets: Option<Vec<usize>>,
+    /// Compute dtype of a checkpoint on the GPU (default: its own; the CPU computes in f32)
+    #[arg(long, value_parser = parse_dtype, value_name = "DTYPE")]
+    pub dtype: Option<DType>,
+    /// A tokenizer.json to use instead of the checkpoint's (its folder's chat template too)
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// The model a command line names.
+#[derive(Clone, Debug, PartialEq)]
 pub enum ModelSource {
     /// A TOML description with random weights.
     TomlRandom { toml: PathBuf, seed: u64 },
@@ -58,6 +109,151 @@ pub enum ModelSource {
     TomlCheckpoint { toml: PathBuf, dir: PathBuf },
     /// A Hugging Face checkpoint folder (`config.json` + safetensors).
     Checkpoint { dir: PathBuf, opts: HfOptions },
+}
+
+impl ModelSource {
+    /// The checkpoint folder, if the weights come from one.
+    pub fn dir(&self) -> Option<&Path> {
+        match self {
+            ModelSource::TomlCheckpoint { dir, .. } | ModelSource::Checkpoint { dir, .. } => {
+                Some(dir)
+            }
+            ModelSource::TomlRandom { .. } => None,
+        }
+    }
+}
+
+impl ModelArgs {
+    /// What the arguments name (checked, nothing loaded).
+    pub fn source(&self) -> Result<ModelSource, String> {
+        let opts = HfOptions {
+            max_seq: self.max_seq,
+            prefill_buckets: self.buckets.clone(),
+            dtype: self.dtype,
+            ..HfOptions::default()
+        };
+        let is_dir = |p: &Path| p.is_dir();
+        match (&self.model, &self.checkpoint) {
+            (Some(m), None) if is_dir(m) => {
+                if self.random_weights {
+                    return Err(format!(
+                        "{} is a checkpoint folder: it has its own weights (--random-weights is for a TOML model)",
+                        m.display()
+                    ));
+                }
+                if !m.join("config.json").is_file() {
+                    return Err(format!(
+                        "{}: not a checkpoint folder (no config.json)",
+                        m.display()
+                    ));
+                }
+                Ok(ModelSource::Checkpoint {
+                    dir: m.clone(),
+                    opts,
+                })
+            }
+            (Some(m), ckpt) => {
+                if !m.is_file() {
+                    return Err(format!(
+                        "{}: no such model file or checkpoint folder",
+                        m.display()
+                    ));
+                }
+                match (ckpt, self.random_weights) {
+                    (Some(d), false) => Ok(ModelSource::TomlCheckpoint {
+                        toml: m.clone(),
+                        dir: d.clone(),
+                    }),
+                    (None, true) => Ok(ModelSource::TomlRandom {
+                        toml: m.clone(),
+                        seed: self.seed,
+                    }),
+                    (Some(_), true) => {
+                        Err("--checkpoint and --random-weights exclude each other".into())
+                    }
+                    (None, false) => {
+                        Err("a TOML model needs --random-weights or --checkpoint DIR".into())
+                    }
+                }
+            }
+            (None, Some(d)) => Ok(ModelSource::Checkpoint {
+                dir: d.clone(),
+                opts,
+            }),
+            (None, None) => Err("missing model: a checkpoint folder or a model TOML".into()),
+        }
+    }
+}
+
+/// A loaded model with what its checkpoint says about text.
+pub struct Loaded {
+    pub model: Model,
+    pub text: Option<Text>,
+    pub defaults: GenerationDefaults,
+    pub source: ModelSource,
+    /// Seconds from the start of the weights' load to a model ready to run.
+    pub load_seconds: f64,
+}
+
+impl Loaded {
+    /// Every stop id: the checkpoint's EOS ids and the tokenizer's `eos_token`.
+    pub fn eos(&self) -> Vec<u32> {
+        let mut v = self.defaults.eos.clone();
+        if let Some(t) = &self.text
+            && let Some(id) = t.eos_token_id()
+            && !v.contains(&id)
+        {
+            v.push(id);
+        }
+        v
+    }
+}
+
+/// Load the model `args` name: text first (a broken tokenizer fails before the weights
+/// load), then the weights on the chosen backend, with a progress bar on a terminal.
+pub fn open(args: &ModelArgs) -> Result<Loaded, String> {
+    let source = args.source()?;
+    let dir = source.dir().map(Path::to_path_buf);
+    let text = match (&args.tokenizer, &dir) {
+        (Some(t), _) => Some(Text::load(t, None)?),
+        (None, Some(d)) => Text::from_dir(d)?,
+        (None, None) => None,
+    };
+    if let Some(t) = &text {
+        tracing::info!(
+            "tokenizer {} ({} tokens){}",
+            t.origin.display(),
+            t.tokenizer.vocab_size(),
+            match &t.template {
+                Some(tm) => format!(", chat template {}", tm.origin()),
+                None => ", no chat template".into(),
+            }
+        );
+    }
+    let defaults = match &dir {
+        Some(d) => GenerationDefaults::from_dir(d)?,
+        None => GenerationDefaults::default(),
+    };
+    let backend = backend(args.backend)?;
+    let t0 = std::time::Instant::now();
+    let model = load_model(&source, backend)?;
+    let load_seconds = t0.elapsed().as_secs_f64();
+    if let Some(t) = &text
+        && t.tokenizer.vocab_size() > model.vocab()
+    {
+        tracing::warn!(
+            "the tokenizer has {} tokens, the model's vocabulary {}: ids past it are refused",
+            t.tokenizer.vocab_size(),
+            model.vocab()
+        );
+    }
+    Ok(Loaded {
+        model,
+        text,
+        defaults,
+        source,
+        load_seconds,
+    })
 }
 
 /// Load the model a source names.
@@ -82,175 +278,132 @@ pub fn load_model(src: &ModelSource, backend: Arc<dyn Backend>) -> Result<Model,
     }
 }
 
-/// EOS ids from `generation_config.json` or `config.json` of a checkpoint folder.
-pub fn eos_from_dir(dir: &Path) -> Vec<u32> {
-    for f in ["generation_config.json", "config.json"] {
-        let Ok(text) = std::fs::read_to_string(dir.join(f)) else {
-            continue;
+/// `flashrt serve`: a model behind an HTTP API.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on (port 0: any free port)
+    #[arg(long, default_value = "127.0.0.1:8077", value_name = "ADDR")]
+    pub bind: SocketAddr,
+    /// Require `Authorization: Bearer TOKEN` on every endpoint but /health
+    #[arg(long, value_name = "TOKEN")]
+    pub token: Option<String>,
+    /// Capsule store directory (the disk tier; the store is persisted there on shutdown)
+    #[arg(long, value_name = "DIR")]
+    pub store_dir: Option<PathBuf>,
+    /// Where capsule export/import by file name goes (default: STORE_DIR/files)
+    #[arg(long, value_name = "DIR")]
+    pub files_dir: Option<PathBuf>,
+    /// Byte budget of the device tier (K/M/G suffixes)
+    #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
+    pub budget_device: Option<u64>,
+    /// Byte budget of the host-memory tier
+    #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
+    pub budget_host: Option<u64>,
+    /// Byte budget of the disk tier
+    #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
+    pub budget_disk: Option<u64>,
+    /// Sessions open at once
+    #[arg(long, value_name = "N")]
+    pub max_sessions: Option<usize>,
+    /// Do not store prompt and completion capsules for automatic prefix reuse
+    #[arg(long)]
+    pub no_auto_cache: bool,
+}
+
+impl ServeArgs {
+    /// The server configuration these arguments give (the model's stop ids and sampling
+    /// defaults are filled in by [`serve`] once the checkpoint is read).
+    pub fn config(&self) -> ServeConfig {
+        let mut config = ServeConfig {
+            bind: self.bind,
+            token: self.token.clone(),
+            files_dir: self.files_dir.clone(),
+            auto_cache: !self.no_auto_cache,
+            ..ServeConfig::default()
         };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
-            continue;
-        };
-        match &v["eos_token_id"] {
-            serde_json::Value::Number(n) => {
-                if let Some(x) = n.as_u64().and_then(|x| u32::try_from(x).ok()) {
-                    return vec![x];
+        if let Some(v) = self.budget_device {
+            config.store.budget_device = v;
+        }
+        if let Some(v) = self.budget_host {
+            config.store.budget_host = v;
+        }
+        if let Some(v) = self.budget_disk {
+            config.store.budget_disk = v;
+        }
+        config.store.dir = self.store_dir.clone();
+        if let Some(n) = self.max_sessions {
+            config.max_sessions = n;
+        }
+        config
+    }
+}
+
+/// Wait for SIGINT (Ctrl-C) or SIGTERM (systemd, `docker stop`, Kubernetes).
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
                 }
             }
-            serde_json::Value::Array(a) => {
-                return a
-                    .iter()
-                    .filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
-                    .collect();
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
             }
-            _ => {}
         }
     }
-    Vec::new()
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
-/// Everything `flashrt serve` parsed.
-pub struct Plan {
-    pub source: ModelSource,
-    pub backend: Option<String>,
-    pub config: ServeConfig,
-    pub tokenizer: Option<PathBuf>,
-}
-
-/// Parse a `serve` command line.
-pub fn parse(args: &[String]) -> Result<Plan, String> {
-    const SWITCHES: &[&str] = &["random-weights", "no-auto-cache"];
-    const VALUED: &[&str] = &[
-        "checkpoint",
-        "seed",
-        "max-seq",
-        "buckets",
-        "bind",
-        "token",
-        "backend",
-        "budget-device",
-        "budget-host",
-        "budget-disk",
-        "store-dir",
-        "files-dir",
-        "max-sessions",
-        "tokenizer",
-    ];
-    let a = Args::parse(args, SWITCHES, VALUED)?;
-    let checkpoint = a.get("checkpoint").map(PathBuf::from);
-    let source = match (a.positional.as_slice(), checkpoint) {
-        ([toml], Some(dir)) => ModelSource::TomlCheckpoint {
-            toml: toml.into(),
-            dir,
-        },
-        ([toml], None) if a.has("random-weights") => ModelSource::TomlRandom {
-            toml: toml.into(),
-            seed: a.num("seed")?.unwrap_or(0),
-        },
-        ([_], None) => {
-            return Err("a TOML model needs --random-weights or --checkpoint DIR".into());
-        }
-        ([], Some(dir)) => {
-            let opts = HfOptions {
-                max_seq: a.num("max-seq")?,
-                prefill_buckets: a.list("buckets")?,
-                ..HfOptions::default()
-            };
-            ModelSource::Checkpoint { dir, opts }
-        }
-        ([], None) => return Err("missing model: <model.toml> or --checkpoint DIR".into()),
-        _ => return Err("expected at most one model file".into()),
-    };
-    let mut config = ServeConfig::default();
-    if let Some(b) = a.get("bind") {
-        config.bind = b
-            .parse::<SocketAddr>()
-            .map_err(|_| format!("--bind: `{b}` is not an address like 127.0.0.1:8077"))?;
-    }
-    config.token = a.get("token").map(str::to_string);
-    if let Some(v) = a.get("budget-device") {
-        config.store.budget_device = parse_bytes(v)?;
-    }
-    if let Some(v) = a.get("budget-host") {
-        config.store.budget_host = parse_bytes(v)?;
-    }
-    if let Some(v) = a.get("budget-disk") {
-        config.store.budget_disk = parse_bytes(v)?;
-    }
-    config.store.dir = a.get("store-dir").map(PathBuf::from);
-    config.files_dir = a.get("files-dir").map(PathBuf::from);
-    if let Some(n) = a.num("max-sessions")? {
-        config.max_sessions = n;
-    }
-    config.auto_cache = !a.has("no-auto-cache");
-    let dir = match &source {
-        ModelSource::TomlCheckpoint { dir, .. } | ModelSource::Checkpoint { dir, .. } => {
-            Some(dir.clone())
-        }
-        ModelSource::TomlRandom { .. } => None,
-    };
-    if let Some(d) = &dir {
-        config.eos = eos_from_dir(d);
-    }
-    let tokenizer = a.get("tokenizer").map(PathBuf::from).or_else(|| {
-        dir.map(|d| d.join("tokenizer.json"))
-            .filter(|p| p.is_file() && crate::tokenizer::AVAILABLE)
-    });
-    Ok(Plan {
-        source,
-        backend: a.get("backend").map(str::to_string),
-        config,
-        tokenizer,
-    })
-}
-
-/// `flashrt serve ...`: runs until Ctrl-C.
-pub fn run(args: &[String]) -> Result<ExitCode, String> {
-    if args.iter().any(|a| a == "--help" || a == "-h") {
-        print!("USAGE:\n{USAGE}");
-        return Ok(ExitCode::SUCCESS);
-    }
-    let plan = parse(args)?;
-    let backend: Arc<dyn Backend> = match plan.backend.as_deref() {
-        None => flashrt_runtime::backend::best().map_err(|e| e.to_string())?,
-        Some("cpu") => Arc::new(flashrt_runtime::CpuBackend::new()),
-        Some("cuda") => Arc::new(
-            flashrt_runtime::backend::cuda::CudaBackend::new(0).map_err(|e| e.to_string())?,
-        ),
-        Some(o) => return Err(format!("unknown backend `{o}` (cpu or cuda)")),
-    };
-    let model = load_model(&plan.source, backend)?;
-    let tokenizer = plan.tokenizer.as_deref().map(Tokenizer::load).transpose()?;
-    let bind_public = !plan.config.bind.ip().is_loopback();
-    let server = Server::start(model.clone(), tokenizer, plan.config.clone())?;
-    eprintln!(
-        "flashrt serve: model {} ({}, fingerprint {}) on {}\n  listening on http://{}{}",
+/// `flashrt serve ...`: runs until SIGINT or SIGTERM, then persists the store.
+pub fn serve(args: &ServeArgs) -> Result<ExitCode, String> {
+    let mut config = args.config();
+    let loaded = open(&args.model)?;
+    config.eos = loaded.eos();
+    config.defaults = loaded.defaults.clone();
+    let model = loaded.model.clone();
+    let bind_public = !config.bind.ip().is_loopback();
+    let server = Server::start(model.clone(), loaded.text, config.clone())?;
+    tracing::info!(
+        "model {} ({}, fingerprint {}, max_seq {}) loaded in {:.1} s; {}",
         model.name(),
         model.backend_name(),
         model.fingerprint(),
-        if plan.config.store.dir.is_some() {
-            "a store with a disk tier"
+        model.max_seq(),
+        loaded.load_seconds,
+        if config.store.dir.is_some() {
+            "store with a disk tier"
         } else {
-            "an in-memory store"
+            "in-memory store"
         },
+    );
+    // The line scripts wait for: ready to serve.
+    eprintln!(
+        "flashrt serve: listening on http://{}{}",
         server.addr(),
-        if plan.config.token.is_some() {
+        if config.token.is_some() {
             " (bearer token required)"
         } else {
             ""
         }
     );
-    if bind_public && plan.config.token.is_none() {
-        eprintln!("  warning: listening beyond loopback without --token");
+    if bind_public && config.token.is_none() {
+        tracing::warn!("listening beyond loopback without --token");
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    rt.block_on(async {
-        let _ = tokio::signal::ctrl_c().await;
-    });
-    eprintln!("flashrt serve: stopping; persisting the capsule store");
+    rt.block_on(stop_signal());
+    tracing::info!("stopping; persisting the capsule store");
     server.shutdown()?;
     Ok(ExitCode::SUCCESS)
 }
@@ -258,6 +411,19 @@ pub fn run(args: &[String]) -> Result<ExitCode, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(v: &[&str]) -> Result<ServeArgs, String> {
+        Cli::try_parse_from(std::iter::once("serve").chain(v.iter().copied()))
+            .map(|c| c.serve)
+            .map_err(|e| e.to_string())
+    }
 
     #[test]
     fn byte_sizes() {
@@ -271,37 +437,44 @@ mod tests {
 
     #[test]
     fn command_lines() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        let p = parse(&s(&[
-            "m.toml",
+        let toml = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/demo.toml");
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/lfm2-public");
+        let p = parse(&[
+            toml,
             "--random-weights",
             "--budget-host",
             "1M",
             "--bind",
             "127.0.0.1:0",
-        ]))
+        ])
         .unwrap();
-        assert!(matches!(p.source, ModelSource::TomlRandom { .. }));
-        assert_eq!(p.config.store.budget_host, 1 << 20);
-        assert!(parse(&s(&["m.toml"])).is_err());
-        assert!(parse(&s(&[])).is_err());
-        assert!(parse(&s(&["--checkpoint", "d", "--bogus"])).is_err());
-        assert!(parse(&s(&["--checkpoint", "d", "--bind", "nope"])).is_err());
-        let p = parse(&s(&[
-            "--checkpoint",
-            "d",
-            "--max-seq",
-            "128",
-            "--buckets",
-            "4,16",
-        ]))
-        .unwrap();
-        match p.source {
+        assert!(matches!(
+            p.model.source().unwrap(),
+            ModelSource::TomlRandom { .. }
+        ));
+        assert_eq!(p.config().store.budget_host, 1 << 20);
+        assert!(parse(&[toml]).unwrap().model.source().is_err());
+        assert!(parse(&[]).unwrap().model.source().is_err());
+        assert!(parse(&["--checkpoint", "d", "--bogus"]).is_err());
+        assert!(parse(&["--checkpoint", "d", "--bind", "nope"]).is_err());
+        let p = parse(&["--checkpoint", "d", "--max-seq", "128", "--buckets", "4,16"]).unwrap();
+        match p.model.source().unwrap() {
             ModelSource::Checkpoint { opts, .. } => {
                 assert_eq!(opts.max_seq, Some(128));
                 assert_eq!(opts.prefill_buckets, Some(vec![4, 16]));
             }
-            _ => panic!(),
+            s => panic!("{s:?}"),
         }
+        // A folder as the positional model is a checkpoint.
+        assert!(matches!(
+            parse(&[fixture]).unwrap().model.source().unwrap(),
+            ModelSource::Checkpoint { .. }
+        ));
+        let e = parse(&[fixture, "--random-weights"])
+            .unwrap()
+            .model
+            .source()
+            .unwrap_err();
+        assert!(e.contains("has its own weights"), "{e}");
     }
 }

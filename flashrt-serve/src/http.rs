@@ -6,7 +6,7 @@
 //! can fix. See the crate docs for the endpoint list.
 
 use crate::metrics::Metrics;
-use crate::tokenizer::{Tokenizer, decode_delta};
+use crate::text::{GenerationDefaults, RenderOptions, Text};
 use crate::worker::{ApiError, Cmd, CreateReq, Event, GenReq, Job, Out};
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -33,7 +33,8 @@ pub struct AppState {
     pub jobs: std::sync::mpsc::SyncSender<Job>,
     pub metrics: Arc<Metrics>,
     pub token: Option<String>,
-    pub tokenizer: Option<Arc<Tokenizer>>,
+    /// The checkpoint's tokenizer and chat template, when it has them.
+    pub text: Option<Arc<Text>>,
     pub model_name: String,
     pub fingerprint: String,
     pub backend: String,
@@ -41,6 +42,9 @@ pub struct AppState {
     pub max_seq: usize,
     /// Stop tokens of the model (EOS), applied unless a request says `ignore_eos`.
     pub eos: Vec<u32>,
+    /// Sampling defaults of the checkpoint (`generation_config.json`) for what a request
+    /// leaves out.
+    pub defaults: GenerationDefaults,
     /// Where `export`/`import` by file name read and write.
     pub files_dir: Option<PathBuf>,
     /// Largest accepted body (a capsule file upload is the largest thing).
@@ -240,7 +244,8 @@ async fn health(State(st): St) -> Response {
             "backend": st.backend,
             "vocab": st.vocab,
             "max_seq": st.max_seq,
-            "tokenizer": st.tokenizer.is_some(),
+            "tokenizer": st.text.is_some(),
+            "chat_template": st.text.as_ref().is_some_and(|t| t.template.is_some()),
             "sessions": m.sessions.load(Ordering::Relaxed),
             "capsules": {
                 "device": m.capsules[0].load(Ordering::Relaxed),
@@ -282,13 +287,21 @@ struct SamplerBody {
 }
 
 impl SamplerBody {
+    /// The sampler; what the body leaves out comes from the checkpoint's generation config
+    /// (OpenAI's defaults where it says nothing: temperature 1, no top-k / top-p cut).
     fn build(self, st: &AppState) -> Result<SamplerState, ApiError> {
         let seed = self.seed.unwrap_or_else(|| fresh_seed(st));
+        let d = st.defaults.sampler(seed);
+        let temperature = match (self.temperature, st.defaults.do_sample) {
+            (Some(t), _) => t,
+            (None, Some(false)) => 0.0,
+            (None, _) => st.defaults.temperature.unwrap_or(1.0),
+        };
         let s = SamplerState::seeded(
             seed,
-            self.temperature.unwrap_or(1.0),
-            self.top_k.unwrap_or(0),
-            self.top_p.unwrap_or(1.0),
+            temperature,
+            self.top_k.unwrap_or(d.top_k),
+            self.top_p.unwrap_or(d.top_p),
         );
         s.validate()
             .map_err(|e| ApiError::bad("invalid_sampler", e.to_string()))?;
@@ -314,8 +327,11 @@ enum Tokens {
 fn to_ids(st: &AppState, t: Tokens) -> Result<Vec<u32>, ApiError> {
     match t {
         Tokens::Ids(v) => Ok(v),
-        Tokens::Text(s) => match &st.tokenizer {
-            Some(tok) => tok.encode(&s).map_err(|e| ApiError::bad("tokenizer", e)),
+        Tokens::Text(s) => match &st.text {
+            Some(t) => t
+                .tokenizer
+                .encode(&s)
+                .map_err(|e| ApiError::bad("tokenizer", e)),
             None => Err(ApiError::bad(
                 "no_tokenizer",
                 "this server has no tokenizer: send token ids",
@@ -472,7 +488,8 @@ async fn generate(State(st): St, Path(id): Path<String>, body: Body) -> Response
         Ok(_) => sse(
             rx,
             Box::new(|ev| match ev {
-                Event::Token(t) => vec![json!({"token": t}).to_string()],
+                Event::Token(Some(t), text) => vec![json!({"token": t, "text": text}).to_string()],
+                Event::Token(None, text) => vec![json!({"text": text}).to_string()],
                 Event::Done(v) => vec![json!({"done": true, "result": v}).to_string()],
                 Event::Error(e) => vec![e.body().to_string()],
             }),
@@ -679,7 +696,13 @@ async fn import(State(st): St, headers: HeaderMap, body: Body) -> Response {
 #[derive(Deserialize)]
 struct CompletionBody {
     prompt: Option<Value>,
-    messages: Option<Vec<Message>>,
+    /// Chat messages as sent (the template sees them unchanged).
+    messages: Option<Vec<Value>>,
+    /// OpenAI function definitions, rendered by the chat template.
+    tools: Option<Value>,
+    /// Extra template variables (`{"enable_thinking": false}`), as vLLM takes them.
+    chat_template_kwargs: Option<Value>,
+    add_generation_prompt: Option<bool>,
     max_tokens: Option<usize>,
     max_completion_tokens: Option<usize>,
     temperature: Option<f32>,
@@ -698,12 +721,6 @@ struct CompletionBody {
     logprobs: Option<Value>,
 }
 
-#[derive(Deserialize)]
-struct Message {
-    role: String,
-    content: Value,
-}
-
 fn prompt_ids(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
     let bad = || {
         ApiError::bad(
@@ -713,7 +730,14 @@ fn prompt_ids(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
         )
     };
     match p {
-        Value::String(s) => to_ids(st, Tokens::Text(s.clone())),
+        Value::String(s) => match &st.text {
+            // As transformers' `tokenizer(prompt)`: with what the post-processor adds.
+            Some(t) => t
+                .tokenizer
+                .encode_with(s, true)
+                .map_err(|e| ApiError::bad("tokenizer", e)),
+            None => to_ids(st, Tokens::Text(s.clone())),
+        },
         Value::Array(a) if a.len() == 1 && !a[0].is_number() => prompt_ids(st, &a[0]),
         Value::Array(a) => a
             .iter()
@@ -732,34 +756,73 @@ fn prompt_ids(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
     }
 }
 
-/// ChatML (`<|im_start|>role\ncontent<|im_end|>\n` ..., then `<|im_start|>assistant\n`)
-/// with a tokenizer; without one, each message's content must be token ids, concatenated.
-fn chat_ids(st: &AppState, msgs: &[Message]) -> Result<Vec<u32>, ApiError> {
+/// The prompt of a chat request: the model's chat template over the messages (and tools)
+/// exactly as sent, then tokenized; without a tokenizer, each message's content must be
+/// token ids, concatenated.
+fn chat_ids(st: &AppState, b: &CompletionBody) -> Result<Vec<u32>, ApiError> {
+    let msgs = b
+        .messages
+        .as_deref()
+        .ok_or_else(|| ApiError::bad("invalid_request", "`messages` is required"))?;
     if msgs.is_empty() {
         return Err(ApiError::bad("invalid_request", "`messages` is empty"));
     }
-    match &st.tokenizer {
-        Some(tok) => {
-            let mut text = String::new();
-            for m in msgs {
-                let c = m.content.as_str().ok_or_else(|| {
-                    ApiError::bad("invalid_request", "message content must be a string")
-                })?;
-                text.push_str(&format!("<|im_start|>{}\n{c}<|im_end|>\n", m.role));
-            }
-            text.push_str("<|im_start|>assistant\n");
-            tok.encode(&text).map_err(|e| ApiError::bad("tokenizer", e))
+    for (i, m) in msgs.iter().enumerate() {
+        if !m.get("role").is_some_and(Value::is_string) {
+            return Err(ApiError::bad(
+                "invalid_request",
+                format!("messages[{i}] needs a string `role`"),
+            ));
+        }
+    }
+    match &st.text {
+        Some(text) => {
+            let Some(template) = &text.template else {
+                return Err(ApiError::bad(
+                    "no_chat_template",
+                    "this model has no chat template (no chat_template.jinja, no chat_template \
+                     in tokenizer_config.json): use /v1/completions with a prompt",
+                ));
+            };
+            let kwargs = match &b.chat_template_kwargs {
+                None | Some(Value::Null) => serde_json::Map::new(),
+                Some(Value::Object(m)) => m.clone(),
+                Some(_) => {
+                    return Err(ApiError::bad(
+                        "invalid_request",
+                        "`chat_template_kwargs` must be an object",
+                    ));
+                }
+            };
+            let tools = match &b.tools {
+                None | Some(Value::Null) => None,
+                Some(t @ Value::Array(_)) => Some(t.clone()),
+                Some(_) => {
+                    return Err(ApiError::bad("invalid_request", "`tools` must be a list"));
+                }
+            };
+            let opts = RenderOptions {
+                tools,
+                add_generation_prompt: b.add_generation_prompt.unwrap_or(true),
+                kwargs,
+            };
+            let prompt = template
+                .render(&Value::Array(msgs.to_vec()), &opts)
+                .map_err(|e| ApiError::bad("chat_template", e))?;
+            text.tokenizer
+                .encode(&prompt)
+                .map_err(|e| ApiError::bad("tokenizer", e))
         }
         None => {
             let mut ids = Vec::new();
             for m in msgs {
-                if !m.content.is_array() {
+                if !m["content"].is_array() {
                     return Err(ApiError::bad(
                         "no_tokenizer",
                         "this server has no tokenizer: give each message's content as token ids",
                     ));
                 }
-                ids.extend(prompt_ids(st, &m.content)?);
+                ids.extend(prompt_ids(st, &m["content"])?);
             }
             Ok(ids)
         }
@@ -792,7 +855,7 @@ fn completion_req(st: &AppState, b: &CompletionBody) -> Result<GenReq, ApiError>
             .ok_or_else(|| ApiError::bad("invalid_request", "`stop` must be strings"))?,
         _ => return Err(ApiError::bad("invalid_request", "`stop` must be strings")),
     };
-    if !stop_strings.is_empty() && st.tokenizer.is_none() {
+    if !stop_strings.is_empty() && st.text.is_none() {
         return Err(ApiError::bad(
             "no_tokenizer",
             "`stop` strings need a tokenizer; use `stop_token_ids`",
@@ -813,18 +876,6 @@ fn completion_req(st: &AppState, b: &CompletionBody) -> Result<GenReq, ApiError>
     })
 }
 
-fn decode(st: &AppState, ids: &[u32]) -> String {
-    st.tokenizer
-        .as_ref()
-        .map_or_else(String::new, |t| t.decode(ids))
-}
-
-fn cut_at_stop(text: &mut String, stops: &[String]) {
-    if let Some(i) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
-        text.truncate(i);
-    }
-}
-
 async fn completions(State(st): St, body: Body) -> Response {
     openai(st, body, false).await
 }
@@ -837,12 +888,7 @@ async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
     let r = async {
         let b: CompletionBody = parse(&st, body).await?;
         let prompt = if chat {
-            chat_ids(
-                &st,
-                b.messages
-                    .as_deref()
-                    .ok_or_else(|| ApiError::bad("invalid_request", "`messages` is required"))?,
-            )?
+            chat_ids(&st, &b)?
         } else {
             prompt_ids(
                 &st,
@@ -851,10 +897,7 @@ async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
                     .ok_or_else(|| ApiError::bad("invalid_request", "`prompt` is required"))?,
             )?
         };
-        let mut req = completion_req(&st, &b)?;
-        if chat && let Some(t) = st.tokenizer.as_ref().and_then(|t| t.token_id("<|im_end|>")) {
-            req.stop.push(t);
-        }
+        let req = completion_req(&st, &b)?;
         Ok::<_, ApiError>((prompt, req, b.stream))
     }
     .await;
@@ -865,7 +908,6 @@ async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
     let n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let id = format!("{}-{n:x}", if chat { "chatcmpl" } else { "cmpl" });
     let created = flashrt_runtime::capsule_file::now_ms() / 1000;
-    let stop_strings = req.stop_strings.clone();
     if !stream {
         return match call(
             &st,
@@ -877,7 +919,7 @@ async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
         )
         .await
         {
-            Ok(Out::Json(v)) => ok(completion_json(&st, &id, created, chat, &v, &stop_strings)),
+            Ok(Out::Json(v)) => ok(completion_json(&st, &id, created, chat, &v)),
             Ok(_) => ApiError::new(500, "internal", "unexpected answer").into_response(),
             Err(e) => e.into_response(),
         };
@@ -896,8 +938,6 @@ async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
         return e.into_response();
     }
     let st2 = st.clone();
-    let mut ids = Vec::new();
-    let mut printed = String::new();
     let mut first = true;
     sse(
         rx,
@@ -924,13 +964,8 @@ async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
                 .to_string()
             };
             match ev {
-                Event::Token(t) => {
-                    ids.push(t);
-                    let piece = st2
-                        .tokenizer
-                        .as_ref()
-                        .map_or_else(String::new, |tok| decode_delta(tok, &ids, &mut printed));
-                    let c = choice(piece, vec![t], Value::Null, first);
+                Event::Token(t, piece) => {
+                    let c = choice(piece, t.into_iter().collect(), Value::Null, first);
                     first = false;
                     vec![chunk(c)]
                 }
@@ -955,17 +990,11 @@ fn usage(v: &Value) -> Value {
            "prompt_tokens_details": {"cached_tokens": v["cached_tokens"]}})
 }
 
-fn completion_json(
-    st: &AppState,
-    id: &str,
-    created: u64,
-    chat: bool,
-    v: &Value,
-    stops: &[String],
-) -> Value {
+fn completion_json(st: &AppState, id: &str, created: u64, chat: bool, v: &Value) -> Value {
     let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap_or_default();
-    let mut text = decode(st, &ids);
-    cut_at_stop(&mut text, stops);
+    // The worker's text: decoded incrementally and cut at a stop string, exactly what a
+    // streamed answer carries.
+    let text = v["text"].as_str().unwrap_or_default();
     let choice = if chat {
         json!({"index": 0, "message": {"role": "assistant", "content": text, "token_ids": ids},
                "finish_reason": v["finish_reason"]})

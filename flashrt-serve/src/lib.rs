@@ -23,7 +23,7 @@
 //! | `GET /metrics` | | Prometheus text |
 //! | `GET /v1/models` | | OpenAI model list |
 //! | `POST /v1/completions` | OpenAI: `prompt` (ids), `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, `stream` | OpenAI `text_completion` (+ `token_ids`), SSE chunks when streaming |
-//! | `POST /v1/chat/completions` | OpenAI: `messages` (content: ids, or text with a tokenizer: ChatML) | OpenAI `chat.completion` / chunks |
+//! | `POST /v1/chat/completions` | OpenAI: `messages`, `tools`, `chat_template_kwargs` (rendered by the model's chat template; without a tokenizer, contents as ids) | OpenAI `chat.completion` / chunks |
 //! | `POST /v1/sessions` | `{tokens?, capsule?, sampler?{temperature,top_k,top_p,seed}, reuse?=true}` | `{session, pos, reused_tokens, from_capsule}` |
 //! | `GET /v1/sessions` | | `{sessions: [{session, pos}]}` |
 //! | `GET /v1/sessions/{id}` | | `{session, pos, tokens, sampler, counters}` |
@@ -46,11 +46,10 @@
 //! (at any position) is restored instead of prefilled, and the prompt boundary and the end of
 //! each completion are stored (label `auto`) for the next request.
 
-pub mod args;
 pub mod cli;
 pub mod http;
 pub mod metrics;
-pub mod tokenizer;
+pub mod text;
 pub mod worker;
 
 use flashrt_runtime::{CapsuleStore, Model, StoreConfig};
@@ -59,7 +58,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use tokenizer::Tokenizer;
+use text::{GenerationDefaults, Text};
 use worker::{Cmd, Job, Worker, WorkerConfig};
 
 /// Everything a server needs besides the model.
@@ -79,6 +78,8 @@ pub struct ServeConfig {
     pub auto_cache: bool,
     /// Stop tokens applied unless a request sets `ignore_eos`.
     pub eos: Vec<u32>,
+    /// The checkpoint's sampling defaults for what a request leaves out.
+    pub defaults: GenerationDefaults,
 }
 
 impl Default for ServeConfig {
@@ -92,6 +93,7 @@ impl Default for ServeConfig {
             queue: 1024,
             auto_cache: true,
             eos: Vec::new(),
+            defaults: GenerationDefaults::default(),
         }
     }
 }
@@ -108,11 +110,7 @@ pub struct Server {
 
 impl Server {
     /// Open the store (loading its directory), start the worker and the HTTP listener.
-    pub fn start(
-        model: Model,
-        tokenizer: Option<Tokenizer>,
-        cfg: ServeConfig,
-    ) -> Result<Server, String> {
+    pub fn start(model: Model, text: Option<Text>, cfg: ServeConfig) -> Result<Server, String> {
         let store = CapsuleStore::open(model.clone(), cfg.store.clone())
             .map_err(|e| format!("opening the capsule store: {e}"))?;
         let files_dir = cfg
@@ -128,13 +126,13 @@ impl Server {
         listener.set_nonblocking(true).map_err(|e| e.to_string())?;
 
         let metrics = Arc::new(Metrics::default());
-        let tokenizer = tokenizer.map(Arc::new);
+        let text = text.map(Arc::new);
         let (jobs, rx) = std::sync::mpsc::sync_channel(cfg.queue.max(1));
         let worker = Worker::new(
             model.clone(),
             store,
             metrics.clone(),
-            tokenizer.clone(),
+            text.clone(),
             WorkerConfig {
                 max_sessions: cfg.max_sessions,
                 auto_cache: cfg.auto_cache,
@@ -153,13 +151,14 @@ impl Server {
             jobs: jobs.clone(),
             metrics: metrics.clone(),
             token: cfg.token.clone(),
-            tokenizer,
+            text,
             model_name: model.name().to_string(),
             fingerprint: model.fingerprint().to_string(),
             backend: model.backend_name(),
             vocab: model.vocab(),
             max_seq: model.max_seq(),
             eos: cfg.eos.clone(),
+            defaults: cfg.defaults.clone(),
             files_dir,
             max_body: (max_file as usize).saturating_add(1 << 20).max(8 << 20),
             started: std::time::Instant::now(),

@@ -11,7 +11,7 @@
 //! with a 500, and the session it touched is dropped; the worker goes on serving.
 
 use crate::metrics::Metrics;
-use crate::tokenizer::Tokenizer;
+use crate::text::{Text, TextStream};
 use flashrt_runtime::store::{CapsuleInfo, valid_id};
 use flashrt_runtime::{CapsuleStore, Error, LogitsMode, Model, SamplerState, Session};
 use serde_json::{Value, json};
@@ -89,8 +89,10 @@ pub enum Out {
 /// One event of a streamed generation.
 #[derive(Debug)]
 pub enum Event {
-    /// A sampled token (already fed to the session).
-    Token(u32),
+    /// A sampled token (streamed the moment it is chosen, fed to the session right after)
+    /// and the text it makes visible (empty without a tokenizer, or while a character or a
+    /// possible stop string is incomplete). `None`: the text still held back at the end.
+    Token(Option<u32>, String),
     /// The end: a summary (`tokens`, `finish_reason`, `pos`, usage).
     Done(Value),
     /// A failure after the stream started.
@@ -105,7 +107,8 @@ pub struct GenReq {
     pub sampler: Option<SamplerState>,
     /// Generation stops after one of these tokens (it is fed and returned).
     pub stop: Vec<u32>,
-    /// Generation stops when the decoded text contains one of these (tokenizer builds).
+    /// Generation stops when the decoded text contains one of these (needs a tokenizer);
+    /// the text returned and streamed ends before it.
     pub stop_strings: Vec<String>,
 }
 
@@ -198,7 +201,7 @@ pub struct Worker {
     sessions: HashMap<String, Slot>,
     scratch: Option<Session>,
     metrics: Arc<Metrics>,
-    tokenizer: Option<Arc<Tokenizer>>,
+    text: Option<Arc<Text>>,
     cfg: WorkerConfig,
     id_state: u64,
     session_arena_bytes: u64,
@@ -234,7 +237,7 @@ impl Worker {
         model: Model,
         store: CapsuleStore,
         metrics: Arc<Metrics>,
-        tokenizer: Option<Arc<Tokenizer>>,
+        text: Option<Arc<Text>>,
         cfg: WorkerConfig,
     ) -> Worker {
         let l = &model.compiled().layout;
@@ -253,7 +256,7 @@ impl Worker {
             sessions: HashMap::new(),
             scratch: None,
             metrics,
-            tokenizer,
+            text,
             cfg,
             id_state: flashrt_runtime::capsule_file::now_ms() ^ 0x5e55_1011,
             session_arena_bytes,
@@ -486,7 +489,7 @@ impl Worker {
                 let r = self.generate(&mut s, &req, stream.as_ref());
                 let pos = s.pos();
                 self.sessions.insert(session.clone(), Slot { session: s });
-                let (tokens, finish) = match r {
+                let (tokens, finish, text) = match r {
                     Ok(x) => x,
                     Err(e) => {
                         if let Some(tx) = &stream {
@@ -498,6 +501,7 @@ impl Worker {
                 let summary = json!({
                     "session": session,
                     "tokens": tokens,
+                    "text": text,
                     "finish_reason": finish,
                     "pos": pos,
                 });
@@ -712,52 +716,59 @@ impl Worker {
         })))
     }
 
-    /// Sample and feed up to `req.max_tokens` tokens.
+    /// Sample and feed up to `req.max_tokens` tokens. Each token is streamed as soon as it is
+    /// chosen, before the step that feeds it runs. Returns the ids, the finish reason and the
+    /// visible text (decoded incrementally, cut before a stop string; empty without a
+    /// tokenizer).
     fn generate(
         &self,
         s: &mut Session,
         req: &GenReq,
         stream: Option<&mpsc::UnboundedSender<Event>>,
-    ) -> WResult<(Vec<u32>, &'static str)> {
+    ) -> WResult<(Vec<u32>, &'static str, String)> {
         let mut out = Vec::new();
         let max = self.model.max_seq();
         let mut finish = "length";
-        let mut printed = String::new();
+        let mut text = self
+            .text
+            .as_ref()
+            .map(|t| TextStream::new(&t.tokenizer, &req.stop_strings));
         for _ in 0..req.max_tokens {
             if s.pos() >= max {
                 break;
             }
             let t = s.sample_next()?;
-            s.append(&[t])?;
             out.push(t);
             self.metrics
                 .generated_tokens
                 .fetch_add(1, Ordering::Relaxed);
+            let piece = text.as_mut().map(|ts| ts.push(t)).unwrap_or_default();
             if let Some(tx) = stream
-                && tx.send(Event::Token(t)).is_err()
+                && tx.send(Event::Token(Some(t), piece.text)).is_err()
             {
                 finish = "cancelled";
+                s.append(&[t])?;
                 break;
             }
-            if req.stop.contains(&t) {
+            s.append(&[t])?;
+            if req.stop.contains(&t) || piece.stop {
                 finish = "stop";
                 break;
             }
-            if !req.stop_strings.is_empty()
-                && let Some(tok) = &self.tokenizer
-            {
-                crate::tokenizer::decode_delta(tok, &out, &mut printed);
-                if req
-                    .stop_strings
-                    .iter()
-                    .any(|x| printed.contains(x.as_str()))
-                {
-                    finish = "stop";
-                    break;
-                }
-            }
         }
-        Ok((out, finish))
+        let visible = match text.as_mut() {
+            Some(ts) => {
+                let tail = ts.finish();
+                if let Some(tx) = stream
+                    && !tail.text.is_empty()
+                {
+                    let _ = tx.send(Event::Token(None, tail.text));
+                }
+                ts.text().to_string()
+            }
+            None => String::new(),
+        };
+        Ok((out, finish, visible))
     }
 
     fn complete(
@@ -816,13 +827,14 @@ impl Worker {
         if stream.is_some() {
             rep.send(Ok(Out::Stream));
         }
-        let (tokens, finish) = self.generate(s, req, stream)?;
+        let (tokens, finish, text) = self.generate(s, req, stream)?;
         if self.cfg.auto_cache && !tokens.is_empty() && finish != "cancelled" {
             let cap = s.snapshot()?;
             let _ = self.store.insert(cap, Some("auto".into()));
         }
         Ok(json!({
             "tokens": tokens,
+            "text": text,
             "finish_reason": finish,
             "prompt_tokens": prompt.len(),
             "cached_tokens": cached,
