@@ -51,12 +51,22 @@ pub struct ChatArgs {
     pub sample: SampleArgs,
 }
 
-/// One line of conversation state: a session and the messages it holds.
+/// One line of conversation: a session, the messages it holds, and a capsule per turn.
 struct Branch {
     session: Session,
     messages: Vec<Value>,
-    /// The capsule after each answer (for /rollback and for re-rendered prompts).
-    turns: Vec<(Capsule, Vec<Value>)>,
+    /// Per turn: the capsule right after its prompt was prefilled (a prefix of every later
+    /// rendering of the conversation, whatever the answer re-tokenizes to), and the
+    /// conversation before its user message (what /rollback returns to).
+    turns: Vec<Turn>,
+    /// Where the conversation started: empty, or a restored capsule and its messages.
+    base: Option<(Capsule, Vec<Value>)>,
+}
+
+#[derive(Clone)]
+struct Turn {
+    prompt: Capsule,
+    before: Vec<Value>,
 }
 
 struct Saved {
@@ -130,8 +140,10 @@ impl Chat<'_> {
             .turns
             .iter()
             .rev()
-            .find(|(c, _)| ids.starts_with(c.tokens()))
-            .map(|(c, _)| c.clone());
+            .map(|t| &t.prompt)
+            .chain(b.base.as_ref().map(|(c, _)| c))
+            .find(|c| ids.starts_with(c.tokens()))
+            .cloned();
         let t = Instant::now();
         match best {
             Some(c) => {
@@ -162,10 +174,19 @@ impl Chat<'_> {
         let loaded = self.loaded;
         let sample = self.args.sample.clone();
         let b = self.branch();
+        let before = b.messages.clone();
+        // Prefill, then keep the prompt's capsule for the turns after this one.
+        let t0 = Instant::now();
+        b.session.set_logits_mode(crate::runtime::LogitsMode::Last);
+        b.session
+            .append(&ids[reused..])
+            .map_err(|e| e.to_string())?;
+        let prefill_ms = ms(t0);
+        let prompt_cap = b.session.snapshot().map_err(|e| e.to_string())?;
         let mut printed = String::new();
-        let g = generate(
+        let mut g = generate(
             &mut b.session,
-            &ids[reused..],
+            &[],
             loaded.text.as_ref(),
             &eos,
             &sample,
@@ -176,11 +197,16 @@ impl Chat<'_> {
             },
         )
         .map_err(|e| e.to_string())?;
+        g.prefilled = ids.len() - reused;
+        g.prefill_ms = prefill_ms;
+        g.first_token_ms += prefill_ms;
         let _ = writeln!(out);
         messages.push(json!({"role": "assistant", "content": g.text}));
-        b.messages = messages.clone();
-        let cap = b.session.snapshot().map_err(|e| e.to_string())?;
-        b.turns.push((cap, messages));
+        b.messages = messages;
+        b.turns.push(Turn {
+            prompt: prompt_cap,
+            before,
+        });
         let n = g.ids.len();
         eprintln!(
             "[{} new prompt tokens ({reused} reused{}) in {:.1} ms · first token {:.1} ms · {n} tokens, {:.1} tokens/s · {}]",
@@ -281,7 +307,8 @@ impl Chat<'_> {
                 b.session.synchronize().map_err(|e| e.to_string())?;
                 let took = ms(t);
                 b.messages = messages.clone();
-                b.turns = vec![(cap.clone(), messages)];
+                b.turns.clear();
+                b.base = Some((cap.clone(), messages));
                 let _ = writeln!(
                     out,
                     "restored {name} ({from}): {} tokens, {} in {took:.2} ms",
@@ -299,6 +326,7 @@ impl Chat<'_> {
                 let cap = b.session.snapshot().map_err(|e| e.to_string())?;
                 let messages = b.messages.clone();
                 let turns = b.turns.clone();
+                let base = b.base.clone();
                 let session = self.model().fork(&cap).map_err(|e| e.to_string())?;
                 session.synchronize().map_err(|e| e.to_string())?;
                 let took = ms(t);
@@ -309,6 +337,7 @@ impl Chat<'_> {
                         session,
                         messages,
                         turns,
+                        base,
                     },
                 );
                 let _ = writeln!(
@@ -331,7 +360,6 @@ impl Chat<'_> {
                     None => 1,
                     Some(a) => a.parse().map_err(|_| "usage: /rollback [N]".to_string())?,
                 };
-                let fresh = self.fresh_messages();
                 let b = self.branch();
                 if n == 0 || n > b.turns.len() {
                     return Err(format!(
@@ -341,17 +369,24 @@ impl Chat<'_> {
                         if b.turns.len() == 1 { "" } else { "s" }
                     ));
                 }
-                b.turns.truncate(b.turns.len() - n);
+                let k = b.turns.len() - n;
+                b.messages = b.turns[k].before.clone();
+                b.turns.truncate(k);
+                // The newest capsule still behind us: the last kept turn's prompt, else the
+                // conversation's start.
                 let t = Instant::now();
-                let pos = match b.turns.last() {
-                    Some((c, m)) => {
-                        b.session.rollback(c).map_err(|e| e.to_string())?;
-                        b.messages = m.clone();
+                let back = b
+                    .turns
+                    .last()
+                    .map(|t| t.prompt.clone())
+                    .or_else(|| b.base.as_ref().map(|(c, _)| c.clone()));
+                let pos = match back {
+                    Some(c) => {
+                        b.session.restore(&c).map_err(|e| e.to_string())?;
                         c.pos()
                     }
                     None => {
                         b.session.reset().map_err(|e| e.to_string())?;
-                        b.messages = fresh;
                         0
                     }
                 };
@@ -404,6 +439,7 @@ impl Chat<'_> {
                 b.session.reset().map_err(|e| e.to_string())?;
                 b.messages = fresh;
                 b.turns.clear();
+                b.base = None;
                 let _ = writeln!(out, "new conversation");
             }
             other => return Err(format!("unknown command /{other} (/help lists them)")),
@@ -463,6 +499,7 @@ pub fn chat(a: &ChatArgs) -> Result<ExitCode, String> {
             session,
             messages,
             turns: Vec::new(),
+            base: None,
         },
     );
     let stdout = std::io::stdout();

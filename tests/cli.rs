@@ -193,3 +193,69 @@ fn unknown_commands_and_options_are_usage_errors() {
     );
     assert!(flashrt(&["help"]).status.success());
 }
+
+#[test]
+fn every_command_has_help_and_the_binary_a_version() {
+    for cmd in [
+        "demo",
+        "run",
+        "chat",
+        "serve",
+        "bench",
+        "compile",
+        "import-hf",
+        "check-reference",
+    ] {
+        let out = flashrt(&[cmd, "--help"]);
+        let t = text(&out);
+        assert!(out.status.success(), "{cmd} --help: {t}");
+        assert!(t.contains(&format!("Usage: flashrt {cmd}")), "{cmd}: {t}");
+    }
+    let out = flashrt(&["--version"]);
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("flashrt {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
+fn a_broken_tokenizer_fails_before_the_weights_load() {
+    let dir = std::env::temp_dir().join(format!("flashrt-badtok-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // A config but no weights at all: a load would fail on the weights; the tokenizer is read
+    // (and refused) first.
+    std::fs::copy(
+        fixtures().join("qwen35-public/config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    std::fs::write(dir.join("tokenizer.json"), "{ not a tokenizer").unwrap();
+    let out = flashrt(&["run", dir.to_str().unwrap(), "hello"]);
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{t}");
+    assert!(
+        t.contains("tokenizer.json") && !t.contains("safetensors"),
+        "{t}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn bench_takes_a_checkpoint_like_a_toml() {
+    let dir = fixtures().join("lfm2-public");
+    let out = flashrt(&[
+        "bench",
+        dir.to_str().unwrap(),
+        "--lengths",
+        "40",
+        "--iters",
+        "2",
+        "--decode-steps",
+        "2",
+    ]);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("flashrt bench") && t.contains("40"), "{t}");
+}

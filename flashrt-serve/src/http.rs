@@ -109,7 +109,90 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), count))
+        .layer(middleware::from_fn(log_requests))
         .with_state(state)
+}
+
+/// Prompt and completion tokens of an answer, for its log line: attached to the response by
+/// the handler (a JSON answer) or filled in when its stream ends (SSE).
+#[derive(Clone, Default)]
+pub struct TokenCount(Arc<std::sync::Mutex<Option<(u64, u64)>>>);
+
+impl TokenCount {
+    fn set(&self, prompt: u64, completion: u64) {
+        if let Ok(mut g) = self.0.lock() {
+            *g = Some((prompt, completion));
+        }
+    }
+    fn describe(&self) -> String {
+        match self.0.lock().ok().and_then(|g| *g) {
+            Some((p, c)) => format!(" tokens={p}+{c}"),
+            None => String::new(),
+        }
+    }
+}
+
+/// One log line per request: method, path, status, latency (to the last byte of a stream),
+/// tokens where the answer has them.
+async fn log_requests(req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let t0 = std::time::Instant::now();
+    let resp = next.run(req).await;
+    let status = resp.status().as_u16();
+    let tokens = resp.extensions().get::<TokenCount>().cloned();
+    let line = move |what: &str| {
+        let t = tokens.as_ref().map_or(String::new(), TokenCount::describe);
+        tracing::info!(
+            "{method} {path} {status} {:.1} ms{what}{t}",
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+    };
+    let streaming = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if !streaming {
+        line("");
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let logged = LoggedBody {
+        inner: body,
+        on_end: Some(Box::new(move || line(" (stream)"))),
+    };
+    Response::from_parts(parts, Body::new(logged))
+}
+
+/// A response body that runs `on_end` once, when it ends or is dropped (a client gone).
+struct LoggedBody {
+    inner: Body,
+    on_end: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl http_body::Body for LoggedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None) = r
+            && let Some(f) = self.on_end.take()
+        {
+            f();
+        }
+        r
+    }
+}
+
+impl Drop for LoggedBody {
+    fn drop(&mut self) {
+        if let Some(f) = self.on_end.take() {
+            f();
+        }
+    }
 }
 
 async fn count(State(st): St, req: Request, next: Next) -> Response {
@@ -919,7 +1002,17 @@ async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
         )
         .await
         {
-            Ok(Out::Json(v)) => ok(completion_json(&st, &id, created, chat, &v)),
+            Ok(Out::Json(v)) => {
+                let body = completion_json(&st, &id, created, chat, &v);
+                let mut r = ok(body);
+                let t = TokenCount::default();
+                t.set(
+                    v["prompt_tokens"].as_u64().unwrap_or(0),
+                    v["tokens"].as_array().map_or(0, |a| a.len() as u64),
+                );
+                r.extensions_mut().insert(t);
+                r
+            }
             Ok(_) => ApiError::new(500, "internal", "unexpected answer").into_response(),
             Err(e) => e.into_response(),
         };
@@ -939,7 +1032,9 @@ async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
     }
     let st2 = st.clone();
     let mut first = true;
-    sse(
+    let count = TokenCount::default();
+    let count2 = count.clone();
+    let mut r = sse(
         rx,
         Box::new(move |ev| {
             let object = if chat {
@@ -970,6 +1065,10 @@ async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
                     vec![chunk(c)]
                 }
                 Event::Done(v) => {
+                    count2.set(
+                        v["prompt_tokens"].as_u64().unwrap_or(0),
+                        v["tokens"].as_array().map_or(0, |a| a.len() as u64),
+                    );
                     // The last chunk carries the finish reason and, like OpenAI's
                     // `include_usage`, the usage.
                     let c = choice(String::new(), vec![], v["finish_reason"].clone(), first);
@@ -980,7 +1079,9 @@ async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
                 Event::Error(e) => vec![e.body().to_string(), "[DONE]".to_string()],
             }
         }),
-    )
+    );
+    r.extensions_mut().insert(count);
+    r
 }
 
 fn usage(v: &Value) -> Value {
