@@ -82,7 +82,8 @@ def state_tensors(cache):
             if isinstance(v, dict):
                 v = next(iter(v.values()), None)
             if torch.is_tensor(v) and v.numel() > 0:
-                out[f"layers.{i}.{kind}"] = v.detach().float().contiguous()
+                # A copy: decoding updates conv and recurrent states in place.
+                out[f"layers.{i}.{kind}"] = v.detach().float().clone().contiguous()
     return out
 
 
@@ -95,7 +96,13 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(1)
     src = ROOT / "tests" / "fixtures" / a.like
-    cfg = json.loads((src / "config.json").read_text())
+    # transformers writes non-finite floats as {"__float__": "Infinity"}.
+    def floats(d):
+        if "__float__" in d and len(d) == 1:
+            return float(d["__float__"])
+        return d
+
+    cfg = json.loads((src / "config.json").read_text(), object_hook=floats)
     for k in ("transformers_version", "architectures", "dtype", "torch_dtype"):
         cfg.pop(k, None)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)

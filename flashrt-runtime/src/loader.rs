@@ -12,11 +12,12 @@
 //!
 //! [`Checkpoint::load`] then streams the matched tensors, shard by shard in file order, into a
 //! [`WeightSink`] the backend owns, in their stored dtype (the sink converts where the model's
-//! dtype differs). It reads each shard sequentially through its memory map, asks the kernel to
-//! read a window ahead ([`SafeTensors::prefetch`]) so the disk stays busy while the backend
-//! copies, and drops each piece's pages from the process once the sink has it
-//! ([`SafeTensors::release`]): resident memory stays at the backend's staging buffers whatever
-//! the checkpoint's size. On the way it hashes every tensor (name, dtype, shape, data; XXH3, on
+//! dtype differs). It copies each shard sequentially out of its memory map while a read-ahead
+//! thread reads the same file ranges a window ahead with large sequential reads (what `dd`
+//! does), so the disk never waits for the copy and the copy rarely waits for the disk; each
+//! piece's pages are dropped from the process once the sink has it ([`SafeTensors::release`]):
+//! resident memory stays at the backend's staging buffers whatever the checkpoint's size (the
+//! read-ahead fills the page cache, not the process). On the way it hashes every tensor (name, dtype, shape, data; XXH3, on
 //! a second thread while the sink copies) into the weights digest a loaded model's fingerprint
 //! covers, and reports progress (bytes, rate, shard) to a [`LoadProgress`].
 
@@ -29,10 +30,12 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use xxhash_rust::xxh3::{Xxh3, xxh3_128};
 
-/// Bytes handed to the sink per call (and prefetched / released per step).
+/// Bytes handed to the sink per call (and released per step).
 const PIECE: usize = 32 << 20;
-/// How far ahead of the copy the kernel is asked to read.
-const READ_AHEAD: usize = 512 << 20;
+/// How far ahead of the copy the read-ahead thread reads.
+const READ_AHEAD: u64 = 1 << 30;
+/// Bytes per read of the read-ahead thread.
+const READ_BLOCK: usize = 8 << 20;
 
 /// The safetensors files of a checkpoint folder: the shards named in
 /// `model.safetensors.index.json` if present, else every `model*.safetensors`, else every
@@ -256,6 +259,72 @@ fn same_shape(a: &[usize], b: &[usize]) -> bool {
     a.iter().product::<usize>() == b.iter().product::<usize>() && sq(a) == sq(b)
 }
 
+/// The read-ahead thread's side of [`Checkpoint::load`]: it reads the file ranges the copy
+/// will want, in order, at most [`READ_AHEAD`] bytes ahead of it, into a scratch buffer (the
+/// point is the page cache it fills). Read errors are left to the copy, which meets them
+/// through the map and reports them.
+#[derive(Default)]
+struct ReadAhead {
+    consumed: std::sync::atomic::AtomicU64,
+    stopped: std::sync::atomic::AtomicBool,
+}
+
+impl ReadAhead {
+    fn consumed(&self, bytes: usize) {
+        self.consumed
+            .fetch_add(bytes as u64, std::sync::atomic::Ordering::Release);
+    }
+
+    fn stop(&self) {
+        self.stopped
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    #[cfg(unix)]
+    fn run(&self, plan: &[(Option<&Path>, std::ops::Range<usize>)]) {
+        use std::os::unix::fs::FileExt;
+        use std::sync::atomic::Ordering;
+        let mut buf = vec![0u8; READ_BLOCK];
+        let mut open: Option<(&Path, std::fs::File)> = None;
+        let mut read = 0u64;
+        for (path, range) in plan {
+            let Some(path) = path else {
+                continue;
+            };
+            if open.as_ref().is_none_or(|(p, _)| p != path) {
+                match std::fs::File::open(path) {
+                    Ok(f) => open = Some((path, f)),
+                    Err(_) => return,
+                }
+            }
+            let file = &open.as_ref().expect("opened above").1;
+            let mut at = range.start;
+            while at < range.end {
+                while read > self.consumed.load(Ordering::Acquire) + READ_AHEAD {
+                    if self.stopped.load(Ordering::Acquire) {
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                if self.stopped.load(Ordering::Acquire) {
+                    return;
+                }
+                let n = READ_BLOCK.min(range.end - at);
+                match file.read_at(&mut buf[..n], at as u64) {
+                    Ok(0) | Err(_) => return,
+                    Ok(k) => {
+                        at += k;
+                        read += k as u64;
+                    }
+                }
+            }
+        }
+    }
+
+    #[cfg(not(unix))]
+    fn run(&self, _plan: &[(Option<&Path>, std::ops::Range<usize>)]) {}
+}
+
 impl Checkpoint {
     /// Map the folder's shards and parse their headers.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
@@ -446,57 +515,63 @@ impl Checkpoint {
                 at = end;
             }
         }
-        let mut ahead = 0; // pieces[..ahead] have been prefetched
-        let mut ahead_bytes = 0usize; // bytes prefetched beyond the current piece
+        let plan: Vec<(Option<&Path>, std::ops::Range<usize>)> = pieces
+            .iter()
+            .map(|(i, r)| (self.shards[matched[*i].shard].path(), r.clone()))
+            .collect();
+        let ahead = ReadAhead::default();
         let mut hashes: Vec<(String, u64)> = Vec::with_capacity(matched.len());
-        let mut hasher = Xxh3::new();
-        let mut shard_seen = usize::MAX;
-        for (p, (i, range)) in pieces.iter().enumerate() {
-            let m = &matched[*i];
-            let shard = &self.shards[m.shard];
-            if m.shard != shard_seen {
-                shard_seen = m.shard;
-                let name = Path::new(&shard.origin)
-                    .file_name()
-                    .map_or(shard.origin.clone(), |n| n.to_string_lossy().into_owned());
-                progress.shard(m.shard, &name);
-            }
-            while ahead < pieces.len() && (ahead <= p || ahead_bytes < READ_AHEAD) {
-                let (j, r) = &pieces[ahead];
-                self.shards[matched[*j].shard].prefetch(r.clone());
-                ahead_bytes += r.len();
-                ahead += 1;
-            }
-            ahead_bytes = ahead_bytes.saturating_sub(range.len());
-            if range.start == m.start {
-                hasher.reset();
-                hasher.update(m.name.as_bytes());
-                hasher.update(&[0]);
-                hasher.update(m.dtype.name().as_bytes());
-                for d in &m.shape {
-                    hasher.update(&(*d as u64).to_le_bytes());
+        let streamed: Result<()> = std::thread::scope(|scope| {
+            scope.spawn(|| ahead.run(&plan));
+            let r = (|| -> Result<()> {
+                let mut hasher = Xxh3::new();
+                let mut shard_seen = usize::MAX;
+                for (i, range) in &pieces {
+                    let m = &matched[*i];
+                    let shard = &self.shards[m.shard];
+                    if m.shard != shard_seen {
+                        shard_seen = m.shard;
+                        let name = Path::new(&shard.origin)
+                            .file_name()
+                            .map_or(shard.origin.clone(), |n| n.to_string_lossy().into_owned());
+                        progress.shard(m.shard, &name);
+                    }
+                    if range.start == m.start {
+                        hasher.reset();
+                        hasher.update(m.name.as_bytes());
+                        hasher.update(&[0]);
+                        hasher.update(m.dtype.name().as_bytes());
+                        for d in &m.shape {
+                            hasher.update(&(*d as u64).to_le_bytes());
+                        }
+                    }
+                    let bytes = shard.bytes(range.clone());
+                    let first = (range.start - m.start) / m.dtype.size();
+                    if bytes.len() >= (1 << 20) {
+                        // Hash on a second thread while the sink copies the same (page-cached) bytes.
+                        std::thread::scope(|s| {
+                            let h = s.spawn(|| hasher.update(bytes));
+                            let r = sink.put(m.buffer, first, m.dtype, bytes);
+                            h.join().expect("hashing does not panic");
+                            r
+                        })?;
+                    } else {
+                        hasher.update(bytes);
+                        sink.put(m.buffer, first, m.dtype, bytes)?;
+                    }
+                    shard.release(range.clone());
+                    ahead.consumed(range.len());
+                    progress.advance(range.len() as u64);
+                    if range.end == m.end {
+                        hashes.push((m.name.clone(), hasher.digest()));
+                    }
                 }
-            }
-            let bytes = shard.bytes(range.clone());
-            let first = (range.start - m.start) / m.dtype.size();
-            if bytes.len() >= (1 << 20) {
-                // Hash on a second thread while the sink copies the same (page-cached) bytes.
-                std::thread::scope(|s| {
-                    let h = s.spawn(|| hasher.update(bytes));
-                    let r = sink.put(m.buffer, first, m.dtype, bytes);
-                    h.join().expect("hashing does not panic");
-                    r
-                })?;
-            } else {
-                hasher.update(bytes);
-                sink.put(m.buffer, first, m.dtype, bytes)?;
-            }
-            shard.release(range.clone());
-            progress.advance(range.len() as u64);
-            if range.end == m.end {
-                hashes.push((m.name.clone(), hasher.digest()));
-            }
-        }
+                Ok(())
+            })();
+            ahead.stop();
+            r
+        });
+        streamed?;
         hashes.sort();
         let mut all = Vec::with_capacity(hashes.len() * 40);
         for (name, h) in &hashes {

@@ -10,9 +10,9 @@
 //! panic.
 //!
 //! [`SafeTensors::open`] maps the file instead of reading it: parsing touches only the header,
-//! and a loader streams tensor data straight from the page cache, hinting the kernel ahead of
-//! itself ([`SafeTensors::prefetch`]) and dropping pages from the process once they are
-//! copied ([`SafeTensors::release`]), so resident memory does not grow with the file.
+//! and a loader streams tensor data straight from the page cache, dropping pages from the
+//! process once they are copied ([`SafeTensors::release`]), so resident memory does not grow
+//! with the file.
 
 use crate::error::{Error, Result};
 use std::collections::BTreeMap;
@@ -140,6 +140,8 @@ impl Backing {
 pub struct SafeTensors {
     /// File name, for messages.
     pub origin: String,
+    /// The file, for a mapped one.
+    path: Option<std::path::PathBuf>,
     bytes: Backing,
     pub tensors: BTreeMap<String, TensorInfo>,
     pub metadata: BTreeMap<String, String>,
@@ -174,7 +176,9 @@ impl SafeTensors {
         let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(io)?;
         #[cfg(unix)]
         let _ = map.advise(memmap2::Advice::Sequential);
-        SafeTensors::from_backing(Backing::Mapped(map), &path.display().to_string())
+        let mut st = SafeTensors::from_backing(Backing::Mapped(map), &path.display().to_string())?;
+        st.path = Some(path.to_path_buf());
+        Ok(st)
     }
 
     /// [`SafeTensors::open`] (kept for callers that read small files such as references).
@@ -212,6 +216,7 @@ impl SafeTensors {
             .unwrap_or_default();
         Ok(SafeTensors {
             origin: origin.to_string(),
+            path: None,
             bytes,
             tensors,
             metadata,
@@ -244,17 +249,9 @@ impl SafeTensors {
         Ok(&self.bytes.bytes()[t.start..t.end])
     }
 
-    /// Ask the kernel to start reading `range` of a mapped file into the page cache (no-op for
-    /// owned bytes). Returns at once; the reads proceed while the caller works.
-    pub fn prefetch(&self, range: std::ops::Range<usize>) {
-        #[cfg(unix)]
-        if let Backing::Mapped(m) = &self.bytes
-            && let Some((off, len)) = page_range(range, m.len(), false)
-        {
-            let _ = m.advise_range(memmap2::Advice::WillNeed, off, len);
-        }
-        #[cfg(not(unix))]
-        let _ = range;
+    /// The file a mapped `SafeTensors` was opened from.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
     }
 
     /// Drop the pages of `range` from this process (they stay in the page cache), so a long
@@ -263,7 +260,7 @@ impl SafeTensors {
     pub fn release(&self, range: std::ops::Range<usize>) {
         #[cfg(unix)]
         if let Backing::Mapped(m) = &self.bytes
-            && let Some((off, len)) = page_range(range, m.len(), true)
+            && let Some((off, len)) = page_range(range, m.len())
         {
             // SAFETY: the mapping is a read-only private map of a file, never written through;
             // MADV_DONTNEED only discards this process's page table entries for the range, and
@@ -327,17 +324,12 @@ impl SafeTensors {
     }
 }
 
-/// The page-aligned part of `range` within a map of `len` bytes: widened to whole pages for
-/// prefetching, narrowed to whole pages for releasing.
+/// The whole pages inside `range` within a map of `len` bytes.
 #[cfg(unix)]
-fn page_range(range: std::ops::Range<usize>, len: usize, inner: bool) -> Option<(usize, usize)> {
+fn page_range(range: std::ops::Range<usize>, len: usize) -> Option<(usize, usize)> {
     const PAGE: usize = 4096;
     let end = range.end.min(len);
-    let (start, end) = if inner {
-        (range.start.div_ceil(PAGE) * PAGE, end / PAGE * PAGE)
-    } else {
-        (range.start / PAGE * PAGE, end)
-    };
+    let (start, end) = (range.start.div_ceil(PAGE) * PAGE, end / PAGE * PAGE);
     (end > start).then(|| (start, end - start))
 }
 
@@ -524,8 +516,7 @@ mod tests {
         let p = dir.join("a.safetensors");
         std::fs::write(&p, sample()).unwrap();
         let st = SafeTensors::open(&p).unwrap();
-        let info = st.info("a").unwrap().clone();
-        st.prefetch(info.start..info.end);
+        assert_eq!(st.path(), Some(p.as_path()));
         assert_eq!(st.f32("a").unwrap(), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         // Released pages read back the same bytes.
         st.release(0..st.len());
