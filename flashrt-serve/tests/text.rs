@@ -269,7 +269,7 @@ fn chat_completions_use_the_models_template_and_stream_what_they_return() {
         let mut b = body.clone();
         b["stop"] = json!([stop]);
         let r = c.ok("/v1/chat/completions", &b);
-        let cut = cut_at_stop(&text_nonstream, &[stop.clone()]);
+        let cut = cut_at_stop(&text_nonstream, std::slice::from_ref(&stop));
         assert_eq!(r["choices"][0]["message"]["content"], json!(cut));
         assert_eq!(r["choices"][0]["finish_reason"], "stop");
         b["stream"] = json!(true);

@@ -376,7 +376,7 @@ fn dump(v: &Value, style: &Style, depth: usize, out: &mut String) -> Result<(), 
         ValueKind::Map => {
             let mut keys: Vec<Value> = v.try_iter()?.collect();
             if style.sort_keys {
-                keys.sort_by(|a, b| a.to_string().cmp(&b.to_string()));
+                keys.sort_by_key(|k| k.to_string());
             }
             if keys.is_empty() {
                 out.push_str("{}");
