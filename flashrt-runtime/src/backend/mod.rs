@@ -113,6 +113,98 @@ pub trait WeightSink {
     fn finish(self: Box<Self>, compiled: Arc<Compiled>) -> Result<Arc<dyn DeviceModel>>;
 }
 
+/// The bookkeeping every [`WeightSink`] does: which buffers are weights, where they live, and
+/// how many elements each has received, so a bad `put` and a missing weight are clear errors.
+pub struct WeightFill {
+    /// Per layout buffer: role, byte offset in its arena, elements, dtype, name.
+    buffers: Vec<(Role, usize, usize, DType, String)>,
+    filled: Vec<usize>,
+    weight_bytes: usize,
+}
+
+/// Where a checked `put` goes.
+pub struct PutTarget {
+    /// Byte offset of the buffer in the weight arena.
+    pub offset: usize,
+    pub dtype: DType,
+    /// Elements in the piece.
+    pub count: usize,
+}
+
+impl WeightFill {
+    pub fn new(compiled: &Compiled) -> WeightFill {
+        let l = &compiled.layout;
+        WeightFill {
+            buffers: l
+                .buffers
+                .iter()
+                .map(|b| (b.role, b.offset, b.numel(), b.dtype, b.name.clone()))
+                .collect(),
+            filled: vec![0; l.buffers.len()],
+            weight_bytes: l.arena_bytes(Role::Weight),
+        }
+    }
+
+    /// Check a `put` of `bytes` as elements `first..` of buffer `id` and count it.
+    pub fn put(
+        &mut self,
+        id: BufferId,
+        first: usize,
+        dtype: SourceDtype,
+        bytes: usize,
+    ) -> Result<PutTarget> {
+        let bad = |msg: String| crate::error::Error::Checkpoint(msg);
+        let Some((role, offset, numel, to, name)) = self.buffers.get(id.index()) else {
+            return Err(bad(format!("no buffer with id {}", id.0)));
+        };
+        let count = bytes / dtype.size();
+        if *role != Role::Weight || first + count > *numel || !bytes.is_multiple_of(dtype.size()) {
+            return Err(bad(format!(
+                "elements {first}..{} of `{name}` ({} bytes of {}; {numel} elements, role {})",
+                first + count,
+                bytes,
+                dtype.name(),
+                role.name()
+            )));
+        }
+        self.filled[id.index()] += count;
+        Ok(PutTarget {
+            offset: offset + first * to.size(),
+            dtype: *to,
+            count,
+        })
+    }
+
+    /// Every weight complete, and `compiled` the layout the sink was made for.
+    pub fn finish(&self, compiled: &Compiled) -> Result<()> {
+        for ((role, _, numel, _, name), &got) in self.buffers.iter().zip(&self.filled) {
+            if *role == Role::Weight && got != *numel {
+                return Err(crate::error::Error::Checkpoint(format!(
+                    "weight `{name}`: {got} of {numel} elements were loaded"
+                )));
+            }
+        }
+        if compiled.layout.buffers.len() != self.buffers.len()
+            || compiled.layout.arena_bytes(Role::Weight) != self.weight_bytes
+        {
+            return Err(crate::error::Error::Config(
+                "the model to finish has another layout than its weight sink was made for".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The name of buffer `id` (for messages).
+    pub fn name(&self, id: BufferId) -> &str {
+        self.buffers.get(id.index()).map_or("?", |b| b.4.as_str())
+    }
+
+    /// Mark buffer `id` complete (weights generated in place).
+    pub fn mark_full(&mut self, id: BufferId) {
+        self.filled[id.index()] = self.buffers[id.index()].2;
+    }
+}
+
 /// Put every buffer of `weights` into `sink` (as f32).
 pub fn put_host_weights(
     compiled: &Compiled,

@@ -34,7 +34,9 @@
 
 mod ops;
 
-use super::{Backend, DeviceModel, DeviceSession, RegionSet, SavedState, SourceDtype, WeightSink};
+use super::{
+    Backend, DeviceModel, DeviceSession, RegionSet, SavedState, SourceDtype, WeightFill, WeightSink,
+};
 use crate::error::{Error, Result};
 use flashrt_ir::{BufferId, Compiled, DType, ModelIr, Op, Phase, Plan, Role, Target, View};
 use ops::OutRows;
@@ -99,12 +101,7 @@ impl Backend for CpuBackend {
         weights.resize(arena, 0f32);
         Ok(Box::new(CpuSink {
             weights,
-            buffers: layout
-                .buffers
-                .iter()
-                .map(|b| (b.role, b.offset / 4, b.numel(), b.name.clone()))
-                .collect(),
-            filled: vec![0; layout.buffers.len()],
+            fill: WeightFill::new(compiled),
             threads: self.threads,
         }))
     }
@@ -121,53 +118,20 @@ impl Backend for CpuBackend {
 /// The CPU backend's weight sink: every piece converted to f32 straight into the weight arena.
 struct CpuSink {
     weights: Vec<f32>,
-    /// Per layout buffer: role, f32 offset in its arena, elements, name.
-    buffers: Vec<(Role, usize, usize, String)>,
-    /// Elements put so far, per buffer.
-    filled: Vec<usize>,
+    fill: WeightFill,
     threads: usize,
 }
 
 impl WeightSink for CpuSink {
     fn put(&mut self, id: BufferId, first: usize, dtype: SourceDtype, bytes: &[u8]) -> Result<()> {
-        let n = bytes.len() / dtype.size();
-        let Some((role, off, numel, name)) = self.buffers.get(id.index()) else {
-            return Err(backend_err("load", format!("no buffer with id {}", id.0)));
-        };
-        if *role != Role::Weight || first + n > *numel || !bytes.len().is_multiple_of(dtype.size())
-        {
-            return Err(backend_err(
-                "load",
-                format!(
-                    "elements {first}..{} of `{name}` ({} of {numel} elements, role {})",
-                    first + n,
-                    dtype.name(),
-                    role.name()
-                ),
-            ));
-        }
-        dtype.to_f32(bytes, &mut self.weights[off + first..off + first + n]);
-        self.filled[id.index()] += n;
+        let t = self.fill.put(id, first, dtype, bytes.len())?;
+        let at = t.offset / 4;
+        dtype.to_f32(bytes, &mut self.weights[at..at + t.count]);
         Ok(())
     }
 
     fn finish(self: Box<Self>, compiled: Arc<Compiled>) -> Result<Arc<dyn DeviceModel>> {
-        for ((role, _, numel, name), &got) in self.buffers.iter().zip(&self.filled) {
-            if *role == Role::Weight && got != *numel {
-                return Err(backend_err(
-                    "load",
-                    format!("weight `{name}`: {got} of {numel} elements were loaded"),
-                ));
-            }
-        }
-        if compiled.layout.buffers.len() != self.buffers.len()
-            || compiled.layout.arena_bytes(Role::Weight) != self.weights.len() * 4
-        {
-            return Err(backend_err(
-                "load",
-                "the model to finish has another layout than the sink was made for",
-            ));
-        }
+        self.fill.finish(&compiled)?;
         Ok(Arc::new(CpuModel {
             inner: Arc::new(ModelData::new(compiled, self.weights, self.threads)?),
         }))

@@ -70,7 +70,8 @@ pub mod kernels;
 pub mod ops;
 
 use super::{
-    Backend, DeviceModel, DeviceSession, RegionSet, SavedState, SourceDtype, StepLogits, WeightSink,
+    Backend, DeviceModel, DeviceSession, RegionSet, SavedState, SourceDtype, StepLogits,
+    WeightFill, WeightSink,
 };
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -393,9 +394,7 @@ pub struct CudaSink {
     stream: Arc<CudaStream>,
     arena: CudaSlice<u8>,
     base: u64,
-    /// Per layout buffer: role, byte offset, elements, dtype, name.
-    buffers: Vec<(Role, usize, usize, DType, String)>,
-    filled: Vec<usize>,
+    fill: WeightFill,
     slots: Vec<Slot>,
     next: usize,
 }
@@ -429,12 +428,7 @@ impl CudaSink {
             stream,
             arena,
             base,
-            buffers: layout
-                .buffers
-                .iter()
-                .map(|b| (b.role, b.offset, b.numel(), b.dtype, b.name.clone()))
-                .collect(),
-            filled: vec![0; layout.buffers.len()],
+            fill: WeightFill::new(compiled),
             slots: Vec::new(),
             next: 0,
         })
@@ -480,7 +474,7 @@ impl CudaSink {
                 )
             }
             .map_err(drv(&format!("init weight `{}`", b.name)))?;
-            self.filled[b.id.index()] = b.numel();
+            self.fill.mark_full(b.id);
         }
         Ok(())
     }
@@ -511,27 +505,17 @@ impl CudaSink {
 
 impl WeightSink for CudaSink {
     fn put(&mut self, id: BufferId, first: usize, dtype: SourceDtype, bytes: &[u8]) -> Result<()> {
-        let Some((role, offset, numel, to, name)) = self.buffers.get(id.index()).cloned() else {
-            return Err(Error::Checkpoint(format!("no buffer with id {}", id.0)));
-        };
-        let n = bytes.len() / dtype.size();
-        if role != Role::Weight || first + n > numel || !bytes.len().is_multiple_of(dtype.size()) {
-            return Err(Error::Checkpoint(format!(
-                "elements {first}..{} of `{name}` ({} of {numel} elements, role {})",
-                first + n,
-                dtype.name(),
-                role.name()
-            )));
-        }
+        let target = self.fill.put(id, first, dtype, bytes.len())?;
+        let to = target.dtype;
+        let name = self.fill.name(id).to_string();
         if to == DType::I32 {
             return Err(Error::Unsupported(format!("weight `{name}` of dtype i32")));
         }
         let same = dtype.layout_dtype() == Some(to);
         let per = STAGING_BYTES / dtype.size();
         for (k, chunk) in bytes.chunks(per * dtype.size()).enumerate() {
-            let elem0 = first + k * per;
             let count = chunk.len() / dtype.size();
-            let dst = self.base + (offset + elem0 * to.size()) as u64;
+            let dst = self.base + (target.offset + k * per * to.size()) as u64;
             let i = self.slot()?;
             let stream = self.stream.cu_stream();
             let slot = &mut self.slots[i];
@@ -594,7 +578,6 @@ impl WeightSink for CudaSink {
                 .record(&self.stream)
                 .map_err(drv("weight upload"))?;
         }
-        self.filled[id.index()] += n;
         Ok(())
     }
 
@@ -602,20 +585,7 @@ impl WeightSink for CudaSink {
         let sink = *self;
         sink.ctx.bind_to_thread().map_err(drv("bind context"))?;
         sink.stream.synchronize().map_err(drv("weight upload"))?;
-        for ((role, _, numel, _, name), &got) in sink.buffers.iter().zip(&sink.filled) {
-            if *role == Role::Weight && got != *numel {
-                return Err(Error::Checkpoint(format!(
-                    "weight `{name}`: {got} of {numel} elements were loaded"
-                )));
-            }
-        }
-        if compiled.layout.buffers.len() != sink.buffers.len()
-            || compiled.layout.arena_bytes(Role::Weight) != sink.arena.len()
-        {
-            return Err(Error::Config(
-                "the model to finish has another layout than the sink was made for".into(),
-            ));
-        }
+        sink.fill.finish(&compiled)?;
         let sms = sink
             .ctx
             .attribute(
