@@ -1,0 +1,230 @@
+//! The sessions API: create, inspect, append, generate, snapshot, restore, roll back, fork.
+
+use super::*;
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct CreateBody {
+    tokens: Option<Tokens>,
+    capsule: Option<String>,
+    sampler: Option<SamplerBody>,
+    reuse: Option<bool>,
+}
+
+pub(super) async fn create_session(State(st): St, body: Body) -> Response {
+    let r = async {
+        let b: CreateBody = parse(&st, body).await?;
+        let tokens = b
+            .tokens
+            .map(|t| to_ids(&st, t))
+            .transpose()?
+            .unwrap_or_default();
+        if let Some(c) = &b.capsule {
+            check_id(c, "unknown_capsule")?;
+        }
+        let sampler = b.sampler.map(|s| s.build(&st)).transpose()?;
+        Ok::<_, ApiError>(Cmd::CreateSession(CreateReq {
+            tokens,
+            capsule: b.capsule,
+            sampler,
+            reuse: b.reuse.unwrap_or(true),
+        }))
+    }
+    .await;
+    match r {
+        Ok(cmd) => call_json(&st, cmd).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn list_sessions(State(st): St) -> Response {
+    call_json(&st, Cmd::ListSessions).await
+}
+
+pub(super) async fn session_info(State(st): St, Path(id): Path<String>) -> Response {
+    if let Err(e) = check_id(&id, "unknown_session") {
+        return e.into_response();
+    }
+    call_json(&st, Cmd::SessionInfo(id)).await
+}
+
+pub(super) async fn delete_session(State(st): St, Path(id): Path<String>) -> Response {
+    if let Err(e) = check_id(&id, "unknown_session") {
+        return e.into_response();
+    }
+    call_json(&st, Cmd::DeleteSession(id)).await
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AppendBody {
+    tokens: Tokens,
+}
+
+pub(super) async fn append(State(st): St, Path(id): Path<String>, body: Body) -> Response {
+    let r = async {
+        check_id(&id, "unknown_session")?;
+        let b: AppendBody = parse(&st, body).await?;
+        Ok::<_, ApiError>(Cmd::Append {
+            session: id,
+            tokens: to_ids(&st, b.tokens)?,
+        })
+    }
+    .await;
+    match r {
+        Ok(cmd) => call_json(&st, cmd).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct GenerateBody {
+    max_tokens: Option<usize>,
+    sampler: Option<SamplerBody>,
+    stop_token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    ignore_eos: bool,
+    #[serde(default)]
+    stream: bool,
+}
+
+pub(super) async fn generate(State(st): St, Path(id): Path<String>, body: Body) -> Response {
+    let r = async {
+        check_id(&id, "unknown_session")?;
+        let b: GenerateBody = parse(&st, body).await?;
+        let req = GenReq {
+            max_tokens: max_tokens(&st, b.max_tokens, 16)?,
+            sampler: b.sampler.map(|s| s.build(&st)).transpose()?,
+            stop: stops(&st, b.stop_token_ids, b.ignore_eos),
+            stop_strings: Vec::new(),
+        };
+        Ok::<_, ApiError>((req, b.stream))
+    }
+    .await;
+    let (req, stream) = match r {
+        Ok(x) => x,
+        Err(e) => return e.into_response(),
+    };
+    if !stream {
+        return call_json(
+            &st,
+            Cmd::Generate {
+                session: id,
+                req,
+                stream: None,
+            },
+        )
+        .await;
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    match call(
+        &st,
+        Cmd::Generate {
+            session: id,
+            req,
+            stream: Some(tx),
+        },
+    )
+    .await
+    {
+        Ok(_) => sse(
+            rx,
+            Box::new(|ev| match ev {
+                Event::Token(Some(t), text) => vec![json!({"token": t, "text": text}).to_string()],
+                Event::Token(None, text) => vec![json!({"text": text}).to_string()],
+                Event::Done(v) => vec![json!({"done": true, "result": v}).to_string()],
+                Event::Error(e) => vec![e.body().to_string()],
+            }),
+        ),
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct SnapshotBody {
+    #[serde(default)]
+    persist: bool,
+    label: Option<String>,
+}
+
+pub(super) async fn snapshot(State(st): St, Path(id): Path<String>, body: Body) -> Response {
+    let r = async {
+        check_id(&id, "unknown_session")?;
+        let b: SnapshotBody = parse(&st, body).await?;
+        if b.label.as_ref().is_some_and(|l| l.len() > 256) {
+            return Err(ApiError::bad(
+                "invalid_request",
+                "label longer than 256 bytes",
+            ));
+        }
+        Ok(Cmd::Snapshot {
+            session: id,
+            persist: b.persist,
+            label: b.label,
+        })
+    }
+    .await;
+    match r {
+        Ok(cmd) => call_json(&st, cmd).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CapsuleBody {
+    capsule: String,
+}
+
+pub(super) async fn restore(State(st): St, Path(id): Path<String>, body: Body) -> Response {
+    let r = async {
+        check_id(&id, "unknown_session")?;
+        let b: CapsuleBody = parse(&st, body).await?;
+        check_id(&b.capsule, "unknown_capsule")?;
+        Ok::<_, ApiError>(Cmd::Restore {
+            session: id,
+            capsule: b.capsule,
+        })
+    }
+    .await;
+    match r {
+        Ok(cmd) => call_json(&st, cmd).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RollbackBody {
+    capsule: Option<String>,
+    pos: Option<usize>,
+}
+
+pub(super) async fn rollback(State(st): St, Path(id): Path<String>, body: Body) -> Response {
+    let r = async {
+        check_id(&id, "unknown_session")?;
+        let b: RollbackBody = parse(&st, body).await?;
+        if let Some(c) = &b.capsule {
+            check_id(c, "unknown_capsule")?;
+        }
+        Ok::<_, ApiError>(Cmd::Rollback {
+            session: id,
+            capsule: b.capsule,
+            pos: b.pos,
+        })
+    }
+    .await;
+    match r {
+        Ok(cmd) => call_json(&st, cmd).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+pub(super) async fn fork(State(st): St, Path(id): Path<String>) -> Response {
+    if let Err(e) = check_id(&id, "unknown_session") {
+        return e.into_response();
+    }
+    call_json(&st, Cmd::Fork { session: id }).await
+}
