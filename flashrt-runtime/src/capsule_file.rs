@@ -112,6 +112,15 @@ pub struct FileMeta {
     /// A free-form label given by the store (e.g. `auto`, `import`).
     #[serde(default)]
     pub label: Option<String>,
+    /// The tenant the capsule belongs to, in the store that wrote it (`None`: the default
+    /// tenant).
+    #[serde(default)]
+    pub owner: Option<String>,
+    /// Whether the store computed this state itself (its token history and its state agree by
+    /// construction), so it may serve other requests' prefixes. Imported capsules are not;
+    /// files without the field are not.
+    #[serde(default)]
+    pub trusted: bool,
 }
 
 /// The base of a delta file.
@@ -138,6 +147,8 @@ impl FileMeta {
             id: None,
             created_ms: now_ms(),
             label: None,
+            owner: None,
+            trusted: false,
         }
     }
 
@@ -911,6 +922,19 @@ pub fn decode_from<R: Read>(r: &mut R, len: u64, compiled: &Compiled) -> Result<
                 e.name
             )));
         }
+        // Intact bytes can still be poison: a NaN or an infinity in any state or logits value
+        // would make every continuation from this capsule meaningless.
+        let dtype = if e.id == LOGITS_ID {
+            DType::F32
+        } else {
+            layout.buffer(BufferId(e.id)).dtype
+        };
+        if let Some(i) = first_non_finite(dtype, &bytes) {
+            return Err(Error::Capsule(format!(
+                "capsule file region `{}` holds a non-finite value (element {i})",
+                e.name
+            )));
+        }
         if e.id == LOGITS_ID {
             logits = Some(crate::safetensors::bytes_f32(&bytes));
         } else {
@@ -928,6 +952,22 @@ pub fn decode_from<R: Read>(r: &mut R, len: u64, compiled: &Compiled) -> Result<
         regions,
         logits,
     })
+}
+
+/// The index of the first NaN or infinity among `bytes` read as `dtype` (little-endian).
+pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
+    match dtype {
+        DType::F32 => bytes.chunks_exact(4).position(|c| {
+            u32::from_le_bytes(c.try_into().expect("4")) & 0x7f80_0000 == 0x7f80_0000
+        }),
+        DType::Bf16 => bytes
+            .chunks_exact(2)
+            .position(|c| u16::from_le_bytes(c.try_into().expect("2")) & 0x7f80 == 0x7f80),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .position(|c| u16::from_le_bytes(c.try_into().expect("2")) & 0x7c00 == 0x7c00),
+        DType::I32 => None,
+    }
 }
 
 fn validate_meta(meta: &FileMeta, compiled: &Compiled) -> Result<()> {
@@ -969,6 +1009,12 @@ fn validate_meta(meta: &FileMeta, compiled: &Compiled) -> Result<()> {
             b.pos, meta.pos
         )));
     }
+    if meta.sampler.rng == [0; 4] {
+        return Err(Error::Capsule(
+            "capsule file sampler: an all-zero xoshiro256** state (never produced by seeding)"
+                .into(),
+        ));
+    }
     meta.sampler
         .validate()
         .map_err(|e| Error::Capsule(format!("capsule file sampler: {e}")))
@@ -998,6 +1044,25 @@ pub fn read_file(path: &Path, compiled: &Compiled) -> Result<FileCapsule> {
 /// Import a standalone capsule file for `model` (host bytes; any backend restores it).
 pub fn read_capsule(path: &Path, model: &Model) -> Result<Capsule> {
     read_file(path, model.compiled())?.into_capsule(model.compiled().clone())
+}
+
+/// [`read_capsule`] from a file already opened (and checked) by the caller; `name` is what
+/// messages call it.
+pub fn read_capsule_from(file: File, name: &str, model: &Model) -> Result<Capsule> {
+    let len = file
+        .metadata()
+        .map_err(|e| Error::Io {
+            path: name.to_string(),
+            source: e,
+        })?
+        .len();
+    let mut r = BufReader::with_capacity(1 << 20, file);
+    decode_from(&mut r, len, model.compiled())
+        .map_err(|e| match e {
+            Error::Capsule(m) => Error::Capsule(format!("{name}: {m}")),
+            other => other,
+        })?
+        .into_capsule(model.compiled().clone())
 }
 
 /// Import standalone capsule file bytes for `model`.

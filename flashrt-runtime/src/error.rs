@@ -33,4 +33,7 @@ pub enum Error {
     Backend { op: String, msg: String },
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A byte budget cannot hold what was asked for (a capsule to persist, say).
+    #[error("store full: {0}")]
+    StoreFull(String),
 }

@@ -32,6 +32,20 @@
 //! A base is pinned while any capsule depends on it; deleting it only hides it until its
 //! dependents are gone.
 //!
+//! # Trust, owners, persistence
+//!
+//! Every capsule has an owner (a tenant name; `""` is the default tenant) and a provenance:
+//! *trusted* when the store's model computed the state itself ([`CapsuleStore::insert`]), not
+//! trusted when it came from outside ([`CapsuleStore::import`]: a file's checksums prove only
+//! that its bytes are intact, not that its token history is the history of its state).
+//! Automatic prefix reuse asks for trusted capsules of one owner
+//! ([`PrefixScope::Trusted`]), so an imported capsule is restored only when asked for by id.
+//! A capsule a client persisted ([`CapsuleStore::persist`]) is pinned on disk: eviction never
+//! drops its file, and a persist that the disk budget cannot hold fails with
+//! [`Error::StoreFull`] instead. Delta chains are at most [`MAX_CHAIN`] files long, so one
+//! corrupt file costs at most that many capsules. Owners, provenance and pins survive a
+//! restart (the file metadata and `<id>.pinned` markers).
+//!
 //! # Prefix reuse
 //!
 //! [`CapsuleStore::longest_prefix`] finds the stored capsule whose token history is the
@@ -134,7 +148,37 @@ pub struct CapsuleInfo {
     /// The capsule whose KV rows this one shares, if decided.
     pub base: Option<String>,
     pub label: Option<String>,
+    pub owner: String,
+    /// Computed by this store's model (see the module docs).
+    pub trusted: bool,
+    /// Pinned on disk.
+    pub persisted: bool,
 }
+
+/// Which capsules a prefix lookup may return.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefixScope<'a> {
+    /// Every visible capsule (tools and tests; never automatic reuse for clients).
+    Any,
+    /// Trusted capsules of this owner: what automatic reuse asks for.
+    Trusted(&'a str),
+    /// Trusted capsules of any owner: a prefix cache shared across tenants (an opt-in).
+    TrustedShared,
+}
+
+impl PrefixScope<'_> {
+    fn admits(&self, e: &Entry) -> bool {
+        match self {
+            PrefixScope::Any => true,
+            PrefixScope::Trusted(o) => e.trusted && e.owner == *o,
+            PrefixScope::TrustedShared => e.trusted,
+        }
+    }
+}
+
+/// Delta files in one chain at most (a full capsule at least every this many), so a corrupt
+/// file loses at most this many capsules.
+pub const MAX_CHAIN: usize = 8;
 
 /// How a restore went.
 #[derive(Clone, Copy, Debug)]
@@ -167,6 +211,12 @@ struct DiskCopy {
 
 struct Entry {
     id: String,
+    /// The tenant it belongs to (`""`: the default one).
+    owner: String,
+    /// Computed by this store's model (not imported): may serve other requests' prefixes.
+    trusted: bool,
+    /// Pinned on disk by a client's persist.
+    persisted: bool,
     seq: u64,
     pos: usize,
     tokens: Arc<[u32]>,
@@ -231,12 +281,28 @@ fn tokens_hash(t: &[u32]) -> u64 {
     t.iter().fold(HASH_INIT, |h, &x| hash_step(h, x))
 }
 
-/// Whether `s` is a capsule id: 16 lowercase hex digits (ids name files, so nothing else is
-/// ever accepted).
+/// Whether `s` is a capsule id: 32 lowercase hex digits (16 in stores written before ids
+/// became 128-bit); ids name files, so nothing else is ever accepted.
 pub fn valid_id(s: &str) -> bool {
-    s.len() == 16
+    (s.len() == 32 || s.len() == 16)
         && s.bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// A fresh 128-bit id from the operating system's random source, as 32 hex digits: not
+/// guessable from another id or the clock.
+pub fn random_id() -> String {
+    let mut b = [0u8; 16];
+    if getrandom::fill(&mut b).is_err() {
+        // No OS randomness (never seen on the supported systems): fall back to a mix of the
+        // clock, the process and a counter, still unique within the process.
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let t = capsule_file::now_ms() ^ (std::process::id() as u64) << 40;
+        b[..8].copy_from_slice(&crate::init::mix64(t ^ n).to_le_bytes());
+        b[8..].copy_from_slice(&crate::init::mix64(n.wrapping_add(t)).to_le_bytes());
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// The capsule store of one model.
@@ -250,7 +316,6 @@ pub struct CapsuleStore {
     positions: BTreeSet<usize>,
     clock: u64,
     seq: u64,
-    id_state: u64,
     stats: StoreStats,
 }
 
@@ -269,9 +334,6 @@ impl CapsuleStore {
     /// (each one fully verified), leftovers of interrupted writes are deleted, and corrupt or
     /// orphaned files are renamed `*.corrupt` / `*.orphan` and never loaded.
     pub fn open(model: Model, cfg: StoreConfig) -> Result<CapsuleStore> {
-        let seed = capsule_file::now_ms()
-            ^ (std::process::id() as u64).rotate_left(32)
-            ^ (Instant::now().elapsed().as_nanos() as u64);
         let mut store = CapsuleStore {
             model,
             stats: StoreStats {
@@ -284,7 +346,6 @@ impl CapsuleStore {
             positions: BTreeSet::new(),
             clock: 0,
             seq: 0,
-            id_state: seed,
         };
         if let Some(dir) = store.cfg.dir.clone() {
             std::fs::create_dir_all(&dir).map_err(|e| Error::Io {
@@ -313,6 +374,7 @@ impl CapsuleStore {
     fn load_dir(&mut self, dir: &Path) -> Result<()> {
         let mut found = Vec::new();
         let mut hidden = BTreeSet::new();
+        let mut pinned = BTreeSet::new();
         for e in std::fs::read_dir(dir).map_err(Self::io(dir))? {
             let p = e.map_err(Self::io(dir))?.path();
             if capsule_file::is_temp_file(&p) {
@@ -333,6 +395,9 @@ impl CapsuleStore {
                 "caps" => found.push((stem.to_string(), p.clone())),
                 "hidden" => {
                     hidden.insert(stem.to_string());
+                }
+                "pinned" => {
+                    pinned.insert(stem.to_string());
                 }
                 _ => {}
             }
@@ -361,6 +426,9 @@ impl CapsuleStore {
                 id.clone(),
                 Entry {
                     id: id.clone(),
+                    owner: meta.owner.clone().unwrap_or_default(),
+                    trusted: meta.trusted,
+                    persisted: pinned.contains(&id),
                     seq: self.seq,
                     pos: meta.pos,
                     tokens,
@@ -432,6 +500,11 @@ impl CapsuleStore {
 
     fn set_aside(&mut self, path: &Path, why: &str) {
         self.stats.corrupt_files += 1;
+        tracing::warn!(
+            "capsule store: {} is {why}; renamed to *.{why} and not loaded",
+            path.file_name()
+                .map_or(String::new(), |n| n.to_string_lossy().into_owned())
+        );
         let mut to = path.as_os_str().to_owned();
         to.push(format!(".{why}"));
         let _ = std::fs::rename(path, PathBuf::from(to));
@@ -439,13 +512,7 @@ impl CapsuleStore {
 
     fn new_id(&mut self) -> String {
         loop {
-            // SplitMix64 over a time/pid-seeded state: unique within a store, unlikely to
-            // collide across restarts; checked against existing ids and files anyway.
-            self.id_state = self.id_state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.id_state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            let id = format!("{:016x}", z ^ (z >> 31));
+            let id = random_id();
             let on_disk = self
                 .cfg
                 .dir
@@ -490,10 +557,22 @@ impl CapsuleStore {
     // -----------------------------------------------------------------------------------------
     // Public operations
 
-    /// Store a capsule of this store's model; returns its id. A backend-saved capsule enters
-    /// the device tier; a host-bytes capsule (an import) enters the host tier. Budgets are
-    /// enforced before returning; a capsule too large for every tier is refused.
+    /// Store a capsule this store's model computed (trusted), for the default tenant.
     pub fn insert(&mut self, capsule: Capsule, label: Option<String>) -> Result<String> {
+        self.insert_as(capsule, label, "", true)
+    }
+
+    /// Store a capsule of this store's model for `owner`; returns its id. `trusted`: the
+    /// state was computed here (see the module docs). A backend-saved capsule enters the
+    /// device tier; a host-bytes capsule (an import) enters the host tier. Budgets are
+    /// enforced before returning; a capsule too large for every tier is refused.
+    pub fn insert_as(
+        &mut self,
+        capsule: Capsule,
+        label: Option<String>,
+        owner: &str,
+        trusted: bool,
+    ) -> Result<String> {
         if capsule.fingerprint() != self.model.fingerprint() {
             return Err(Error::Fingerprint {
                 capsule_model: capsule.meta.model.clone(),
@@ -508,6 +587,9 @@ impl CapsuleStore {
         let size = device_bytes(&capsule);
         let entry = Entry {
             id: id.clone(),
+            owner: owner.to_string(),
+            trusted,
+            persisted: false,
             seq: self.seq,
             pos: capsule.pos(),
             tokens: capsule.tokens().into(),
@@ -549,7 +631,17 @@ impl CapsuleStore {
 
     /// Ids of the visible capsules, most recently used first.
     pub fn ids(&self) -> Vec<String> {
-        let mut v: Vec<&Entry> = self.entries.values().filter(|e| !e.hidden).collect();
+        self.ids_of(None)
+    }
+
+    /// Ids of the visible capsules of `owner` (every owner's for `None`), most recently used
+    /// first.
+    pub fn ids_of(&self, owner: Option<&str>) -> Vec<String> {
+        let mut v: Vec<&Entry> = self
+            .entries
+            .values()
+            .filter(|e| !e.hidden && owner.is_none_or(|o| e.owner == o))
+            .collect();
         v.sort_by(|a, b| b.last_used.cmp(&a.last_used).then(b.seq.cmp(&a.seq)));
         v.into_iter().map(|e| e.id.clone()).collect()
     }
@@ -572,6 +664,9 @@ impl CapsuleStore {
             bytes: [d, h, e.disk.as_ref().map_or(0, |x| x.bytes)],
             base: e.base_id().map(str::to_string),
             label: e.label.clone(),
+            owner: e.owner.clone(),
+            trusted: e.trusted,
+            persisted: e.persisted,
         })
     }
 
@@ -583,6 +678,15 @@ impl CapsuleStore {
     /// The stored capsule whose token history is the longest prefix of `tokens` (at most
     /// `tokens.len()` long, at least one token): `(id, its position)`. Pure: no statistics.
     pub fn longest_prefix(&self, tokens: &[u32]) -> Option<(String, usize)> {
+        self.longest_prefix_in(tokens, PrefixScope::Any)
+    }
+
+    /// [`CapsuleStore::longest_prefix`] among the capsules `scope` admits.
+    pub fn longest_prefix_in(
+        &self,
+        tokens: &[u32],
+        scope: PrefixScope<'_>,
+    ) -> Option<(String, usize)> {
         let mut prefix = Vec::with_capacity(tokens.len() + 1);
         let mut h = HASH_INIT;
         prefix.push(h);
@@ -597,7 +701,7 @@ impl CapsuleStore {
             let best = ids
                 .iter()
                 .filter_map(|id| self.entries.get(id))
-                .filter(|e| !e.hidden && e.tokens[..] == tokens[..p])
+                .filter(|e| !e.hidden && scope.admits(e) && e.tokens[..] == tokens[..p])
                 .max_by_key(|e| (e.last_used, e.seq));
             if let Some(e) = best {
                 return Some((e.id.clone(), p));
@@ -606,9 +710,13 @@ impl CapsuleStore {
         None
     }
 
-    /// [`CapsuleStore::longest_prefix`], counted as a hit or a miss; a hit is touched.
-    pub fn lookup_prefix(&mut self, tokens: &[u32]) -> Option<(String, usize)> {
-        let r = self.longest_prefix(tokens);
+    /// [`CapsuleStore::longest_prefix_in`], counted as a hit or a miss; a hit is touched.
+    pub fn lookup_prefix(
+        &mut self,
+        tokens: &[u32],
+        scope: PrefixScope<'_>,
+    ) -> Option<(String, usize)> {
+        let r = self.longest_prefix_in(tokens, scope);
         match &r {
             Some((id, p)) => {
                 self.stats.hits += 1;
@@ -676,15 +784,45 @@ impl CapsuleStore {
         Ok(())
     }
 
-    /// Make sure capsule `id` has a file in the store directory (it stays in memory too).
+    /// Write capsule `id` to the store directory durably and pin it there: eviction never
+    /// drops the file (it stays in memory too, as the budgets allow). When the disk budget
+    /// cannot hold it next to the capsules already pinned, nothing changes and the call fails
+    /// with [`Error::StoreFull`].
     pub fn persist(&mut self, id: &str) -> Result<()> {
         self.visible(id)?;
-        if self.cfg.dir.is_none() {
+        let Some(dir) = self.cfg.dir.clone() else {
             return Err(Error::Unsupported(
-                "this store has no directory to persist capsules to".into(),
+                "this store has no directory to persist capsules to (start the server with --store-dir)"
+                    .into(),
             ));
+        };
+        if self.entries[id].persisted {
+            return Ok(());
         }
+        let had_file = self.entries[id].disk.is_some();
         self.write_disk(id)?;
+        let own = self.entries[id].disk.as_ref().map_or(0, |d| d.bytes);
+        let pinned: u64 = self
+            .entries
+            .values()
+            .filter(|e| e.persisted)
+            .filter_map(|e| e.disk.as_ref().map(|d| d.bytes))
+            .sum();
+        if pinned + own > self.cfg.budget_disk {
+            if !had_file && let Some(e) = self.entries.get_mut(id) {
+                if let Some(d) = e.disk.take() {
+                    let _ = std::fs::remove_file(d.path);
+                }
+            }
+            return Err(Error::StoreFull(format!(
+                "persisting this capsule ({own} bytes) would exceed the disk budget of {} bytes: \
+                 {pinned} bytes are already persisted (delete some, or start with a larger \
+                 --budget-disk)",
+                self.cfg.budget_disk
+            )));
+        }
+        capsule_file::write_atomic(&dir.join(format!("{id}.pinned")), |_| Ok(0))?;
+        self.entries.get_mut(id).expect("present").persisted = true;
         self.enforce(Some(id))
     }
 
@@ -714,16 +852,66 @@ impl CapsuleStore {
         capsule_file::write_capsule(path, &cap)
     }
 
-    /// Import a standalone capsule file of this store's model.
+    /// Import a standalone capsule file of this store's model (for the default tenant; not
+    /// trusted, see the module docs).
     pub fn import(&mut self, path: &Path) -> Result<String> {
         let cap = capsule_file::read_capsule(path, &self.model)?;
-        self.insert(cap, Some("import".into()))
+        self.insert_as(cap, Some("import".into()), "", false)
     }
 
-    /// Import standalone capsule file bytes.
+    /// Import standalone capsule file bytes (default tenant, not trusted).
     pub fn import_bytes(&mut self, bytes: &[u8]) -> Result<String> {
+        self.import_bytes_as(bytes, "")
+    }
+
+    /// Import standalone capsule file bytes for `owner` (not trusted).
+    pub fn import_bytes_as(&mut self, bytes: &[u8], owner: &str) -> Result<String> {
         let cap = capsule_file::capsule_from_slice(bytes, &self.model)?;
-        self.insert(cap, Some("import".into()))
+        self.insert_as(cap, Some("import".into()), owner, false)
+    }
+
+    /// Import a capsule already read (from a file the caller opened) for `owner`.
+    pub fn import_capsule_as(&mut self, cap: Capsule, owner: &str) -> Result<String> {
+        self.insert_as(cap, Some("import".into()), owner, false)
+    }
+
+    /// Bytes `owner`'s visible capsules hold, every tier counted.
+    pub fn owner_bytes(&self, owner: &str) -> u64 {
+        self.entries
+            .values()
+            .filter(|e| !e.hidden && e.owner == owner)
+            .map(|e| {
+                let (d, h) = e.mem_bytes();
+                d + h + e.disk.as_ref().map_or(0, |x| x.bytes)
+            })
+            .sum()
+    }
+
+    /// Bring `owner`'s capsules within `budget` bytes by deleting its least recently used
+    /// ones that are neither persisted nor `keep`. Fails with [`Error::StoreFull`] when that is
+    /// not enough (what is persisted and `keep` alone exceed the budget).
+    pub fn trim_owner(&mut self, owner: &str, budget: u64, keep: &str) -> Result<()> {
+        while self.owner_bytes(owner) > budget {
+            let victim = self
+                .entries
+                .values()
+                .filter(|e| !e.hidden && e.owner == owner && !e.persisted && e.id != keep)
+                .min_by_key(|e| (e.last_used, e.seq))
+                .map(|e| e.id.clone());
+            match victim {
+                Some(v) => {
+                    self.stats.dropped += 1;
+                    self.remove(&v)?;
+                }
+                None => {
+                    return Err(Error::StoreFull(format!(
+                        "this tenant's capsules would hold {} bytes; its budget is {budget}",
+                        self.owner_bytes(owner)
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Counters and gauges.
@@ -910,6 +1098,7 @@ impl CapsuleStore {
                         && (c.pos, c.seq) < (pos, seq)
                         && c.pos > 0
                         && c.tokens[..] == tokens[..c.pos]
+                        && self.chain_len(&c.id) < MAX_CHAIN
                 })
                 .map(|c| (c.pos, c.last_used, c.id.clone()))
                 .collect();
@@ -931,6 +1120,20 @@ impl CapsuleStore {
         e.base = Some(chosen.clone());
         e.kv_hash = Some(own_hash);
         Ok(chosen)
+    }
+
+    /// Files `id`'s bytes are spread over: 1 for a full capsule, 1 + its base's for a delta.
+    fn chain_len(&self, id: &str) -> usize {
+        let mut n = 1;
+        let mut cur = self.entries.get(id);
+        while let Some(b) = cur.and_then(|e| e.base_id()) {
+            n += 1;
+            if n > self.entries.len() + 1 {
+                break;
+            }
+            cur = self.entries.get(b);
+        }
+        n
     }
 
     /// The regions `id` stores given its base: KV rows from the base's position on.
@@ -994,6 +1197,8 @@ impl CapsuleStore {
         fm.base = base;
         fm.id = Some(id.to_string());
         fm.label = self.entries[id].label.clone();
+        fm.owner = Some(self.entries[id].owner.clone()).filter(|o| !o.is_empty());
+        fm.trusted = self.entries[id].trusted;
         let path = dir.join(format!("{id}.caps"));
         let logits = meta.last_logits.as_ref().map(|l| &l.0[..]);
         let bytes = capsule_file::write_atomic(&path, |w| {
@@ -1038,6 +1243,7 @@ impl CapsuleStore {
         }
         if let Some(dir) = &self.cfg.dir {
             let _ = std::fs::remove_file(dir.join(format!("{id}.hidden")));
+            let _ = std::fs::remove_file(dir.join(format!("{id}.pinned")));
         }
         if let Some(b) = e.base_id()
             && let Some(be) = self.entries.get_mut(b)
@@ -1087,14 +1293,16 @@ impl CapsuleStore {
                 }
             } else if self.cfg.dir.is_some() && s.bytes[2] > self.cfg.budget_disk {
                 self.stats.evictions[2] += 1;
-                if let Some(v) = self.lru(protect, |e| e.disk.is_some() && e.mem.is_some()) {
+                if let Some(v) = self.lru(protect, |e| {
+                    e.disk.is_some() && e.mem.is_some() && !e.persisted
+                }) {
                     // Still in memory (which is what a restore reads first): drop only the
                     // file; nothing is lost until the process ends.
                     let e = self.entries.get_mut(&v).expect("present");
                     if let Some(d) = e.disk.take() {
                         let _ = std::fs::remove_file(d.path);
                     }
-                } else if let Some(v) = self.lru(protect, |e| e.disk.is_some()) {
+                } else if let Some(v) = self.lru(protect, |e| e.disk.is_some() && !e.persisted) {
                     if !self.drop_leaf(&v, protect) {
                         break;
                     }
@@ -1111,10 +1319,10 @@ impl CapsuleStore {
     /// Drop `v` if nothing depends on it, else the least recently used capsule nothing depends
     /// on (every chain ends in one, so this frees something while the store is not empty).
     fn drop_leaf(&mut self, v: &str, protect: Option<&str>) -> bool {
-        let victim = if self.entries[v].pins == 0 {
+        let victim = if self.entries[v].pins == 0 && !self.entries[v].persisted {
             Some(v.to_string())
         } else {
-            self.lru(protect, |e| e.pins == 0)
+            self.lru(protect, |e| e.pins == 0 && !e.persisted)
         };
         match victim {
             Some(x) => {

@@ -286,9 +286,28 @@ pub struct ServeArgs {
     /// Address to listen on (port 0: any free port)
     #[arg(long, default_value = "127.0.0.1:8077", value_name = "ADDR")]
     pub bind: SocketAddr,
-    /// Require `Authorization: Bearer TOKEN` on every endpoint but /health
-    #[arg(long, value_name = "TOKEN")]
+    /// Require `Authorization: Bearer TOKEN` on every endpoint but /health (one tenant)
+    #[arg(long, value_name = "TOKEN", conflicts_with = "tokens")]
     pub token: Option<String>,
+    /// Tenants: a JSON file of name -> token (or {"token", "max_sessions",
+    /// "max_capsule_bytes"}), re-read when it changes; each tenant its own namespace
+    #[arg(long, value_name = "FILE")]
+    pub tokens: Option<PathBuf>,
+    /// Let automatic prefix reuse restore capsules computed for other tenants
+    #[arg(long)]
+    pub share_prefix_cache: bool,
+    /// Seconds a client may take to send a request's headers (also closes idle connections)
+    #[arg(long, default_value_t = 10.0, value_name = "S")]
+    pub header_timeout: f64,
+    /// Seconds a client may take to send a request's body
+    #[arg(long, default_value_t = 60.0, value_name = "S")]
+    pub body_timeout: f64,
+    /// Connections open at once (more are closed on arrival)
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub max_connections: usize,
+    /// Seconds in-flight requests may run on at shutdown before they are cancelled
+    #[arg(long, default_value_t = 10.0, value_name = "S")]
+    pub grace: f64,
     /// Capsule store directory (the disk tier; the store is persisted there on shutdown)
     #[arg(long, value_name = "DIR")]
     pub store_dir: Option<PathBuf>,
@@ -316,9 +335,16 @@ impl ServeArgs {
     /// The server configuration these arguments give (the model's stop ids and sampling
     /// defaults are filled in by [`serve`] once the checkpoint is read).
     pub fn config(&self) -> ServeConfig {
+        let secs = |s: f64| std::time::Duration::from_secs_f64(s.max(0.001));
         let mut config = ServeConfig {
             bind: self.bind,
             token: self.token.clone(),
+            tokens_file: self.tokens.clone(),
+            share_prefix_cache: self.share_prefix_cache,
+            header_timeout: secs(self.header_timeout),
+            body_timeout: secs(self.body_timeout),
+            max_connections: self.max_connections,
+            grace: secs(self.grace),
             files_dir: self.files_dir.clone(),
             auto_cache: !self.no_auto_cache,
             ..ServeConfig::default()
@@ -337,29 +363,6 @@ impl ServeArgs {
             config.max_sessions = n;
         }
         config
-    }
-}
-
-/// Wait for SIGINT (Ctrl-C) or SIGTERM (systemd, `docker stop`, Kubernetes).
-async fn stop_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
     }
 }
 
@@ -389,22 +392,16 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode, String> {
     eprintln!(
         "flashrt serve: listening on http://{}{}",
         server.addr(),
-        if config.token.is_some() {
+        if config.token.is_some() || config.tokens_file.is_some() {
             " (bearer token required)"
         } else {
             ""
         }
     );
-    if bind_public && config.token.is_none() {
-        tracing::warn!("listening beyond loopback without --token");
+    if bind_public && config.token.is_none() && config.tokens_file.is_none() {
+        tracing::warn!("listening beyond loopback without --token or --tokens");
     }
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    rt.block_on(stop_signal());
-    tracing::info!("stopping; persisting the capsule store");
-    server.shutdown()?;
+    crate::run_until_signal(server)?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -47,8 +47,10 @@
 //! each completion are stored (label `auto`) for the next request.
 
 pub mod cli;
+pub mod files;
 pub mod http;
 pub mod metrics;
+pub mod tenants;
 pub mod text;
 pub mod worker;
 
@@ -66,8 +68,22 @@ use worker::{Cmd, Job, Worker, WorkerConfig};
 pub struct ServeConfig {
     /// Where to listen; port 0 picks a free port ([`Server::addr`] says which).
     pub bind: SocketAddr,
-    /// Required as `Authorization: Bearer <token>` on everything but `/health`.
+    /// Required as `Authorization: Bearer <token>` on everything but `/health` (the default
+    /// tenant's token; see [`tenants`]).
     pub token: Option<String>,
+    /// A token file naming tenants (excludes `token`; see [`tenants`]).
+    pub tokens_file: Option<PathBuf>,
+    /// Let automatic prefix reuse restore trusted capsules of other tenants.
+    pub share_prefix_cache: bool,
+    /// How long a client may take to send a request's headers (and an idle keep-alive
+    /// connection may stay open).
+    pub header_timeout: std::time::Duration,
+    /// How long a client may take to send a request's body.
+    pub body_timeout: std::time::Duration,
+    /// Connections open at once; more are closed as they arrive.
+    pub max_connections: usize,
+    /// At shutdown: how long in-flight requests may go on before they are cancelled.
+    pub grace: std::time::Duration,
     pub store: StoreConfig,
     /// Where export/import by file name go; defaults to `<store dir>/files`.
     pub files_dir: Option<PathBuf>,
@@ -87,6 +103,12 @@ impl Default for ServeConfig {
         ServeConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], 8077)),
             token: None,
+            tokens_file: None,
+            share_prefix_cache: false,
+            header_timeout: std::time::Duration::from_secs(10),
+            body_timeout: std::time::Duration::from_secs(60),
+            max_connections: 1024,
+            grace: std::time::Duration::from_secs(10),
             store: StoreConfig::default(),
             files_dir: None,
             max_sessions: 64,
@@ -111,6 +133,7 @@ pub struct Server {
 impl Server {
     /// Open the store (loading its directory), start the worker and the HTTP listener.
     pub fn start(model: Model, text: Option<Text>, cfg: ServeConfig) -> Result<Server, String> {
+        let tenants = tenants::Tenants::new(cfg.token.clone(), cfg.tokens_file.as_deref())?;
         let store = CapsuleStore::open(model.clone(), cfg.store.clone())
             .map_err(|e| format!("opening the capsule store: {e}"))?;
         let files_dir = cfg
@@ -128,6 +151,7 @@ impl Server {
         let metrics = Arc::new(Metrics::default());
         let text = text.map(Arc::new);
         let (jobs, rx) = std::sync::mpsc::sync_channel(cfg.queue.max(1));
+        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let worker = Worker::new(
             model.clone(),
             store,
@@ -136,6 +160,8 @@ impl Server {
             WorkerConfig {
                 max_sessions: cfg.max_sessions,
                 auto_cache: cfg.auto_cache,
+                share_prefix_cache: cfg.share_prefix_cache,
+                cancel: cancel.clone(),
             },
         );
         metrics
@@ -150,7 +176,7 @@ impl Server {
         let state = Arc::new(http::AppState {
             jobs: jobs.clone(),
             metrics: metrics.clone(),
-            token: cfg.token.clone(),
+            tenants,
             text,
             model_name: model.name().to_string(),
             fingerprint: model.fingerprint().to_string(),
@@ -161,10 +187,17 @@ impl Server {
             defaults: cfg.defaults.clone(),
             files_dir,
             max_body: (max_file as usize).saturating_add(1 << 20).max(8 << 20),
+            body_timeout: cfg.body_timeout,
             started: std::time::Instant::now(),
             next_id: AtomicU64::new(0),
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let limits = Limits {
+            header_timeout: cfg.header_timeout,
+            max_connections: cfg.max_connections.max(1),
+            grace: cfg.grace,
+            metrics: metrics.clone(),
+        };
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
         let http = std::thread::Builder::new()
             .name("flashrt-http".into())
@@ -189,11 +222,7 @@ impl Server {
                     };
                     let _ = ready_tx.send(Ok(()));
                     let app = http::router(state);
-                    let _ = axum::serve(listener, app)
-                        .with_graceful_shutdown(async {
-                            let _ = stop_rx.await;
-                        })
-                        .await;
+                    accept_loop(listener, app, &limits, stop_rx, &cancel).await;
                 });
             })
             .map_err(|e| e.to_string())?;
@@ -239,6 +268,7 @@ impl Server {
                 .jobs
                 .send(Job {
                     cmd: Cmd::Shutdown,
+                    tenant: tenants::Tenant::default_tenant(),
                     reply: tx,
                 })
                 .is_ok()
@@ -249,6 +279,114 @@ impl Server {
             let _ = w.join();
         }
         result
+    }
+}
+
+/// What the accept loop enforces.
+struct Limits {
+    header_timeout: std::time::Duration,
+    max_connections: usize,
+    grace: std::time::Duration,
+    metrics: Arc<Metrics>,
+}
+
+/// Accept connections until `stop`, each served by hyper's HTTP/1 with a header read timeout
+/// (which also closes idle keep-alive connections), at most `max_connections` at a time (more
+/// are closed on arrival); then stop accepting, let in-flight requests finish within the
+/// grace period, and cancel what is still running (generations stop at their next token).
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    limits: &Limits,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+    cancel: &std::sync::atomic::AtomicBool,
+) {
+    use std::sync::atomic::Ordering;
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let open = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            r = listener.accept() => {
+                let Ok((stream, _)) = r else { continue };
+                let Ok(permit) = open.clone().try_acquire_owned() else {
+                    limits.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
+                    drop(stream);
+                    continue;
+                };
+                let _ = stream.set_nodelay(true);
+                let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                let mut b = hyper::server::conn::http1::Builder::new();
+                b.timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(limits.header_timeout)
+                    .keep_alive(true);
+                let conn = graceful.watch(b.serve_connection(hyper_util::rt::TokioIo::new(stream), svc));
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                    drop(permit);
+                });
+            }
+        }
+    }
+    drop(listener);
+    if tokio::time::timeout(limits.grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "shutdown: requests still running after the {:.0} s grace period were cancelled",
+            limits.grace.as_secs_f64()
+        );
+        cancel.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Serve until SIGINT or SIGTERM, then drain (see [`ServeConfig::grace`]), persist the store
+/// and return. A second signal during that exits the process at once with status 130 (capsule
+/// files are written atomically, so whatever is on disk is whole).
+pub fn run_until_signal(server: Server) -> Result<(), String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(stop_signal());
+    tracing::info!("stopping: draining requests, then persisting the capsule store");
+    std::thread::Builder::new()
+        .name("flashrt-second-signal".into())
+        .spawn(move || {
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                rt.block_on(stop_signal());
+                tracing::warn!("second signal: exiting now");
+                std::process::exit(130);
+            }
+        })
+        .map_err(|e| e.to_string())?;
+    server.shutdown()
+}
+
+/// Wait for SIGINT (Ctrl-C) or SIGTERM (systemd, `docker stop`, Kubernetes).
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 

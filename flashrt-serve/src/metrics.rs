@@ -44,6 +44,8 @@ pub struct Metrics {
     pub http_requests: AtomicU64,
     pub http_4xx: AtomicU64,
     pub http_5xx: AtomicU64,
+    /// Connections closed on arrival because the connection cap was reached.
+    pub refused_connections: AtomicU64,
     pub prefill_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
     pub sessions: AtomicU64,
@@ -109,6 +111,12 @@ impl Metrics {
             "counter",
             "Responses with a 5xx status.",
             get(&self.http_5xx),
+        );
+        one(
+            "flashrt_http_refused_connections_total",
+            "counter",
+            "Connections closed on arrival: the connection cap was reached.",
+            get(&self.refused_connections),
         );
         one(
             "flashrt_prefill_tokens_total",

@@ -9,10 +9,17 @@
 //!
 //! A panic inside a command (a bug, not an input: inputs are validated) is caught, answered
 //! with a 500, and the session it touched is dropped; the worker goes on serving.
+//!
+//! Every job carries its [`Tenant`]: sessions and capsules belong to the tenant that made
+//! them, and another tenant's id is answered exactly as an unknown one (404). Automatic
+//! prefix reuse restores only trusted capsules (computed here) of the requesting tenant, or
+//! of any tenant with `share_prefix_cache`. Files are opened without following symbolic
+//! links, only when they are regular files, and never block the worker.
 
 use crate::metrics::Metrics;
+use crate::tenants::Tenant;
 use crate::text::{Text, TextStream};
-use flashrt_runtime::store::{CapsuleInfo, valid_id};
+use flashrt_runtime::store::{CapsuleInfo, PrefixScope, random_id, valid_id};
 use flashrt_runtime::{CapsuleStore, Error, LogitsMode, Model, SamplerState, Session};
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -49,6 +56,7 @@ impl ApiError {
             401 => "authentication_error",
             404 => "not_found_error",
             409 => "conflict_error",
+            507 => "insufficient_storage",
             413 => "request_too_large",
             429 | 503 => "overloaded_error",
             s if s >= 500 => "server_error",
@@ -70,6 +78,7 @@ impl From<Error> for ApiError {
                 ApiError::not_found("file_not_found", e.to_string())
             }
             Error::Unsupported(_) => ApiError::bad("unsupported", e.to_string()),
+            Error::StoreFull(_) => ApiError::new(507, "insufficient_storage", e.to_string()),
             _ => ApiError::new(500, "internal", e.to_string()),
         }
     }
@@ -162,9 +171,15 @@ pub enum Cmd {
     ExportFile {
         capsule: String,
         path: PathBuf,
+        /// What messages call the file (its name in the tenant's files directory).
+        name: String,
+        overwrite: bool,
     },
     ExportBytes(String),
-    ImportFile(PathBuf),
+    ImportFile {
+        path: PathBuf,
+        name: String,
+    },
     ImportBytes(Vec<u8>),
     /// OpenAI-style stateless completion over a prompt (with automatic prefix reuse).
     Complete {
@@ -176,9 +191,10 @@ pub enum Cmd {
     Shutdown,
 }
 
-/// A command and where to answer it.
+/// A command, whose it is, and where to answer it.
 pub struct Job {
     pub cmd: Cmd,
+    pub tenant: Tenant,
     pub reply: oneshot::Sender<WResult<Out>>,
 }
 
@@ -188,10 +204,15 @@ pub struct WorkerConfig {
     pub max_sessions: usize,
     /// Completions store a capsule at the prompt boundary and at the end of generation.
     pub auto_cache: bool,
+    /// Automatic prefix reuse may restore trusted capsules of other tenants (an opt-in).
+    pub share_prefix_cache: bool,
+    /// Set at shutdown once the grace period is over: generations stop at the next token.
+    pub cancel: Arc<std::sync::atomic::AtomicBool>,
 }
 
 struct Slot {
     session: Session,
+    owner: Arc<str>,
 }
 
 /// The worker's state.
@@ -203,7 +224,6 @@ pub struct Worker {
     metrics: Arc<Metrics>,
     text: Option<Arc<Text>>,
     cfg: WorkerConfig,
-    id_state: u64,
     session_arena_bytes: u64,
 }
 
@@ -225,6 +245,9 @@ fn capsule_json(i: &CapsuleInfo) -> Value {
         "bytes": {"device": i.bytes[0], "host": i.bytes[1], "disk": i.bytes[2]},
         "base": i.base,
         "label": i.label,
+        // Computed by this server (automatic reuse may use it) or imported (by id only).
+        "origin": if i.trusted { "computed" } else { "imported" },
+        "persisted": i.persisted,
     })
 }
 
@@ -258,7 +281,6 @@ impl Worker {
             metrics,
             text,
             cfg,
-            id_state: flashrt_runtime::capsule_file::now_ms() ^ 0x5e55_1011,
             session_arena_bytes,
         }
     }
@@ -276,8 +298,9 @@ impl Worker {
                 _ => None,
             };
             let mut rep = Replier(Some(job.reply));
+            let tenant = job.tenant;
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.handle(job.cmd, &mut rep)
+                self.handle(job.cmd, &tenant, &mut rep)
             }));
             let r = r.unwrap_or_else(|_| {
                 // The session may be half-updated: drop it rather than serve garbage.
@@ -312,26 +335,41 @@ impl Worker {
 
     fn new_id(&mut self) -> String {
         loop {
-            self.id_state = self.id_state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.id_state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            let id = format!("{:016x}", z ^ (z >> 31));
+            let id = random_id();
             if !self.sessions.contains_key(&id) {
                 return id;
             }
         }
     }
 
-    fn session(&mut self, id: &str) -> WResult<&mut Session> {
+    /// Tenant `t`'s session `id` (another tenant's is as unknown as a missing one).
+    fn session(&mut self, id: &str, t: &Tenant) -> WResult<&mut Session> {
         self.sessions
             .get_mut(id)
+            .filter(|s| s.owner == t.name)
             .map(|s| &mut s.session)
             .ok_or_else(|| ApiError::not_found("unknown_session", format!("no session `{id}`")))
     }
 
-    fn check_capsule(&self, id: &str) -> WResult<()> {
-        if !valid_id(id) || !self.store.contains(id) {
+    /// Take tenant `t`'s session `id` out of the map (put it back with [`Self::put_back`]).
+    fn take(&mut self, id: &str, t: &Tenant) -> WResult<Session> {
+        self.session(id, t)?;
+        Ok(self.sessions.remove(id).expect("checked").session)
+    }
+
+    fn put_back(&mut self, id: String, session: Session, t: &Tenant) {
+        self.sessions.insert(
+            id,
+            Slot {
+                session,
+                owner: t.name.clone(),
+            },
+        );
+    }
+
+    fn check_capsule(&self, id: &str, t: &Tenant) -> WResult<()> {
+        let owned = valid_id(id) && self.store.info(id).is_ok_and(|i| i.owner == *t.name);
+        if !owned {
             return Err(ApiError::not_found(
                 "unknown_capsule",
                 format!("no capsule `{}`", id.escape_debug()),
@@ -340,14 +378,25 @@ impl Worker {
         Ok(())
     }
 
-    fn new_session(&mut self) -> WResult<Session> {
-        if self.sessions.len() >= self.cfg.max_sessions {
+    fn new_session(&mut self, t: &Tenant) -> WResult<Session> {
+        let mine = self.sessions.values().filter(|s| s.owner == t.name).count();
+        let cap = t.max_sessions.unwrap_or(self.cfg.max_sessions);
+        if mine >= cap || self.sessions.len() >= self.cfg.max_sessions {
             return Err(ApiError::new(
                 429,
                 "too_many_sessions",
                 format!(
-                    "the server holds its maximum of {} sessions; delete one first",
-                    self.cfg.max_sessions
+                    "{} sessions are open (the limit is {}); delete one first",
+                    if mine >= cap {
+                        mine
+                    } else {
+                        self.sessions.len()
+                    },
+                    if mine >= cap {
+                        cap
+                    } else {
+                        self.cfg.max_sessions
+                    }
                 ),
             ));
         }
@@ -363,14 +412,48 @@ impl Worker {
         Ok(s)
     }
 
+    /// Store a capsule this server computed for `t`, within `t`'s byte budget.
+    fn store_computed(
+        &mut self,
+        cap: flashrt_runtime::Capsule,
+        label: Option<String>,
+        t: &Tenant,
+    ) -> WResult<String> {
+        let id = self.store.insert_as(cap, label, &t.name, true)?;
+        self.within_budget(t, &id)?;
+        Ok(id)
+    }
+
+    /// Keep `t`'s capsules within its byte budget: its least recently used ones that are not
+    /// persisted go first; when `id` itself does not fit, it is removed and the call fails.
+    fn within_budget(&mut self, t: &Tenant, id: &str) -> WResult<()> {
+        let Some(budget) = t.max_capsule_bytes else {
+            return Ok(());
+        };
+        let r = self.store.trim_owner(&t.name, budget, id);
+        if r.is_err() {
+            let _ = self.store.remove(id);
+        }
+        Ok(r?)
+    }
+
+    fn prefix_scope<'a>(&self, t: &'a Tenant) -> PrefixScope<'a> {
+        if self.cfg.share_prefix_cache {
+            PrefixScope::TrustedShared
+        } else {
+            PrefixScope::Trusted(&t.name)
+        }
+    }
+
     fn observe_restore(&self, info: &flashrt_runtime::store::RestoreInfo) {
         self.metrics.restore[info.tier as usize].observe(info.elapsed);
     }
 
-    /// Restore the longest stored prefix of `tokens` into `s`; returns its length (0: none,
-    /// and `s` was reset).
-    fn reuse_prefix(&mut self, s: &mut Session, tokens: &[u32]) -> WResult<usize> {
-        if let Some((id, p)) = self.store.lookup_prefix(tokens) {
+    /// Restore the longest stored prefix of `tokens` among the capsules automatic reuse may
+    /// use for `t` into `s`; returns its length (0: none, and `s` was reset).
+    fn reuse_prefix(&mut self, s: &mut Session, tokens: &[u32], t: &Tenant) -> WResult<usize> {
+        let scope = self.prefix_scope(t);
+        if let Some((id, p)) = self.store.lookup_prefix(tokens, scope) {
             let info = self.store.restore_into(&id, s)?;
             self.observe_restore(&info);
             s.set_pending(None);
@@ -415,11 +498,11 @@ impl Worker {
         Ok(())
     }
 
-    fn handle(&mut self, cmd: Cmd, rep: &mut Replier) -> WResult<Out> {
+    fn handle(&mut self, cmd: Cmd, t: &Tenant, rep: &mut Replier) -> WResult<Out> {
         match cmd {
-            Cmd::CreateSession(req) => self.create(req),
+            Cmd::CreateSession(req) => self.create(req, t),
             Cmd::SessionInfo(id) => {
-                let s = self.session(&id)?;
+                let s = self.session(&id, t)?;
                 Ok(Out::Json(json!({
                     "session": id,
                     "pos": s.pos(),
@@ -436,19 +519,18 @@ impl Worker {
                 let mut v: Vec<Value> = self
                     .sessions
                     .iter()
+                    .filter(|(_, s)| s.owner == t.name)
                     .map(|(id, s)| json!({"session": id, "pos": s.session.pos()}))
                     .collect();
                 v.sort_by(|a, b| a["session"].as_str().cmp(&b["session"].as_str()));
                 Ok(Out::Json(json!({"sessions": v})))
             }
             Cmd::DeleteSession(id) => {
-                self.sessions.remove(&id).ok_or_else(|| {
-                    ApiError::not_found("unknown_session", format!("no session `{id}`"))
-                })?;
+                self.take(&id, t)?;
                 Ok(Out::Json(json!({"deleted": id})))
             }
             Cmd::Append { session, tokens } => {
-                let pos = self.session(&session)?.pos();
+                let pos = self.session(&session, t)?.pos();
                 if tokens.is_empty() {
                     return Err(ApiError::bad(
                         "invalid_tokens",
@@ -456,10 +538,10 @@ impl Worker {
                     ));
                 }
                 self.validate_tokens(&tokens, pos)?;
-                let mut s = self.sessions.remove(&session).expect("checked").session;
+                let mut s = self.take(&session, t)?;
                 let r = self.prefill(&mut s, &tokens);
                 let pos = s.pos();
-                self.sessions.insert(session.clone(), Slot { session: s });
+                self.put_back(session.clone(), s, t);
                 r?;
                 Ok(Out::Json(json!({"session": session, "pos": pos})))
             }
@@ -468,19 +550,29 @@ impl Worker {
                 req,
                 stream,
             } => {
-                self.session(&session)?;
+                self.session(&session, t)?;
                 if let Some(sm) = &req.sampler {
                     sm.validate()?;
                 }
-                let mut s = self.sessions.remove(&session).expect("checked").session;
+                let mut s = self.take(&session, t)?;
                 if let Some(sm) = &req.sampler {
                     s.set_sampler(sm.clone());
                 }
                 if s.pos() == 0 && s.pending().is_none() {
-                    self.sessions.insert(session, Slot { session: s });
+                    self.put_back(session, s, t);
                     return Err(ApiError::bad(
                         "empty_session",
                         "nothing to generate from: append tokens first",
+                    ));
+                }
+                if s.pos() >= self.model.max_seq() {
+                    self.put_back(session, s, t);
+                    return Err(ApiError::bad(
+                        "context_length_exceeded",
+                        format!(
+                            "the session holds max_seq = {} tokens: no room to generate",
+                            self.model.max_seq()
+                        ),
                     ));
                 }
                 if stream.is_some() {
@@ -488,7 +580,7 @@ impl Worker {
                 }
                 let r = self.generate(&mut s, &req, stream.as_ref());
                 let pos = s.pos();
-                self.sessions.insert(session.clone(), Slot { session: s });
+                self.put_back(session.clone(), s, t);
                 let (tokens, finish, text) = match r {
                     Ok(x) => x,
                     Err(e) => {
@@ -515,21 +607,27 @@ impl Worker {
                 persist,
                 label,
             } => {
-                let cap = self.session(&session)?.snapshot()?;
-                let id = self.store.insert(cap, label)?;
+                let cap = self.session(&session, t)?.snapshot()?;
+                let id = self.store_computed(cap, label, t)?;
                 if persist {
-                    self.store.persist(&id)?;
+                    // Durable or an error: the capsule itself stays in memory either way.
+                    self.store.persist(&id).map_err(|e| {
+                        let mut a = ApiError::from(e);
+                        a.message =
+                            format!("capsule `{id}` was stored but not persisted: {}", a.message);
+                        a
+                    })?;
                 }
                 let info = self.store.info(&id)?;
                 Ok(Out::Json(capsule_json(&info)))
             }
             Cmd::Restore { session, capsule } => {
-                self.session(&session)?;
-                self.check_capsule(&capsule)?;
-                let mut s = self.sessions.remove(&session).expect("checked").session;
+                self.session(&session, t)?;
+                self.check_capsule(&capsule, t)?;
+                let mut s = self.take(&session, t)?;
                 let r = self.store.restore_into(&capsule, &mut s);
                 let pos = s.pos();
-                self.sessions.insert(session.clone(), Slot { session: s });
+                self.put_back(session.clone(), s, t);
                 let info = r?;
                 self.observe_restore(&info);
                 Ok(Out::Json(json!({
@@ -545,18 +643,18 @@ impl Worker {
                 capsule,
                 pos,
             } => {
-                let history: Vec<u32> = self.session(&session)?.tokens().to_vec();
+                let history: Vec<u32> = self.session(&session, t)?.tokens().to_vec();
                 let capsule = match (capsule, pos) {
                     (Some(c), None) => {
-                        self.check_capsule(&c)?;
-                        let t = self.store.tokens(&c)?;
-                        if t.len() > history.len() || history[..t.len()] != t[..] {
+                        self.check_capsule(&c, t)?;
+                        let toks = self.store.tokens(&c)?;
+                        if toks.len() > history.len() || history[..toks.len()] != toks[..] {
                             return Err(ApiError::new(
                                 409,
                                 "not_a_prefix",
                                 format!(
                                     "capsule `{c}` (position {}) is not a boundary of this session's history (position {})",
-                                    t.len(),
+                                    toks.len(),
                                     history.len()
                                 ),
                             ));
@@ -573,7 +671,12 @@ impl Worker {
                                 ),
                             ));
                         }
-                        match self.store.longest_prefix(&history[..p]) {
+                        // Only capsules computed here for this tenant: an imported one's history
+                        // is only its claim.
+                        match self
+                            .store
+                            .longest_prefix_in(&history[..p], PrefixScope::Trusted(&t.name))
+                        {
                             Some((c, q)) if q == p => c,
                             _ => {
                                 return Err(ApiError::new(
@@ -593,10 +696,10 @@ impl Worker {
                         ));
                     }
                 };
-                let mut s = self.sessions.remove(&session).expect("checked").session;
+                let mut s = self.take(&session, t)?;
                 let r = self.store.restore_into(&capsule, &mut s);
                 let pos = s.pos();
-                self.sessions.insert(session.clone(), Slot { session: s });
+                self.put_back(session.clone(), s, t);
                 let info = r?;
                 self.observe_restore(&info);
                 Ok(Out::Json(
@@ -604,18 +707,18 @@ impl Worker {
                 ))
             }
             Cmd::Fork { session } => {
-                let cap = self.session(&session)?.snapshot()?;
-                let mut s = self.new_session()?;
+                let cap = self.session(&session, t)?.snapshot()?;
+                let mut s = self.new_session(t)?;
                 s.restore(&cap)?;
                 let id = self.new_id();
                 let pos = s.pos();
-                self.sessions.insert(id.clone(), Slot { session: s });
+                self.put_back(id.clone(), s, t);
                 Ok(Out::Json(
                     json!({"session": id, "forked_from": session, "pos": pos}),
                 ))
             }
             Cmd::ListCapsules => {
-                let ids = self.store.ids();
+                let ids = self.store.ids_of(Some(&t.name));
                 let v: Vec<Value> = ids
                     .iter()
                     .filter_map(|id| self.store.info(id).ok())
@@ -624,50 +727,65 @@ impl Worker {
                 Ok(Out::Json(json!({"capsules": v})))
             }
             Cmd::CapsuleInfo(id) => {
-                self.check_capsule(&id)?;
+                self.check_capsule(&id, t)?;
                 let mut v = capsule_json(&self.store.info(&id)?);
                 v["tokens"] = json!(&self.store.tokens(&id)?[..]);
                 Ok(Out::Json(v))
             }
             Cmd::DeleteCapsule(id) => {
-                self.check_capsule(&id)?;
+                self.check_capsule(&id, t)?;
                 self.store.remove(&id)?;
                 Ok(Out::Json(json!({"deleted": id})))
             }
             Cmd::PersistCapsule(id) => {
-                self.check_capsule(&id)?;
+                self.check_capsule(&id, t)?;
                 self.store.persist(&id)?;
                 Ok(Out::Json(capsule_json(&self.store.info(&id)?)))
             }
-            Cmd::ExportFile { capsule, path } => {
-                self.check_capsule(&capsule)?;
-                let bytes = self.store.export(&capsule, &path)?;
+            Cmd::ExportFile {
+                capsule,
+                path,
+                name,
+                overwrite,
+            } => {
+                self.check_capsule(&capsule, t)?;
+                crate::files::check_export_target(&path, &name, overwrite)?;
+                let bytes = self
+                    .store
+                    .export(&capsule, &path)
+                    .map_err(|e| crate::files::relative(e, &path, &name))?;
                 Ok(Out::Json(json!({
                     "capsule": capsule,
-                    "path": path.display().to_string(),
+                    "file": name,
                     "bytes": bytes,
                 })))
             }
             Cmd::ExportBytes(capsule) => {
-                self.check_capsule(&capsule)?;
+                self.check_capsule(&capsule, t)?;
                 let cap = self.store.get(&capsule)?;
                 Ok(Out::Bytes(flashrt_runtime::capsule_file::capsule_to_vec(
                     &cap,
                 )?))
             }
-            Cmd::ImportFile(path) => {
-                let id = self.store.import(&path)?;
+            Cmd::ImportFile { path, name } => {
+                let file = crate::files::open_regular(&path, &name)?;
+                let cap =
+                    flashrt_runtime::capsule_file::read_capsule_from(file, &name, &self.model)
+                        .map_err(|e| crate::files::relative(e, &path, &name))?;
+                let id = self.store.import_capsule_as(cap, &t.name)?;
+                self.within_budget(t, &id)?;
                 Ok(Out::Json(capsule_json(&self.store.info(&id)?)))
             }
             Cmd::ImportBytes(bytes) => {
-                let id = self.store.import_bytes(&bytes)?;
+                let id = self.store.import_bytes_as(&bytes, &t.name)?;
+                self.within_budget(t, &id)?;
                 Ok(Out::Json(capsule_json(&self.store.info(&id)?)))
             }
             Cmd::Complete {
                 prompt,
                 req,
                 stream,
-            } => self.complete(prompt, req, stream, rep),
+            } => self.complete(prompt, req, stream, t, rep),
             Cmd::Shutdown => {
                 let n = self.store.flush()?;
                 Ok(Out::Json(json!({"flushed": n})))
@@ -675,7 +793,7 @@ impl Worker {
         }
     }
 
-    fn create(&mut self, req: CreateReq) -> WResult<Out> {
+    fn create(&mut self, req: CreateReq, t: &Tenant) -> WResult<Out> {
         if let Some(sm) = &req.sampler {
             sm.validate()?;
         }
@@ -687,9 +805,9 @@ impl Worker {
         }
         self.validate_tokens(&req.tokens, 0)?;
         if let Some(c) = &req.capsule {
-            self.check_capsule(c)?;
+            self.check_capsule(c, t)?;
         }
-        let mut s = self.new_session()?;
+        let mut s = self.new_session(t)?;
         let mut reused = 0;
         let mut from = None;
         if let Some(c) = &req.capsule {
@@ -698,7 +816,7 @@ impl Worker {
             from = Some(c.clone());
         } else if !req.tokens.is_empty() {
             if req.reuse {
-                reused = self.reuse_prefix(&mut s, &req.tokens)?;
+                reused = self.reuse_prefix(&mut s, &req.tokens, t)?;
             }
             self.prefill(&mut s, &req.tokens[reused..])?;
         }
@@ -707,7 +825,7 @@ impl Worker {
         }
         let id = self.new_id();
         let pos = s.pos();
-        self.sessions.insert(id.clone(), Slot { session: s });
+        self.put_back(id.clone(), s, t);
         Ok(Out::Json(json!({
             "session": id,
             "pos": pos,
@@ -735,6 +853,10 @@ impl Worker {
             .map(|t| TextStream::new(&t.tokenizer, &req.stop_strings));
         for _ in 0..req.max_tokens {
             if s.pos() >= max {
+                break;
+            }
+            if self.cfg.cancel.load(Ordering::Relaxed) {
+                finish = "cancelled";
                 break;
             }
             let t = s.sample_next()?;
@@ -776,12 +898,23 @@ impl Worker {
         prompt: Vec<u32>,
         req: GenReq,
         stream: Option<mpsc::UnboundedSender<Event>>,
+        t: &Tenant,
         rep: &mut Replier,
     ) -> WResult<Out> {
         if prompt.is_empty() {
             return Err(ApiError::bad("invalid_tokens", "the prompt is empty"));
         }
         self.validate_tokens(&prompt, 0)?;
+        if prompt.len() >= self.model.max_seq() && req.max_tokens > 0 {
+            return Err(ApiError::bad(
+                "context_length_exceeded",
+                format!(
+                    "the prompt has {} tokens; the model holds {} (max_seq), leaving no room to generate",
+                    prompt.len(),
+                    self.model.max_seq()
+                ),
+            ));
+        }
         if let Some(sm) = &req.sampler {
             sm.validate()?;
         }
@@ -789,7 +922,7 @@ impl Worker {
             Some(s) => s,
             None => self.fresh_session()?,
         };
-        let r = self.complete_in(&mut s, &prompt, &req, stream.as_ref(), rep);
+        let r = self.complete_in(&mut s, &prompt, &req, stream.as_ref(), t, rep);
         self.scratch = Some(s);
         match r {
             Ok(v) => {
@@ -814,14 +947,15 @@ impl Worker {
         prompt: &[u32],
         req: &GenReq,
         stream: Option<&mpsc::UnboundedSender<Event>>,
+        t: &Tenant,
         rep: &mut Replier,
     ) -> WResult<Value> {
-        let cached = self.reuse_prefix(s, prompt)?;
+        let cached = self.reuse_prefix(s, prompt, t)?;
         self.prefill(s, &prompt[cached..])?;
         if self.cfg.auto_cache && cached < prompt.len() {
             let cap = s.snapshot()?;
-            // A full store refuses; the completion goes on without caching.
-            let _ = self.store.insert(cap, Some("auto".into()));
+            // A full store (or tenant budget) refuses; the completion goes on without caching.
+            let _ = self.store_computed(cap, Some("auto".into()), t);
         }
         s.set_sampler(req.sampler.clone().unwrap_or_default());
         if stream.is_some() {
@@ -830,7 +964,7 @@ impl Worker {
         let (tokens, finish, text) = self.generate(s, req, stream)?;
         if self.cfg.auto_cache && !tokens.is_empty() && finish != "cancelled" {
             let cap = s.snapshot()?;
-            let _ = self.store.insert(cap, Some("auto".into()));
+            let _ = self.store_computed(cap, Some("auto".into()), t);
         }
         Ok(json!({
             "tokens": tokens,

@@ -31,11 +31,16 @@ pub(super) async fn persist(State(st): St, Path(id): Path<String>) -> Response {
 #[serde(deny_unknown_fields)]
 struct FileBody {
     file: String,
+    /// Export only: replace an existing file.
+    #[serde(default)]
+    overwrite: bool,
 }
 
-/// `file` as a plain name inside the files directory.
+/// `file` as a plain name inside the tenant's files directory (`FILES_DIR` for the default
+/// tenant, `FILES_DIR/<tenant>` for a named one; created on first use).
 fn file_path(st: &AppState, name: &str) -> Result<PathBuf, ApiError> {
-    let Some(dir) = &st.files_dir else {
+    let tenant = current_tenant()?;
+    let Some(root) = &st.files_dir else {
         return Err(ApiError::bad(
             "no_files_dir",
             "this server has no files directory (start it with --store-dir or --files-dir); \
@@ -57,6 +62,18 @@ fn file_path(st: &AppState, name: &str) -> Result<PathBuf, ApiError> {
             ),
         ));
     }
+    let dir = if tenant.name.is_empty() {
+        root.clone()
+    } else {
+        root.join(&*tenant.name)
+    };
+    std::fs::create_dir_all(&dir).map_err(|e| {
+        ApiError::new(
+            500,
+            "files_dir",
+            format!("the files directory cannot be created: {}", e.kind()),
+        )
+    })?;
     Ok(dir.join(name))
 }
 
@@ -67,6 +84,8 @@ pub(super) async fn export(State(st): St, Path(id): Path<String>, body: Body) ->
         Ok::<_, ApiError>(Cmd::ExportFile {
             capsule: id,
             path: file_path(&st, &b.file)?,
+            name: b.file,
+            overwrite: b.overwrite,
         })
     }
     .await;
@@ -94,7 +113,16 @@ pub(super) async fn import(State(st): St, headers: HeaderMap, body: Body) -> Res
             return Ok(Cmd::ImportBytes(bytes.to_vec()));
         }
         let b: FileBody = parse(&st, body).await?;
-        Ok::<_, ApiError>(Cmd::ImportFile(file_path(&st, &b.file)?))
+        if b.overwrite {
+            return Err(ApiError::bad(
+                "invalid_request",
+                "`overwrite` is for exports",
+            ));
+        }
+        Ok::<_, ApiError>(Cmd::ImportFile {
+            path: file_path(&st, &b.file)?,
+            name: b.file,
+        })
     }
     .await;
     match r {

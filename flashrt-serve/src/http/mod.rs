@@ -6,6 +6,11 @@
 //! everything else), turns it into a worker [`Cmd`], and awaits the worker's answer. Errors
 //! are `{"error": {"message", "type", "code"}}` with a 4xx status for anything the client
 //! can fix. See the crate docs for the endpoint list.
+//!
+//! **Tenants.** The auth middleware resolves the bearer token to a [`Tenant`] and runs the
+//! handler inside a task-local scope holding it ([`TENANT`]); [`call`] attaches it to every
+//! worker job, and fails closed (401) outside such a scope. So no handler can forget to say
+//! whose request it is, and the worker checks ownership of every session and capsule.
 
 mod capsules;
 mod health;
@@ -21,6 +26,7 @@ use openai::*;
 use sessions::*;
 
 use crate::metrics::Metrics;
+use crate::tenants::{Tenant, Tenants};
 use crate::text::{GenerationDefaults, RenderOptions, Text};
 use crate::worker::{ApiError, Cmd, CreateReq, Event, GenReq, Job, Out};
 use axum::Router;
@@ -47,7 +53,8 @@ use tokio::sync::{mpsc, oneshot};
 pub struct AppState {
     pub jobs: std::sync::mpsc::SyncSender<Job>,
     pub metrics: Arc<Metrics>,
-    pub token: Option<String>,
+    /// Who a bearer token is.
+    pub tenants: Tenants,
     /// The checkpoint's tokenizer and chat template, when it has them.
     pub text: Option<Arc<Text>>,
     pub model_name: String,
@@ -64,6 +71,8 @@ pub struct AppState {
     pub files_dir: Option<PathBuf>,
     /// Largest accepted body (a capsule file upload is the largest thing).
     pub max_body: usize,
+    /// How long a client may take to send a body.
+    pub body_timeout: std::time::Duration,
     pub started: std::time::Instant,
     pub next_id: AtomicU64,
 }
@@ -222,28 +231,34 @@ async fn count(State(st): St, req: Request, next: Next) -> Response {
     r
 }
 
-/// Constant-time comparison (the token is a secret).
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+tokio::task_local! {
+    /// The tenant of the request being handled (set by [`auth`]).
+    pub static TENANT: Tenant;
+}
+
+/// The tenant of the request being handled.
+fn current_tenant() -> Result<Tenant, ApiError> {
+    TENANT
+        .try_with(Tenant::clone)
+        .map_err(|_| ApiError::new(401, "unauthorized", "no tenant for this request"))
 }
 
 async fn auth(State(st): St, req: Request, next: Next) -> Response {
-    if let Some(token) = &st.token {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        if !same(given.as_bytes(), token.as_bytes()) {
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match st.tenants.authenticate(given) {
+        Some(t) => TENANT.scope(t, next.run(req)).await,
+        None => {
             let mut r =
                 ApiError::new(401, "unauthorized", "missing or wrong bearer token").into_response();
             r.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            return r;
+            r
         }
     }
-    next.run(req).await
 }
 
 async fn not_found() -> Response {
@@ -267,25 +282,47 @@ async fn parse<T: DeserializeOwned>(st: &AppState, body: Body) -> Result<T, ApiE
     } else {
         &bytes
     };
-    serde_json::from_slice(text)
-        .map_err(|e| ApiError::bad("invalid_json", format!("request body: {e}")))
+    serde_json::from_slice(text).map_err(|e| {
+        let m = e.to_string();
+        // A parameter this endpoint does not know is the client's to drop, not a JSON error.
+        if m.starts_with("unknown field") {
+            ApiError::bad("unsupported_parameter", format!("request body: {m}"))
+        } else {
+            ApiError::bad("invalid_json", format!("request body: {m}"))
+        }
+    })
 }
 
 async fn read_body(st: &AppState, body: Body) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, st.max_body).await.map_err(|_| {
-        ApiError::new(
-            413,
-            "body_too_large",
-            format!("request body is larger than {} bytes", st.max_body),
-        )
-    })
+    match tokio::time::timeout(st.body_timeout, axum::body::to_bytes(body, st.max_body)).await {
+        Err(_) => Err(ApiError::new(
+            408,
+            "body_timeout",
+            format!(
+                "the request body did not arrive within {:.0} s",
+                st.body_timeout.as_secs_f64()
+            ),
+        )),
+        Ok(r) => r.map_err(|_| {
+            ApiError::new(
+                413,
+                "body_too_large",
+                format!("request body is larger than {} bytes", st.max_body),
+            )
+        }),
+    }
 }
 
 /// Send a command and await its answer.
 async fn call(st: &AppState, cmd: Cmd) -> Result<Out, ApiError> {
+    let tenant = current_tenant()?;
     let (tx, rx) = oneshot::channel();
     st.jobs
-        .try_send(Job { cmd, reply: tx })
+        .try_send(Job {
+            cmd,
+            tenant,
+            reply: tx,
+        })
         .map_err(|e| match e {
             std::sync::mpsc::TrySendError::Full(_) => {
                 ApiError::new(503, "busy", "the server's queue is full; retry shortly")

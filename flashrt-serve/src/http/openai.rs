@@ -12,7 +12,10 @@ pub(super) async fn models(State(st): St) -> Response {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CompletionBody {
+    /// Must name this server's model when given (404 `model_not_found` otherwise).
+    model: Option<String>,
     prompt: Option<Value>,
     /// Chat messages as sent (the template sees them unchanged).
     messages: Option<Vec<Value>>,
@@ -37,6 +40,97 @@ struct CompletionBody {
     #[serde(default)]
     echo: bool,
     logprobs: Option<Value>,
+    // OpenAI parameters a client may send at their no-op values; anything else is refused,
+    // naming the parameter, rather than silently ignored.
+    top_logprobs: Option<Value>,
+    frequency_penalty: Option<f64>,
+    presence_penalty: Option<f64>,
+    repetition_penalty: Option<f64>,
+    logit_bias: Option<Value>,
+    best_of: Option<usize>,
+    suffix: Option<Value>,
+    response_format: Option<Value>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<Value>,
+    stream_options: Option<Value>,
+    /// An end-user id (OpenAI's abuse-monitoring field): accepted, not used.
+    #[allow(dead_code)]
+    user: Option<String>,
+}
+
+impl CompletionBody {
+    /// Refuse parameters this server does not implement, naming the first one found.
+    fn check_unsupported(&self) -> Result<(), ApiError> {
+        let refuse = |p: &str, why: &str| {
+            Err(ApiError::bad(
+                "unsupported_parameter",
+                format!("`{p}` is not supported by this server ({why})"),
+            ))
+        };
+        let nonzero = |v: Option<f64>| v.is_some_and(|x| x != 0.0);
+        let set = |v: &Option<Value>| v.as_ref().is_some_and(|x| !x.is_null());
+        if nonzero(self.frequency_penalty) {
+            return refuse("frequency_penalty", "no penalties yet; leave it 0");
+        }
+        if nonzero(self.presence_penalty) {
+            return refuse("presence_penalty", "no penalties yet; leave it 0");
+        }
+        if self.repetition_penalty.is_some_and(|x| x != 1.0) {
+            return refuse("repetition_penalty", "no penalties yet; leave it 1");
+        }
+        if self
+            .logit_bias
+            .as_ref()
+            .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
+        {
+            return refuse("logit_bias", "leave it empty");
+        }
+        if self.best_of.is_some_and(|n| n != 1) {
+            return refuse("best_of", "one completion per request");
+        }
+        if set(&self.suffix) {
+            return refuse("suffix", "no insertion mode");
+        }
+        if set(&self.top_logprobs) && self.top_logprobs != Some(Value::from(0)) {
+            return refuse("top_logprobs", "no logprobs yet");
+        }
+        if let Some(r) = &self.response_format
+            && !r.is_null()
+            && r.get("type").and_then(Value::as_str) != Some("text")
+        {
+            return refuse(
+                "response_format",
+                "no constrained decoding; only {\"type\": \"text\"}",
+            );
+        }
+        if let Some(c) = &self.tool_choice
+            && !c.is_null()
+            && c.as_str() != Some("auto")
+            && c.as_str() != Some("none")
+        {
+            return refuse(
+                "tool_choice",
+                "the model decides whether to call a tool: \"auto\" or \"none\" only",
+            );
+        }
+        if let Some(p) = &self.parallel_tool_calls
+            && !p.is_null()
+            && p != &Value::Bool(true)
+        {
+            return refuse("parallel_tool_calls", "only the model's default, true");
+        }
+        if let Some(o) = &self.stream_options
+            && !o.is_null()
+            && o.as_object()
+                .is_none_or(|m| m.keys().any(|k| k != "include_usage"))
+        {
+            return refuse(
+                "stream_options",
+                "only include_usage (the last chunk always carries the usage)",
+            );
+        }
+        Ok(())
+    }
 }
 
 fn prompt_ids(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
@@ -148,6 +242,19 @@ fn chat_ids(st: &AppState, b: &CompletionBody) -> Result<Vec<u32>, ApiError> {
 }
 
 fn completion_req(st: &AppState, b: &CompletionBody) -> Result<GenReq, ApiError> {
+    if let Some(m) = &b.model
+        && m != &st.model_name
+    {
+        return Err(ApiError::not_found(
+            "model_not_found",
+            format!(
+                "model `{}` is not served here; this server serves `{}`",
+                m.escape_debug(),
+                st.model_name
+            ),
+        ));
+    }
+    b.check_unsupported()?;
     if b.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad(
             "unsupported",
