@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SECS="${FUZZ_SECONDS:-30}"
-TARGETS=(capsule_file toml_model)
+TARGETS=(capsule_file toml_model http_bodies chat_template)
 
 # cargo-fuzz needs nightly-only compiler flags (-Z sanitizer). The machines here (and CI) have
 # the stable toolchain only, so let the stable compiler accept them with RUSTC_BOOTSTRAP=1.

@@ -42,8 +42,8 @@
 //! ([`PrefixScope::Trusted`]), so an imported capsule is restored only when asked for by id.
 //! A capsule a client persisted ([`CapsuleStore::persist`]) is pinned on disk: eviction never
 //! drops its file, and a persist that the disk budget cannot hold fails with
-//! [`Error::StoreFull`] instead. Delta chains are at most [`MAX_CHAIN`] files long, so one
-//! corrupt file costs at most that many capsules. Owners, provenance and pins survive a
+//! [`Error::StoreFull`] instead. At most [`MAX_CHAIN`] capsules share one full capsule's
+//! bytes (directly or through other deltas), so one corrupt file costs at most that many. Owners, provenance and pins survive a
 //! restart (the file metadata and `<id>.pinned` markers).
 //!
 //! # Prefix reuse
@@ -176,8 +176,8 @@ impl PrefixScope<'_> {
     }
 }
 
-/// Delta files in one chain at most (a full capsule at least every this many), so a corrupt
-/// file loses at most this many capsules.
+/// Capsules whose bytes hang off one full capsule at most (it included): a corrupt file loses
+/// at most this many.
 pub const MAX_CHAIN: usize = 8;
 
 /// How a restore went.
@@ -610,8 +610,8 @@ impl CapsuleStore {
         }
         self.enforce(Some(&id))?;
         if !self.entries.contains_key(&id) {
-            return Err(Error::Capsule(format!(
-                "capsule of {size} bytes does not fit in any tier of the store (budgets: device {}, host {}, disk {})",
+            return Err(Error::StoreFull(format!(
+                "capsule of {size} bytes does not fit in any tier of the store (budgets: device {}, host {}, disk {}; persisted capsules are never evicted)",
                 self.cfg.budget_device,
                 self.cfg.budget_host,
                 if self.cfg.dir.is_some() {
@@ -1098,11 +1098,18 @@ impl CapsuleStore {
                         && (c.pos, c.seq) < (pos, seq)
                         && c.pos > 0
                         && c.tokens[..] == tokens[..c.pos]
-                        && self.chain_len(&c.id) < MAX_CHAIN
                 })
                 .map(|c| (c.pos, c.last_used, c.id.clone()))
                 .collect();
             cands.sort_by_key(|c| std::cmp::Reverse((c.0, c.1)));
+            // A base's whole group (every capsule whose bytes hang off the same full
+            // capsule) is what one corrupt file can cost: keep it under MAX_CHAIN.
+            let groups = self.group_sizes();
+            cands.retain(|c| {
+                groups
+                    .get(self.group_root(&c.2).as_str())
+                    .is_none_or(|&n| n < MAX_CHAIN)
+            });
             for (cpos, _, cid) in cands.into_iter().take(4) {
                 let theirs = self.kv_hashes(&cid)?;
                 if theirs == self.hash_kv(full, cpos) {
@@ -1122,18 +1129,25 @@ impl CapsuleStore {
         Ok(chosen)
     }
 
-    /// Files `id`'s bytes are spread over: 1 for a full capsule, 1 + its base's for a delta.
-    fn chain_len(&self, id: &str) -> usize {
-        let mut n = 1;
-        let mut cur = self.entries.get(id);
-        while let Some(b) = cur.and_then(|e| e.base_id()) {
-            n += 1;
-            if n > self.entries.len() + 1 {
-                break;
+    /// The full capsule at the top of `id`'s chain of bases (`id` itself if it has none).
+    fn group_root(&self, id: &str) -> String {
+        let mut cur = id;
+        for _ in 0..=self.entries.len() {
+            match self.entries.get(cur).and_then(|e| e.base_id()) {
+                Some(b) => cur = b,
+                None => break,
             }
-            cur = self.entries.get(b);
         }
-        n
+        cur.to_string()
+    }
+
+    /// Capsules per group root (a root and every capsule whose chain leads to it).
+    fn group_sizes(&self) -> HashMap<String, usize> {
+        let mut sizes = HashMap::new();
+        for id in self.entries.keys() {
+            *sizes.entry(self.group_root(id)).or_insert(0) += 1;
+        }
+        sizes
     }
 
     /// The regions `id` stores given its base: KV rows from the base's position on.

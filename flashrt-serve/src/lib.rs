@@ -1,7 +1,7 @@
 //! # flashrt-serve: an HTTP server for one model, batch 1, with sessions and capsules
 //!
-//! `flashrt serve` puts a model behind a local HTTP API (127.0.0.1 by default, optional
-//! bearer token). Three layers:
+//! `flashrt serve` puts a model behind a local HTTP API (127.0.0.1 by default; one bearer
+//! token, or tenants from a token file: [`tenants`]). Three layers:
 //!
 //! * [`http`]: axum routes. Handlers parse and validate requests, then talk to the worker over
 //!   a bounded channel; they never touch model state.
@@ -11,18 +11,24 @@
 //! * [`metrics`]: counters, gauges and a restore-latency histogram, read lock-free by
 //!   `/metrics` and `/health`.
 //!
+//! Around them: [`text`] (tokenizer, chat template, streamed text), [`files`] (client-named
+//! files opened as untrusted input), [`cli`] (model sources shared by every command, and
+//! `serve`), and the accept loop in this file (header and body timeouts, a connection cap,
+//! a bounded drain on SIGINT / SIGTERM: [`run_until_signal`]).
+//!
 //! ## Endpoints
 //!
 //! Every body is JSON; every error is `{"error": {"message", "type", "code"}}` with a 4xx
-//! status for anything the client can fix (5xx only for server faults). Ids are 16 hex
-//! digits. Token lists may be text instead when the server has a tokenizer.
+//! status for anything the client can fix (5xx only for server faults). Ids are 32 hex
+//! digits (128 random bits). Token lists may be text instead when the server has a tokenizer.
+//! Every object belongs to the tenant that made it; another tenant's id answers 404.
 //!
 //! | method, path | body | answer |
 //! |---|---|---|
 //! | `GET /health` (no auth) | | `{status, model, fingerprint, backend, vocab, max_seq, sessions, capsules{device,host,disk}}` |
 //! | `GET /metrics` | | Prometheus text |
 //! | `GET /v1/models` | | OpenAI model list |
-//! | `POST /v1/completions` | OpenAI: `prompt` (ids), `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop_token_ids`, `ignore_eos`, `stream` | OpenAI `text_completion` (+ `token_ids`), SSE chunks when streaming |
+//! | `POST /v1/completions` | OpenAI: `model?`, `prompt` (text or ids), `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stop_token_ids`, `ignore_eos`, `stream` (unimplemented OpenAI parameters: 400 naming them) | OpenAI `text_completion` (+ `token_ids`), SSE chunks when streaming |
 //! | `POST /v1/chat/completions` | OpenAI: `messages`, `tools`, `chat_template_kwargs` (rendered by the model's chat template; without a tokenizer, contents as ids) | OpenAI `chat.completion` / chunks |
 //! | `POST /v1/sessions` | `{tokens?, capsule?, sampler?{temperature,top_k,top_p,seed}, reuse?=true}` | `{session, pos, reused_tokens, from_capsule}` |
 //! | `GET /v1/sessions` | | `{sessions: [{session, pos}]}` |
@@ -30,21 +36,22 @@
 //! | `DELETE /v1/sessions/{id}` | | `{deleted}` |
 //! | `POST /v1/sessions/{id}/append` | `{tokens}` | `{session, pos}` |
 //! | `POST /v1/sessions/{id}/generate` | `{max_tokens?=16, sampler?, stop_token_ids?, ignore_eos?, stream?}` | `{session, tokens, finish_reason, pos}`; SSE `{token}` … `{done, result}` |
-//! | `POST /v1/sessions/{id}/snapshot` | `{persist?, label?}` | `{capsule, pos, tiers, bytes{device,host,disk}, base, label}` |
+//! | `POST /v1/sessions/{id}/snapshot` | `{persist?, label?}` | `{capsule, pos, tiers, bytes{device,host,disk}, base, label, origin, persisted}` (persist that does not fit: 507) |
 //! | `POST /v1/sessions/{id}/restore` | `{capsule}` | `{session, capsule, pos, from_tier, restore_us}` |
 //! | `POST /v1/sessions/{id}/rollback` | `{capsule}` or `{pos}` (a stored boundary of this history) | `{session, capsule, pos}` |
 //! | `POST /v1/sessions/{id}/fork` | | `{session, forked_from, pos}` (a new, independent session) |
 //! | `GET /v1/capsules` | | `{capsules: [...]}` |
 //! | `GET /v1/capsules/{id}` | | `{capsule, pos, tiers, bytes, base, label, tokens}` |
 //! | `DELETE /v1/capsules/{id}` | | `{deleted}` |
-//! | `POST /v1/capsules/{id}/persist` | | the capsule, now with a file in the store directory |
-//! | `POST /v1/capsules/{id}/export` | `{file}` (a plain name in the files directory) | `{capsule, path, bytes}` |
+//! | `POST /v1/capsules/{id}/persist` | | the capsule, now pinned in a file of the store directory (507 when the disk budget cannot hold it) |
+//! | `POST /v1/capsules/{id}/export` | `{file, overwrite?=false}` (a plain name in the tenant's files directory) | `{capsule, file, bytes}` (409 `file_exists` without `overwrite`) |
 //! | `GET /v1/capsules/{id}/file` | | the standalone capsule file (`application/octet-stream`) |
-//! | `POST /v1/capsules/import` | `{file}`, or the file itself as `application/octet-stream` | the new capsule |
+//! | `POST /v1/capsules/import` | `{file}` (a regular file, not a link), or the file itself as `application/octet-stream` | the new capsule (`origin: imported`: restorable by id, never reused automatically) |
 //!
 //! OpenAI completions reuse stored capsules automatically: the prompt's longest stored prefix
-//! (at any position) is restored instead of prefilled, and the prompt boundary and the end of
-//! each completion are stored (label `auto`) for the next request.
+//! among the tenant's own computed capsules (at any position) is restored instead of
+//! prefilled, and the prompt boundary and the end of each completion are stored (label
+//! `auto`) for the next request.
 
 pub mod cli;
 pub mod files;

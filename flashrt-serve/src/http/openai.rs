@@ -312,6 +312,31 @@ pub(super) async fn chat_completions(State(st): St, body: Body) -> Response {
 pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
     let r = async {
         let b: CompletionBody = parse(&st, body).await?;
+        // Each endpoint's own parameters only.
+        let misplaced = if chat {
+            [
+                ("prompt", b.prompt.is_some()),
+                ("suffix", b.suffix.is_some()),
+            ]
+        } else {
+            [
+                ("messages", b.messages.is_some()),
+                ("tools", b.tools.is_some() || b.tool_choice.is_some()),
+            ]
+        };
+        if let Some((p, _)) = misplaced.iter().find(|(_, set)| *set) {
+            return Err(ApiError::bad(
+                "unsupported_parameter",
+                format!(
+                    "`{p}` is not a parameter of {}",
+                    if chat {
+                        "/v1/chat/completions"
+                    } else {
+                        "/v1/completions (use /v1/chat/completions)"
+                    }
+                ),
+            ));
+        }
         let prompt = if chat {
             chat_ids(&st, &b)?
         } else {
