@@ -809,10 +809,11 @@ impl CapsuleStore {
             .filter_map(|e| e.disk.as_ref().map(|d| d.bytes))
             .sum();
         if pinned + own > self.cfg.budget_disk {
-            if !had_file && let Some(e) = self.entries.get_mut(id) {
-                if let Some(d) = e.disk.take() {
-                    let _ = std::fs::remove_file(d.path);
-                }
+            if !had_file
+                && let Some(e) = self.entries.get_mut(id)
+                && let Some(d) = e.disk.take()
+            {
+                let _ = std::fs::remove_file(d.path);
             }
             return Err(Error::StoreFull(format!(
                 "persisting this capsule ({own} bytes) would exceed the disk budget of {} bytes: \

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use flashrt_runtime::store::valid_id;
+use flashrt_runtime::store::{PrefixScope, valid_id};
 use flashrt_runtime::{CapsuleStore, Model, SamplerState, Session, StoreConfig, Tier};
 use std::collections::HashMap;
 
@@ -194,8 +194,16 @@ fn longest_prefix_at_any_position() {
     other2[20] = (other2[20] + 1) % v as u32;
     assert_eq!(store.longest_prefix(&other2), Some((ids[&17].clone(), 17)));
     // Counted lookups, and reuse: restoring the hit and appending the rest equals a cold run.
-    assert!(store.lookup_prefix(&stream[..40]).is_some());
-    assert!(store.lookup_prefix(&tokens(1000, 9, v)).is_none());
+    assert!(
+        store
+            .lookup_prefix(&stream[..40], PrefixScope::Any)
+            .is_some()
+    );
+    assert!(
+        store
+            .lookup_prefix(&tokens(1000, 9, v), PrefixScope::Any)
+            .is_none()
+    );
     let st = store.stats();
     assert_eq!((st.hits, st.misses, st.hit_tokens), (1, 1, 31));
     let (hit, p) = store.longest_prefix(&stream[..45]).unwrap();
@@ -351,7 +359,7 @@ fn randomized_soak_keeps_budgets_and_exactness() {
                 }
                 4 => {
                     let q: Vec<u32> = s.tokens().to_vec();
-                    if let Some((id, p)) = store.lookup_prefix(&q) {
+                    if let Some((id, p)) = store.lookup_prefix(&q, PrefixScope::Any) {
                         assert_eq!(&store.tokens(&id).unwrap()[..], &q[..p]);
                     }
                 }
