@@ -37,6 +37,22 @@ fn complete(c: &Client, prompt: &[u32], n: usize) -> (Vec<u32>, u64) {
     )
 }
 
+/// A new session over `tokens`; its id.
+fn session(c: &Client, tokens: &[u32]) -> String {
+    c.ok("/v1/sessions", &json!({"tokens": tokens}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// A snapshot of session `sid`; the capsule's id.
+fn snapshot(c: &Client, sid: &str) -> String {
+    c.ok(&format!("/v1/sessions/{sid}/snapshot"), &json!({}))["capsule"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 /// Capsule file bytes with `edit` applied to the decoded capsule, written back with valid
 /// checksums (what an attacker with the format can do).
 fn forge(
@@ -91,14 +107,8 @@ fn an_imported_capsule_never_serves_another_prompt() {
     let c = Client::new(server.addr(), None);
     // The attacker snapshots some other history, rewrites its token history into our
     // prompt's first 12 tokens, recomputes the checksums and imports it.
-    let sid = c.ok("/v1/sessions", &json!({"tokens": tokens(99, 12, v)}))["session"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let cap = c.ok(&format!("/v1/sessions/{sid}/snapshot"), &json!({}))["capsule"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let sid = session(&c, &tokens(99, 12, v));
+    let cap = snapshot(&c, &sid);
     // Its own computed capsule would be reused for its own history; delete it first.
     let bytes = c.get(&format!("/v1/capsules/{cap}/file")).body;
     assert_eq!(c.delete(&format!("/v1/capsules/{cap}")).status, 200);
@@ -165,14 +175,8 @@ fn other_weights_have_another_fingerprint_and_their_capsules_are_refused() {
     let fa = ca.ok_get("/health")["fingerprint"].clone();
     let fb = cb.ok_get("/health")["fingerprint"].clone();
     assert_ne!(fa, fb, "seed 0 and seed 7 report one fingerprint");
-    let sid = ca.ok("/v1/sessions", &json!({"tokens": [5, 6, 7]}))["session"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let cap = ca.ok(&format!("/v1/sessions/{sid}/snapshot"), &json!({}))["capsule"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let sid = session(&ca, &[5, 6, 7]);
+    let cap = snapshot(&ca, &sid);
     let bytes = ca.get(&format!("/v1/capsules/{cap}/file")).body;
     let r = import_bytes(&cb, &bytes);
     assert_eq!(r.status, 400);
@@ -187,14 +191,8 @@ fn non_finite_state_is_refused_at_import_and_at_load() {
     let dir = temp_dir("nan");
     let server = start_with(&m, config(Some(&dir), None));
     let c = Client::new(server.addr(), None);
-    let sid = c.ok("/v1/sessions", &json!({"tokens": tokens(3, 10, m.vocab())}))["session"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let cap = c.ok(&format!("/v1/sessions/{sid}/snapshot"), &json!({}))["capsule"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let sid = session(&c, &tokens(3, 10, m.vocab()));
+    let cap = snapshot(&c, &sid);
     let bytes = c.get(&format!("/v1/capsules/{cap}/file")).body;
     let nan_state = forge(&m, &bytes, |_, regions, _| {
         regions[0].1[..4].copy_from_slice(&f32::NAN.to_le_bytes())
@@ -332,12 +330,7 @@ fn sigterm_drains_and_persists_the_store() {
             .as_str()
             .unwrap()
             .to_string();
-        caps.push(
-            c.ok(&format!("/v1/sessions/{sid}/snapshot"), &json!({}))["capsule"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-        );
+        caps.push(snapshot(&c, &sid));
     }
     signal(&child, libc::SIGTERM);
     let status = wait(&mut child, Duration::from_secs(30));
@@ -479,10 +472,7 @@ fn persist_is_durable_or_an_error() {
     let mut persisted = Vec::new();
     let mut refused = 0;
     for i in 0..12 {
-        let sid = c.ok("/v1/sessions", &json!({"tokens": tokens(40 + i, 30, v)}))["session"]
-            .as_str()
-            .unwrap()
-            .to_string();
+        let sid = session(&c, &tokens(40 + i, 30, v));
         let r = c.post(
             &format!("/v1/sessions/{sid}/snapshot"),
             &json!({"persist": true}),
@@ -549,22 +539,14 @@ fn a_corrupt_base_file_costs_at_most_one_chain() {
     let server = start_with(&m, cfg.clone());
     let c = Client::new(server.addr(), None);
     // One conversation, a capsule every few tokens: each shares the KV rows of the last.
-    let sid = c.ok("/v1/sessions", &json!({"tokens": tokens(1, 8, v)}))["session"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let sid = session(&c, &tokens(1, 8, v));
     let mut caps = Vec::new();
     for i in 0..20 {
         c.ok(
             &format!("/v1/sessions/{sid}/append"),
             &json!({"tokens": tokens(50 + i, 3, v)}),
         );
-        caps.push(
-            c.ok(&format!("/v1/sessions/{sid}/snapshot"), &json!({}))["capsule"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-        );
+        caps.push(snapshot(&c, &sid));
     }
     server.shutdown().unwrap(); // every capsule becomes a file, deltas along the chain
     // Flip one bit in the data of the first (the base of everything after it).
@@ -601,14 +583,8 @@ fn only_regular_files_are_read_and_messages_name_no_server_path() {
     let server = start_with(&m, config(Some(&dir), None));
     let c = Client::new(server.addr(), None);
     let files = dir.join("files");
-    let sid = c.ok("/v1/sessions", &json!({"tokens": [4, 5, 6]}))["session"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let cap = c.ok(&format!("/v1/sessions/{sid}/snapshot"), &json!({}))["capsule"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let sid = session(&c, &[4, 5, 6]);
+    let cap = snapshot(&c, &sid);
     // A FIFO: refused at once (opening it would block), the worker keeps serving.
     let fifo = files.join("pipe");
     let cpath = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
@@ -780,14 +756,8 @@ fn tenants_never_see_each_other() {
         401
     );
     let prompt = tokens(3, 20, v);
-    let sid = alice.ok("/v1/sessions", &json!({"tokens": prompt}))["session"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let cap = alice.ok(&format!("/v1/sessions/{sid}/snapshot"), &json!({}))["capsule"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let sid = session(&alice, &prompt);
+    let cap = snapshot(&alice, &sid);
     // Bob sees nothing of Alice's: not listed, not readable, not usable, not deletable.
     assert_eq!(bob.ok_get("/v1/sessions")["sessions"], json!([]));
     assert_eq!(bob.ok_get("/v1/capsules")["capsules"], json!([]));
@@ -902,10 +872,7 @@ fn two_tenants_at_once_every_endpoint_zero_leaks_zero_errors() {
                     &format!("/v1/sessions/{sid}/generate"),
                     &json!({"max_tokens": 2}),
                 );
-                let cap = c.ok(&format!("/v1/sessions/{sid}/snapshot"), &json!({}))["capsule"]
-                    .as_str()
-                    .unwrap()
-                    .to_string();
+                let cap = snapshot(&c, &sid);
                 let fork = c.ok(&format!("/v1/sessions/{sid}/fork"), &json!({}))["session"]
                     .as_str()
                     .unwrap()
