@@ -27,8 +27,8 @@ pub struct Piece {
 }
 
 /// Incremental detokeniser with stop strings (see the module docs).
-pub struct TextStream<'t> {
-    tok: &'t Tokenizer,
+pub struct TextStream {
+    tok: Tokenizer,
     ids: Vec<u32>,
     /// Ids `prefix..read` are the window decoded last time; `read..` are new.
     prefix: usize,
@@ -43,10 +43,11 @@ pub struct TextStream<'t> {
     stopped: bool,
 }
 
-impl<'t> TextStream<'t> {
-    pub fn new(tok: &'t Tokenizer, stops: &[String]) -> TextStream<'t> {
+impl TextStream {
+    /// A stream over `tok` (a cheap handle: the vocabulary is shared).
+    pub fn new(tok: &Tokenizer, stops: &[String]) -> TextStream {
         TextStream {
-            tok,
+            tok: tok.clone(),
             ids: Vec::new(),
             prefix: 0,
             read: 0,

@@ -1,10 +1,12 @@
 //! Text <-> token ids through a Hugging Face `tokenizer.json` (the `tokenizers` crate).
 
 use std::path::Path;
+use std::sync::Arc;
 
-/// A loaded `tokenizer.json`.
+/// A loaded `tokenizer.json`; cloning shares it.
+#[derive(Clone)]
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Arc<tokenizers::Tokenizer>,
 }
 
 impl Tokenizer {
@@ -14,14 +16,18 @@ impl Tokenizer {
             return Err(format!("{}: no such tokenizer file", path.display()));
         }
         tokenizers::Tokenizer::from_file(path)
-            .map(|inner| Tokenizer { inner })
+            .map(|inner| Tokenizer {
+                inner: Arc::new(inner),
+            })
             .map_err(|e| format!("{}: not a loadable tokenizer.json: {e}", path.display()))
     }
 
     /// A tokenizer from the bytes of a `tokenizer.json`.
     pub fn from_bytes(bytes: &[u8]) -> Result<Tokenizer, String> {
         tokenizers::Tokenizer::from_bytes(bytes)
-            .map(|inner| Tokenizer { inner })
+            .map(|inner| Tokenizer {
+                inner: Arc::new(inner),
+            })
             .map_err(|e| format!("not a loadable tokenizer.json: {e}"))
     }
 
