@@ -13,6 +13,9 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/device.txt" || true
 python3 -c 'import flashrt, sys; print(flashrt.__file__, sys.version)' | tee "$OUT/python.txt"
 python3 benches/python_overhead.py --backend cpu --rounds 31 --steps 64 --json "$OUT/overhead-demo-cpu.json"
+# the same with one CPU thread: no thread-pool wake-up jitter in the step itself
+FLASHRT_CPU_THREADS=1 python3 benches/python_overhead.py --backend cpu --rounds 31 --steps 64 \
+  --json "$OUT/overhead-demo-cpu-1thread.json"
 python3 benches/python_overhead.py models/qwen36-27b.toml --random-weights --backend cuda \
   --rounds "${ROUNDS:-15}" --steps 32 --prompt-tokens 2048 --json "$OUT/overhead-27b-cuda.json"
 python3 examples/python/robot_loop.py models/qwen36-27b.toml --random-weights --backend cuda \
