@@ -31,6 +31,9 @@ pub struct SamplerState {
     pub top_k: usize,
     /// `1.0`: no nucleus cut.
     pub top_p: f32,
+    /// `0.0`: no min-p cut (candidates below `min_p` times the best one's probability go).
+    #[serde(default)]
+    pub min_p: f32,
 }
 
 impl Default for SamplerState {
@@ -47,6 +50,7 @@ impl SamplerState {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
         }
     }
     pub fn seeded(seed: u64, temperature: f32, top_k: usize, top_p: f32) -> Self {
@@ -56,7 +60,13 @@ impl SamplerState {
             temperature,
             top_k,
             top_p,
+            min_p: 0.0,
         }
+    }
+    /// The same sampler with a min-p cut.
+    pub fn with_min_p(mut self, min_p: f32) -> Self {
+        self.min_p = min_p;
+        self
     }
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0

@@ -398,16 +398,37 @@ impl fmt::Debug for Session {
 
 /// Index of the largest value (the first one on ties; NaN never wins).
 pub fn argmax(row: &[f32]) -> Option<u32> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in row.iter().enumerate() {
-        if v.is_nan() {
-            continue;
-        }
-        if best.is_none_or(|(_, b)| v > b) {
-            best = Some((i, v));
+    // The maximum (lane-wise over 16 accumulators, so the loop vectorises; `f32::max` skips
+    // NaN), then the first index holding it: the same answer as a strict-greater scan.
+    let m = lane_max(row, |v| v);
+    if m.is_nan() {
+        return None;
+    }
+    row.iter().position(|&v| v == m).map(|i| i as u32)
+}
+
+/// The largest finite value of `row` (`None` if it has none).
+pub fn max_finite(row: &[f32]) -> Option<f32> {
+    let m = lane_max(row, |v| if v.is_finite() { v } else { f32::NAN });
+    m.is_finite().then_some(m)
+}
+
+/// `max` over `f(v)` for every `v` of `row` (NaN where every value maps to NaN).
+#[inline(always)]
+fn lane_max(row: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [f32::NAN; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for j in 0..LANES {
+            acc[j] = acc[j].max(f(c[j]));
         }
     }
-    best.map(|(i, _)| i as u32)
+    let mut m = f32::NAN;
+    for &v in chunks.remainder() {
+        m = m.max(f(v));
+    }
+    acc.iter().fold(m, |a, &b| a.max(b))
 }
 
 impl Session {
