@@ -98,7 +98,8 @@ pub enum Out {
 /// One event of a streamed generation.
 #[derive(Debug)]
 pub enum Event {
-    /// A sampled token (streamed the moment it is chosen, fed to the session right after)
+    /// A sampled token (streamed the moment it is chosen, fed to the session when the next
+    /// one is wanted)
     /// and the text it makes visible (empty without a tokenizer, or while a character or a
     /// possible stop string is incomplete). `None`: the text still held back at the end.
     Token(Option<u32>, String),
@@ -106,6 +107,15 @@ pub enum Event {
     Done(Value),
     /// A failure after the stream started.
     Error(ApiError),
+}
+
+/// What [`Worker::generate`] produced.
+struct Generated {
+    tokens: Vec<u32>,
+    finish: &'static str,
+    text: String,
+    /// The last token, chosen and streamed but not yet fed to the session.
+    unfed: Option<u32>,
 }
 
 /// A generation request, validated by the HTTP layer.
@@ -252,7 +262,7 @@ fn capsule_json(i: &CapsuleInfo) -> Value {
 }
 
 fn sampler_json(s: &SamplerState) -> Value {
-    json!({"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed})
+    json!({"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "seed": s.seed})
 }
 
 impl Worker {
@@ -578,27 +588,40 @@ impl Worker {
                 if stream.is_some() {
                     rep.send(Ok(Out::Stream));
                 }
-                let r = self.generate(&mut s, &req, stream.as_ref());
-                let pos = s.pos();
-                self.put_back(session.clone(), s, t);
-                let (tokens, finish, text) = match r {
-                    Ok(x) => x,
+                let r = self.generate(&mut s, &req, stream.as_ref(), None);
+                let g = match r {
+                    Ok(g) => g,
                     Err(e) => {
+                        self.put_back(session.clone(), s, t);
                         if let Some(tx) = &stream {
                             let _ = tx.send(Event::Error(e.clone()));
                         }
                         return Err(e);
                     }
                 };
+                // The session ends after the last token: it is fed once the answer is out.
+                let pos = s.pos() + g.unfed.is_some() as usize;
                 let summary = json!({
                     "session": session,
-                    "tokens": tokens,
-                    "text": text,
-                    "finish_reason": finish,
+                    "tokens": g.tokens,
+                    "text": g.text,
+                    "finish_reason": g.finish,
                     "pos": pos,
                 });
                 if let Some(tx) = &stream {
                     let _ = tx.send(Event::Done(summary.clone()));
+                }
+                let fed = match g.unfed {
+                    Some(last) => s.append(&[last]),
+                    None => Ok(()),
+                };
+                self.put_back(session.clone(), s, t);
+                if let Err(e) = fed {
+                    // The stream already ended well; the session is poisoned and says so.
+                    tracing::error!("session {session}: feeding the last generated token: {e}");
+                    if stream.is_none() {
+                        return Err(e.into());
+                    }
                 }
                 Ok(Out::Json(summary))
             }
@@ -834,45 +857,65 @@ impl Worker {
         })))
     }
 
-    /// Sample and feed up to `req.max_tokens` tokens. Each token is streamed as soon as it is
-    /// chosen, before the step that feeds it runs. Returns the ids, the finish reason and the
-    /// visible text (decoded incrementally, cut before a stop string; empty without a
-    /// tokenizer).
+    /// Sample up to `req.max_tokens` tokens. Each token is streamed the moment it is chosen and
+    /// fed to the session only when the next one is wanted, so no step runs after the last
+    /// token: the session is left at the boundary before it, and the last token comes back
+    /// unfed (the sessions API feeds it after answering; a completion never needs it).
+    /// Returns the ids, the finish reason, the visible text (decoded incrementally, cut before
+    /// a stop string; empty without a tokenizer) and the unfed token.
+    ///
+    /// `cache_prompt`: store the session's boundary as an automatic capsule of that tenant
+    /// right after the first token is out (the session still stands there), so the copy and
+    /// the store's bookkeeping never delay the first token.
     fn generate(
-        &self,
+        &mut self,
         s: &mut Session,
         req: &GenReq,
         stream: Option<&mpsc::UnboundedSender<Event>>,
-    ) -> WResult<(Vec<u32>, &'static str, String)> {
+        cache_prompt: Option<&Tenant>,
+    ) -> WResult<Generated> {
         let mut out = Vec::new();
         let max = self.model.max_seq();
         let mut finish = "length";
+        let mut unfed: Option<u32> = None;
         let mut text = self
             .text
             .as_ref()
             .map(|t| TextStream::new(&t.tokenizer, &req.stop_strings));
         for _ in 0..req.max_tokens {
-            if s.pos() >= max {
+            // The token sampled next goes to position `pos` (after the unfed one).
+            if s.pos() + unfed.is_some() as usize >= max {
                 break;
             }
             if self.cfg.cancel.load(Ordering::Relaxed) {
                 finish = "cancelled";
                 break;
             }
+            if let Some(prev) = unfed.take() {
+                s.append(&[prev])?;
+            }
+            let before = s.sampler().clone();
             let t = s.sample_next()?;
             out.push(t);
+            unfed = Some(t);
             self.metrics
                 .generated_tokens
                 .fetch_add(1, Ordering::Relaxed);
             let piece = text.as_mut().map(|ts| ts.push(t)).unwrap_or_default();
-            if let Some(tx) = stream
-                && tx.send(Event::Token(Some(t), piece.text)).is_err()
+            let gone = stream.is_some_and(|tx| tx.send(Event::Token(Some(t), piece.text)).is_err());
+            if out.len() == 1
+                && let Some(tenant) = cache_prompt
             {
+                // The capsule holds the sampler as it was before this draw.
+                let mut cap = s.snapshot()?;
+                cap.meta.sampler = before;
+                // A full store (or tenant budget) refuses; the completion goes on without it.
+                let _ = self.store_computed(cap, Some("auto".into()), tenant);
+            }
+            if gone {
                 finish = "cancelled";
-                s.append(&[t])?;
                 break;
             }
-            s.append(&[t])?;
             if req.stop.contains(&t) || piece.stop {
                 finish = "stop";
                 break;
@@ -890,7 +933,12 @@ impl Worker {
             }
             None => String::new(),
         };
-        Ok((out, finish, visible))
+        Ok(Generated {
+            tokens: out,
+            finish,
+            text: visible,
+            unfed,
+        })
     }
 
     fn complete(
@@ -952,24 +1000,29 @@ impl Worker {
     ) -> WResult<Value> {
         let cached = self.reuse_prefix(s, prompt, t)?;
         self.prefill(s, &prompt[cached..])?;
-        if self.cfg.auto_cache && cached < prompt.len() {
-            let cap = s.snapshot()?;
-            // A full store (or tenant budget) refuses; the completion goes on without caching.
-            let _ = self.store_computed(cap, Some("auto".into()), t);
-        }
         s.set_sampler(req.sampler.clone().unwrap_or_default());
         if stream.is_some() {
             rep.send(Ok(Out::Stream));
         }
-        let (tokens, finish, text) = self.generate(s, req, stream)?;
-        if self.cfg.auto_cache && !tokens.is_empty() && finish != "cancelled" {
+        // A new prompt boundary is stored, after its first token is out.
+        let cache_prompt = (self.cfg.auto_cache && cached < prompt.len()).then_some(t);
+        if req.max_tokens == 0
+            && let Some(t) = cache_prompt
+        {
+            let cap = s.snapshot()?;
+            let _ = self.store_computed(cap, Some("auto".into()), t);
+        }
+        let g = self.generate(s, req, stream, cache_prompt)?;
+        // The session stands before the last token (never fed: nothing will read it), so the
+        // capsule worth keeping for a follow-up holds the prompt and all but that token.
+        if self.cfg.auto_cache && g.tokens.len() > 1 && g.finish != "cancelled" {
             let cap = s.snapshot()?;
             let _ = self.store_computed(cap, Some("auto".into()), t);
         }
         Ok(json!({
-            "tokens": tokens,
-            "text": text,
-            "finish_reason": finish,
+            "tokens": g.tokens,
+            "text": g.text,
+            "finish_reason": g.finish,
             "prompt_tokens": prompt.len(),
             "cached_tokens": cached,
             "seed": s.sampler().seed,

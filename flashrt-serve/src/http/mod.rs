@@ -373,6 +373,7 @@ struct SamplerBody {
     temperature: Option<f32>,
     top_k: Option<usize>,
     top_p: Option<f32>,
+    min_p: Option<f32>,
     seed: Option<u64>,
 }
 
@@ -392,7 +393,8 @@ impl SamplerBody {
             temperature,
             self.top_k.unwrap_or(d.top_k),
             self.top_p.unwrap_or(d.top_p),
-        );
+        )
+        .with_min_p(self.min_p.unwrap_or(0.0));
         s.validate()
             .map_err(|e| ApiError::bad("invalid_sampler", e.to_string()))?;
         Ok(s)

@@ -29,6 +29,7 @@ struct CompletionBody {
     temperature: Option<f32>,
     top_p: Option<f32>,
     top_k: Option<usize>,
+    min_p: Option<f32>,
     seed: Option<u64>,
     #[serde(default)]
     stream: bool,
@@ -290,6 +291,7 @@ fn completion_req(st: &AppState, b: &CompletionBody) -> Result<GenReq, ApiError>
         temperature: b.temperature,
         top_k: b.top_k,
         top_p: b.top_p,
+        min_p: b.min_p,
         seed: b.seed,
     }
     .build(st)?;
