@@ -269,7 +269,7 @@ impl PyModel {
     /// `session`, a session whose history is a prefix of the rendered prompt (an earlier turn
     /// of this conversation, a restored capsule) feeds only the new tokens; any other session
     /// is reset first. Without, a fresh session is used (`Generation.session`).
-    #[pyo3(signature = (messages, tools=None, *, session=None, max_tokens=256, temperature=None, top_k=None, top_p=None, seed=None, stop=None, ignore_eos=false, template_kwargs=None))]
+    #[pyo3(signature = (messages, tools=None, *, session=None, max_tokens=256, temperature=None, top_k=None, top_p=None, min_p=None, seed=None, stop=None, ignore_eos=false, template_kwargs=None))]
     #[allow(clippy::too_many_arguments)]
     fn chat(
         &self,
@@ -281,6 +281,7 @@ impl PyModel {
         temperature: Option<f32>,
         top_k: Option<usize>,
         top_p: Option<f32>,
+        min_p: Option<f32>,
         seed: Option<u64>,
         stop: Option<Vec<String>>,
         ignore_eos: bool,
@@ -324,6 +325,7 @@ impl PyModel {
             temperature,
             top_k,
             top_p,
+            min_p,
             seed,
         };
         let mut g = generation(
@@ -421,6 +423,7 @@ fn sampler(
     temperature: Option<f32>,
     top_k: Option<usize>,
     top_p: Option<f32>,
+    min_p: Option<f32>,
     seed: Option<u64>,
 ) -> PyResult<SamplerState> {
     let seed = seed.unwrap_or_else(|| {
@@ -434,7 +437,8 @@ fn sampler(
         temperature.unwrap_or(d.temperature),
         top_k.unwrap_or(d.top_k),
         top_p.unwrap_or(d.top_p),
-    );
+    )
+    .with_min_p(min_p.unwrap_or(0.0));
     s.validate().map_err(err)?;
     Ok(s)
 }
@@ -444,6 +448,7 @@ struct Sampling {
     temperature: Option<f32>,
     top_k: Option<usize>,
     top_p: Option<f32>,
+    min_p: Option<f32>,
     seed: Option<u64>,
 }
 
@@ -459,8 +464,13 @@ fn generation(
     stop_ids: Option<Vec<u32>>,
     ignore_eos: bool,
 ) -> PyResult<PyGenerate> {
-    if sp.temperature.is_some() || sp.top_k.is_some() || sp.top_p.is_some() || sp.seed.is_some() {
-        let sm = sampler(model, sp.temperature, sp.top_k, sp.top_p, sp.seed)?;
+    if sp.temperature.is_some()
+        || sp.top_k.is_some()
+        || sp.top_p.is_some()
+        || sp.min_p.is_some()
+        || sp.seed.is_some()
+    {
+        let sm = sampler(model, sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed)?;
         on_device(py, h, move |s| {
             s.set_sampler(sm);
             Ok(())
@@ -516,16 +526,17 @@ impl PySession {
 
     /// Set the session's sampler (used by `sample` and `generate`): unset parameters come
     /// from the checkpoint's `generation_config.json` (greedy when it has none).
-    #[pyo3(signature = (*, temperature=None, top_k=None, top_p=None, seed=None))]
+    #[pyo3(signature = (*, temperature=None, top_k=None, top_p=None, min_p=None, seed=None))]
     fn set_sampler(
         &self,
         py: Python<'_>,
         temperature: Option<f32>,
         top_k: Option<usize>,
         top_p: Option<f32>,
+        min_p: Option<f32>,
         seed: Option<u64>,
     ) -> PyResult<()> {
-        let sm = sampler(&self.model, temperature, top_k, top_p, seed)?;
+        let sm = sampler(&self.model, temperature, top_k, top_p, min_p, seed)?;
         on_device(py, &self.inner, move |s| {
             s.set_sampler(sm);
             Ok(())
@@ -564,7 +575,7 @@ impl PySession {
     /// `stop_ids` id (neither is yielded nor fed), or at a `stop` string (the text never
     /// includes it). Unset sampling parameters come from the checkpoint's
     /// `generation_config.json` (greedy when it has none); `seed` makes sampling repeatable.
-    #[pyo3(signature = (max_tokens=16, *, temperature=None, top_k=None, top_p=None, seed=None, stop=None, stop_ids=None, ignore_eos=false))]
+    #[pyo3(signature = (max_tokens=16, *, temperature=None, top_k=None, top_p=None, min_p=None, seed=None, stop=None, stop_ids=None, ignore_eos=false))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
@@ -573,6 +584,7 @@ impl PySession {
         temperature: Option<f32>,
         top_k: Option<usize>,
         top_p: Option<f32>,
+        min_p: Option<f32>,
         seed: Option<u64>,
         stop: Option<Vec<String>>,
         stop_ids: Option<Vec<u32>>,
@@ -582,6 +594,7 @@ impl PySession {
             temperature,
             top_k,
             top_p,
+            min_p,
             seed,
         };
         generation(

@@ -251,6 +251,15 @@ def test_sampling_is_seeded_and_validated(models):
         s.generate(4, temperature=-1.0)
     with pytest.raises(ValueError):
         s.generate(4, top_p=1.5)
+    with pytest.raises(ValueError, match="min_p"):
+        s.generate(4, min_p=1.5)
+    # min_p = 1 keeps only the most likely token: sampling at temperature 1 is greedy.
+    g = m.session()
+    g.append(prompt)
+    greedy = g.decode_greedy(8)
+    s = m.session()
+    s.append(prompt)
+    assert [t.id for t in s.generate(8, temperature=1.0, min_p=1.0, seed=3, ignore_eos=True)] == greedy
 
 
 def test_bad_input_raises_clear_errors(models, tmp_path):

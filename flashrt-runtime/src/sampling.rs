@@ -44,7 +44,9 @@
 //! over the row (AVX2 where the CPU has it: the same IEEE operations, the same bits), and
 //! the prefix sums of steps 6 and 7 are found by a radix selection on the order key (12-bit
 //! digits, mass per digit): one histogram pass over the row, then only the candidates of one
-//! digit. `cargo bench --bench sampling` measures it on a 248,320-wide row.
+//! digit. A row of 64 Ki candidates or more is weighed by up to 4 threads
+//! (`FLASHRT_SAMPLE_THREADS`); the sums are exact integers, so the split changes no bit.
+//! `cargo bench --bench sampling` measures it on a 248,320-wide row.
 
 use crate::capsule::SamplerState;
 use crate::error::{Error, Result};
@@ -250,46 +252,75 @@ fn pick_digit(hist: &[u64], target: u128, base: &mut u128) -> u64 {
 struct RowSelect<'a> {
     row: &'a [f32],
     weights: &'a [u64],
-    /// Weight and count of the candidates of each first digit.
+    /// Weight of the candidates of each first digit.
     hist: Vec<u64>,
-    count: Vec<u32>,
     /// The candidates of the last digit gathered (top-p and the draw often share one).
     gathered: Option<(u32, Vec<(u64, u64)>)>,
 }
 
 impl<'a> RowSelect<'a> {
-    fn new(row: &'a [f32], weights: &'a [u64]) -> Self {
-        let mut hist = vec![0u64; 1 << DIGIT];
-        let mut count = vec![0u32; 1 << DIGIT];
-        for (&v, &w) in row.iter().zip(weights) {
-            let d = (ord(v) >> (32 - DIGIT)) as usize;
-            hist[d] += w;
-            count[d] += 1;
-        }
-        RowSelect {
+    /// Weigh `row` into `weights` (see [`fill_weights`]) and take the first digit's
+    /// histogram; returns the selector and the total weight. A wide row is split across a
+    /// few threads (the host is idle while a sampled token is chosen); every sum is an exact
+    /// integer, so the split changes nothing.
+    fn weigh(
+        row: &'a [f32],
+        weights: &'a mut [u64],
+        inv_t: f64,
+        z_max: f64,
+        floor_w: u64,
+    ) -> (Self, u128) {
+        let part = |r: &[f32], w: &mut [u64]| {
+            let total = fill_weights(r, inv_t, z_max, floor_w, w);
+            let mut hist = vec![0u64; 1 << DIGIT];
+            for (&v, &x) in r.iter().zip(w.iter()) {
+                hist[(ord(v) >> (32 - DIGIT)) as usize] += x;
+            }
+            (total as u128, hist)
+        };
+        let threads = sample_threads(row.len());
+        let (total, hist) = if threads > 1 {
+            let chunk = row.len().div_ceil(threads);
+            std::thread::scope(|sc| {
+                let parts: Vec<_> = row
+                    .chunks(chunk)
+                    .zip(weights.chunks_mut(chunk))
+                    .map(|(r, w)| sc.spawn(move || part(r, w)))
+                    .collect();
+                let mut total = 0u128;
+                let mut hist = vec![0u64; 1 << DIGIT];
+                for p in parts {
+                    let (t, h) = p.join().expect("sampling thread");
+                    total += t;
+                    hist.iter_mut().zip(h).for_each(|(a, b)| *a += b);
+                }
+                (total, hist)
+            })
+        } else {
+            part(row, weights)
+        };
+        let sel = RowSelect {
             row,
             weights,
             hist,
-            count,
             gathered: None,
-        }
+        };
+        (sel, total)
     }
 
     fn select(&mut self, target: u128) -> (u64, u128) {
         let mut base = 0u128;
         let digit = pick_digit(&self.hist, target, &mut base) as u32;
         if self.gathered.as_ref().is_none_or(|(d, _)| *d != digit) {
-            // Branch-free gather of that digit's candidates (a zero weight is no candidate):
-            // every index is written, the cursor only advances past the kept ones.
-            let mut idx = vec![0u32; self.count[digit as usize] as usize + 1];
-            let mut k = 0;
-            for (i, (&v, &w)) in self.row.iter().zip(self.weights).enumerate() {
-                idx[k] = i as u32;
-                k += ((ord(v) >> (32 - DIGIT) == digit) & (w != 0)) as usize;
-            }
-            let items = idx[..k]
+            // The digit test first: it is rarely true, so the branch predicts well (a zero
+            // weight, no candidate, is common and random at low temperatures).
+            let items = self
+                .row
                 .iter()
-                .map(|&i| (order_key(self.row[i as usize], i), self.weights[i as usize]))
+                .zip(self.weights)
+                .enumerate()
+                .filter(|&(_, (&v, &w))| ord(v) >> (32 - DIGIT) == digit && w != 0)
+                .map(|(i, (&v, &w))| (order_key(v, i as u32), w))
                 .collect();
             self.gathered = Some((digit, items));
         }
@@ -348,10 +379,9 @@ impl SamplerState {
         let best = crate::session::max_finite(logits)?;
         let z_max = best as f64 * inv_t;
         let mut weights = vec![0u64; n];
-        let total = fill_weights(logits, inv_t, z_max, floor_w, &mut weights) as u128;
         // Steps 6-7: the top-p cut as the total weight of the kept prefix, one draw, the
         // candidate at that mass rank; both from one histogram of the row.
-        let mut sel = RowSelect::new(logits, &weights);
+        let (mut sel, total) = RowSelect::weigh(logits, &mut weights, inv_t, z_max, floor_w);
         let kept = if self.top_p < 1.0 {
             sel.select(top_p_need(total, self.top_p) - 1).1
         } else {
@@ -396,6 +426,20 @@ impl SamplerState {
         let target = draw_target(&mut self.rng, kept);
         Some(key_index(mass_select(&items, target, 0, 64 - DIGIT).0))
     }
+}
+
+/// Threads for weighing a row of `n` logits: one below 64 Ki candidates, else up to 4 (the
+/// available parallelism; `FLASHRT_SAMPLE_THREADS` overrides).
+fn sample_threads(n: usize) -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let t = *THREADS.get_or_init(|| {
+        std::env::var("FLASHRT_SAMPLE_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |p| p.get().min(4)))
+            .max(1)
+    });
+    if n < 1 << 16 { 1 } else { t }
 }
 
 /// Step 6's `need = max(1, ceil(S · round(top_p · 2^32) / 2^32))`.

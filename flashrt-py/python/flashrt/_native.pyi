@@ -72,6 +72,7 @@ class Session:
         temperature: Optional[float] = None,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
         seed: Optional[int] = None,
     ) -> None:
         """The sampler `sample` and `generate` use (unset: the checkpoint's defaults)."""
@@ -87,6 +88,7 @@ class Session:
         temperature: Optional[float] = None,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
         seed: Optional[int] = None,
         stop: Optional[Sequence[str]] = None,
         stop_ids: Optional[Sequence[int]] = None,
@@ -157,6 +159,7 @@ class Model:
         temperature: Optional[float] = None,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
+        min_p: Optional[float] = None,
         seed: Optional[int] = None,
         stop: Optional[Sequence[str]] = None,
         ignore_eos: bool = False,
