@@ -378,17 +378,24 @@ impl SamplerState {
         // Steps 2 and 4-5 over the whole row: the best finite logit, then every weight.
         let best = crate::session::max_finite(logits)?;
         let z_max = best as f64 * inv_t;
-        let mut weights = vec![0u64; n];
-        // Steps 6-7: the top-p cut as the total weight of the kept prefix, one draw, the
-        // candidate at that mass rank; both from one histogram of the row.
-        let (mut sel, total) = RowSelect::weigh(logits, &mut weights, inv_t, z_max, floor_w);
-        let kept = if self.top_p < 1.0 {
-            sel.select(top_p_need(total, self.top_p) - 1).1
-        } else {
-            total
-        };
-        let target = draw_target(&mut self.rng, kept);
-        Some(key_index(sel.select(target).0))
+        // The weights buffer is kept per thread: every element is written before it is read,
+        // and a fresh row-sized allocation per token would cost its page faults.
+        WEIGHTS.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < n {
+                buf.resize(n, 0);
+            }
+            // Steps 6-7: the top-p cut as the total weight of the kept prefix, one draw, the
+            // candidate at that mass rank; both from one histogram of the row.
+            let (mut sel, total) = RowSelect::weigh(logits, &mut buf[..n], inv_t, z_max, floor_w);
+            let kept = if self.top_p < 1.0 {
+                sel.select(top_p_need(total, self.top_p) - 1).1
+            } else {
+                total
+            };
+            let target = draw_target(&mut self.rng, kept);
+            Some(key_index(sel.select(target).0))
+        })
     }
 
     /// [`SamplerState::sample`] with a top-k cut below the row's width: the k best keys by
@@ -426,6 +433,10 @@ impl SamplerState {
         let target = draw_target(&mut self.rng, kept);
         Some(key_index(mass_select(&items, target, 0, 64 - DIGIT).0))
     }
+}
+
+thread_local! {
+    static WEIGHTS: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Threads for weighing a row of `n` logits: one below 64 Ki candidates, else up to 4 (the
