@@ -354,11 +354,6 @@ impl SamplerState {
         Ok(())
     }
 
-    /// The next uniform number in `[0, 1)` (advances the RNG).
-    pub fn next_uniform(&mut self) -> f64 {
-        (xoshiro256ss_next(&mut self.rng) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-
     /// Choose a token from one row of logits (see the module docs for the algorithm).
     /// `None` when the row has no finite value.
     pub fn sample(&mut self, logits: &[f32]) -> Option<u32> {

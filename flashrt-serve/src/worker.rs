@@ -434,6 +434,23 @@ impl Worker {
         Ok(id)
     }
 
+    /// Store `s`'s boundary as an automatic capsule of `t` (with `sampler` in place of the
+    /// session's, if given). A full store (or tenant budget) refuses; the request goes on
+    /// without it.
+    fn store_auto(
+        &mut self,
+        s: &Session,
+        sampler: Option<SamplerState>,
+        t: &Tenant,
+    ) -> WResult<()> {
+        let mut cap = s.snapshot()?;
+        if let Some(sm) = sampler {
+            cap.meta.sampler = sm;
+        }
+        let _ = self.store_computed(cap, Some("auto".into()), t);
+        Ok(())
+    }
+
     /// Keep `t`'s capsules within its byte budget: its least recently used ones that are not
     /// persisted go first; when `id` itself does not fit, it is removed and the call fails.
     fn within_budget(&mut self, t: &Tenant, id: &str) -> WResult<()> {
@@ -894,7 +911,8 @@ impl Worker {
             if let Some(prev) = unfed.take() {
                 s.append(&[prev])?;
             }
-            let before = s.sampler().clone();
+            // The prompt capsule keeps the sampler as it was before this draw.
+            let before = (out.is_empty() && cache_prompt.is_some()).then(|| s.sampler().clone());
             let t = s.sample_next()?;
             out.push(t);
             unfed = Some(t);
@@ -903,14 +921,8 @@ impl Worker {
                 .fetch_add(1, Ordering::Relaxed);
             let piece = text.as_mut().map(|ts| ts.push(t)).unwrap_or_default();
             let gone = stream.is_some_and(|tx| tx.send(Event::Token(Some(t), piece.text)).is_err());
-            if out.len() == 1
-                && let Some(tenant) = cache_prompt
-            {
-                // The capsule holds the sampler as it was before this draw.
-                let mut cap = s.snapshot()?;
-                cap.meta.sampler = before;
-                // A full store (or tenant budget) refuses; the completion goes on without it.
-                let _ = self.store_computed(cap, Some("auto".into()), tenant);
+            if let (Some(tenant), Some(sampler)) = (cache_prompt, before) {
+                self.store_auto(s, Some(sampler), tenant)?;
             }
             if gone {
                 finish = "cancelled";
@@ -1009,15 +1021,13 @@ impl Worker {
         if req.max_tokens == 0
             && let Some(t) = cache_prompt
         {
-            let cap = s.snapshot()?;
-            let _ = self.store_computed(cap, Some("auto".into()), t);
+            self.store_auto(s, None, t)?;
         }
         let g = self.generate(s, req, stream, cache_prompt)?;
         // The session stands before the last token (never fed: nothing will read it), so the
         // capsule worth keeping for a follow-up holds the prompt and all but that token.
         if self.cfg.auto_cache && g.tokens.len() > 1 && g.finish != "cancelled" {
-            let cap = s.snapshot()?;
-            let _ = self.store_computed(cap, Some("auto".into()), t);
+            self.store_auto(s, None, t)?;
         }
         Ok(json!({
             "tokens": g.tokens,
