@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from serve_client import health
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -67,17 +69,6 @@ def vm_hwm(pid):
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return None
-
-
-def health(port):
-    try:
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-        c.request("GET", "/health")
-        ok = c.getresponse().status == 200
-        c.close()
-        return ok
-    except OSError:
-        return False
 
 
 def ttft(port, ids):

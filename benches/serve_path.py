@@ -29,22 +29,13 @@ import subprocess
 import sys
 import time
 
+from serve_client import health
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def health(port):
-    try:
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-        c.request("GET", "/health")
-        ok = c.getresponse().status == 200
-        c.close()
-        return ok
-    except OSError:
-        return False
 
 
 def stream(port, body):
