@@ -97,9 +97,10 @@ const EXP_POLY: [f64; 10] = [
 /// `k = (d · log2 e + 1.5 · 2^52) − 1.5 · 2^52` (`d · log2 e` rounded to an integer, ties to
 /// even), `r = (d − k · LN2_HI) − k · LN2_LO`, the degree-9 Taylor polynomial of `e^r` in
 /// Horner form with the coefficients of `EXP_POLY`, times `2^k` (built from its bits: `k` is
-/// in `[−34, 0]`). Relative error below 1e-11 (2e-11 at most); `portable_exp(0) == 1` exactly. A device
-/// sampler evaluates the same expression with round-to-nearest intrinsics (`__dmul_rn`,
-/// `__dadd_rn`) and gets the same bits.
+/// in `[−34, 0]`). Relative error below 2e-11; `portable_exp(0) == 1` exactly. A device
+/// sampler that evaluates the same expression with round-to-nearest intrinsics
+/// (`__dmul_rn`, `__dadd_rn`) gets the same bits (there is none yet: the CUDA backend
+/// samples on the host from the copied row).
 #[inline(always)]
 pub fn portable_exp(d: f64) -> f64 {
     const ROUND: f64 = 6_755_399_441_055_744.0; // 1.5 · 2^52
