@@ -36,8 +36,8 @@ pub enum Command {
     Bench(BenchArgs),
     /// Compile a model TOML: print its buffer layout, plans per phase and capsule size
     Compile(CompileArgs),
-    /// Translate a Hugging Face config.json (qwen3_5 / qwen3_5_text, lfm2, nemotron_h) into
-    /// a model TOML
+    /// Translate a Hugging Face config.json (qwen3_5[_text], qwen3_5_moe[_text], lfm2[_moe],
+    /// nemotron_h) into a model TOML
     ImportHf(ImportArgs),
     /// Check a checkpoint folder against transformers' reference outputs (config.json,
     /// model.safetensors, reference.safetensors[, state.safetensors])

@@ -65,14 +65,7 @@ pub fn ir_to_toml(ir: &ModelIr) -> String {
             let _ = writeln!(out, "mixer = {}", mixer(m));
         }
         if let Some(m) = &layer.mlp {
-            let (kind, intermediate) = match m {
-                MlpIr::Swiglu { intermediate } => ("swiglu", intermediate),
-                MlpIr::Relu2 { intermediate } => ("relu2", intermediate),
-            };
-            let _ = writeln!(
-                out,
-                "mlp = {{ kind = \"{kind}\", intermediate = {intermediate} }}"
-            );
+            let _ = writeln!(out, "mlp = {}", mlp(m));
         }
     }
 
@@ -147,6 +140,38 @@ fn mixer(m: &MixerIr) -> String {
             )
         }
     }
+}
+
+fn mlp(m: &MlpIr) -> String {
+    let MlpIr::Moe(m) = m else {
+        return format!(
+            "{{ kind = \"{}\", intermediate = {} }}",
+            m.kind_name(),
+            m.intermediate()
+        );
+    };
+    let r = &m.route;
+    let shared = match &m.shared {
+        None => String::new(),
+        Some(s) => format!(
+            ", shared = {{ intermediate = {}, gated = {} }}",
+            s.intermediate, s.gated
+        ),
+    };
+    format!(
+        "{{ kind = \"moe\", experts = {}, top_k = {}, intermediate = {}, act = {}, router = {}, expert_bias = {}, renormalize = {}, renorm_eps = {}, scaling = {}, groups = {}, top_groups = {}{shared} }}",
+        r.experts,
+        r.top_k,
+        m.intermediate,
+        string(m.act.name()),
+        string(r.score.name()),
+        r.expert_bias,
+        r.renormalize,
+        float(r.renorm_eps.get()),
+        float(r.scaling.get()),
+        r.groups,
+        r.top_groups
+    )
 }
 
 fn order(o: GateOrder) -> String {

@@ -133,6 +133,11 @@ fn check_kind(cx: &mut Errors, k: &KindSpec) {
             format!("kind name `{n}` is not an identifier (ASCII letters, digits and `_`, not starting with a digit)"),
         );
     }
+    if let Part::Present(m) = &k.mlp
+        && let Some(moe) = &m.v.moe
+    {
+        check_moe(cx, moe);
+    }
     if let Part::Present(m) = &k.mixer {
         match &m.v {
             MixerSpec::Attention(a) => check_attention(cx, a),
@@ -218,6 +223,87 @@ pub(crate) fn rotary_dims(head_dim: u64, fraction: f64) -> Result<usize, String>
     Ok(r as usize)
 }
 
+fn build_moe(m: &MoeSpec, intermediate: usize) -> Option<MoeIr> {
+    let groups = us(&m.groups)?;
+    let shared = match &m.shared.as_ref()?.v {
+        None => None,
+        Some(s) => Some(SharedExpertIr {
+            intermediate: us(&s.intermediate)?,
+            gated: s.gated.as_ref()?.v,
+        }),
+    };
+    Some(MoeIr {
+        route: RouteIr {
+            experts: us(&m.experts)?,
+            top_k: us(&m.top_k)?,
+            score: m.router.as_ref()?.v,
+            expert_bias: m.expert_bias.as_ref()?.v,
+            renormalize: m.renormalize.as_ref()?.v,
+            renorm_eps: F64(m.renorm_eps.as_ref()?.v),
+            scaling: F64(m.scaling.as_ref()?.v),
+            groups,
+            top_groups: m.top_groups.as_ref()?.v.map_or(groups, |g| g as usize),
+        },
+        intermediate,
+        act: m.act.as_ref()?.v,
+        shared,
+    })
+}
+
+/// Routing consistency of an MoE MLP: `top_k` experts must be reachable.
+fn check_moe(cx: &mut Errors, m: &MoeSpec) {
+    let (Some(e), Some(k)) = (&m.experts, &m.top_k) else {
+        return;
+    };
+    if k.v > e.v {
+        cx.push(
+            k.loc,
+            format!("`top_k` ({}) exceeds the number of experts ({})", k.v, e.v),
+        );
+        return;
+    }
+    let Some(g) = &m.groups else {
+        return;
+    };
+    if !e.v.is_multiple_of(g.v) {
+        cx.push(
+            g.loc,
+            format!(
+                "`experts` ({}) is not a multiple of `groups` ({})",
+                e.v, g.v
+            ),
+        );
+        return;
+    }
+    if g.v > 1 && e.v / g.v < 2 {
+        cx.push(
+            g.loc,
+            format!(
+                "groups of {} expert cannot be scored by their two best experts",
+                e.v / g.v
+            ),
+        );
+        return;
+    }
+    if let Some(S { v: Some(tg), loc }) = &m.top_groups {
+        if *tg > g.v {
+            cx.push(
+                *loc,
+                format!("`top_groups` ({tg}) exceeds `groups` ({})", g.v),
+            );
+        } else if k.v > tg * (e.v / g.v) {
+            cx.push(
+                *loc,
+                format!(
+                    "{tg} groups of {} experts cannot hold the top {} experts",
+                    e.v / g.v,
+                    k.v
+                ),
+            );
+        }
+    }
+}
+
 /// Builds the IR of a spec that passed [`check`]; `None` only if a field is missing.
 fn build(spec: &ModelSpec) -> Option<ModelIr> {
     let m = spec.model.as_ref()?;
@@ -240,6 +326,7 @@ fn build(spec: &ModelSpec) -> Option<ModelIr> {
                 Some(match m.v.kind {
                     MlpKind::Swiglu => MlpIr::Swiglu { intermediate },
                     MlpKind::Relu2 => MlpIr::Relu2 { intermediate },
+                    MlpKind::Moe => MlpIr::Moe(build_moe(m.v.moe.as_ref()?, intermediate)?),
                 })
             }
         };

@@ -64,8 +64,23 @@
 //! | `short_conv` | `conv`: size `>= 2`; `bias`: bool (`false`) |
 //! | `mamba2` | `heads`, `head_dim`, `groups`, `state`, `conv`: size; `chunk`: size (`128`); `conv_bias`: bool (`true`); `dt_min`: number `>= 0` (absent: no clamp); `norm_order` (`"gate_then_norm"`). `heads % groups == 0`, `heads * head_dim % groups == 0`, `conv >= 2` |
 //!
-//! MLPs (`mlp = { kind = "...", intermediate = size }`): `swiglu` (`down(silu(gate x) * up x)`)
-//! or `relu2` (`down(relu(up x)^2)`).
+//! MLPs (`mlp = { kind = "...", intermediate = size }`): `swiglu` (`down(silu(gate x) * up x)`),
+//! `relu2` (`down(relu(up x)^2)`), or `moe`, a sparse mixture of experts whose `intermediate`
+//! is one routed expert's width, with these further keys (defaults in brackets):
+//!
+//! | key | value |
+//! |---|---|
+//! | `experts`, `top_k` | size (required); `top_k <= experts` |
+//! | `act` | `"swiglu"` (default) \| `"relu2"`: every expert's feed-forward |
+//! | `router` | `"softmax"` (default, over all experts) \| `"sigmoid"`: router logits to scores |
+//! | `expert_bias` | bool (`false`): a per-expert bias added to the scores for the choice only |
+//! | `renormalize` | bool (`true`): chosen weights divided by their sum + `renorm_eps` (number `>= 0`, `0`) |
+//! | `scaling` | number `> 0` (`1`): routed weights multiplied by it |
+//! | `groups`, `top_groups` | size (`1`, all groups): group-limited choice; `groups` divides `experts` in groups of at least 2, groups score by their two best experts |
+//! | `shared` | `{ intermediate = size, gated = bool (false) }` (absent: none): an always-active expert; `gated` scales it by a per-token `sigmoid(x · g)` |
+//!
+//! Routing (`flashrt_ir::RouteIr`): scores of all experts, the `top_k` best by score (+ bias),
+//! weights from the unbiased scores, renormalised, scaled.
 //!
 //! **`[stack]`**: `pattern` = non-empty array of kind names; `repeat` = size (`1`). The
 //! decoder is the pattern repeated `repeat` times (at most 4096 layers); each layer's IR

@@ -8,7 +8,7 @@
 //! later stages skip checks that depend on it instead of reporting follow-on errors.
 
 use crate::value::{Entry, Errors, Loc, Table, Value, ValueKind, hint, list};
-use flashrt_ir::{DType, GateOrder, NormWeight, WeightNaming};
+use flashrt_ir::{DType, ExpertAct, GateOrder, NormWeight, RouterScore, WeightNaming};
 
 /// The largest size the spec language accepts for any dimension or count (`i32::MAX`:
 /// positions and lengths travel to kernels as `i32`).
@@ -133,12 +133,41 @@ pub struct Mamba2Spec {
 pub enum MlpKind {
     Swiglu,
     Relu2,
+    Moe,
 }
 
 #[derive(Clone, Debug)]
 pub struct MlpSpec {
     pub kind: MlpKind,
+    /// The dense width, or one routed expert's.
     pub intermediate: F<u64>,
+    /// `kind = "moe"` only.
+    pub moe: Option<MoeSpec>,
+}
+
+/// The routing and experts of `mlp = { kind = "moe", .. }`.
+#[derive(Clone, Debug)]
+pub struct MoeSpec {
+    pub experts: F<u64>,
+    pub top_k: F<u64>,
+    pub act: F<ExpertAct>,
+    pub router: F<RouterScore>,
+    pub expert_bias: F<bool>,
+    pub renormalize: F<bool>,
+    pub renorm_eps: F<f64>,
+    pub scaling: F<f64>,
+    pub groups: F<u64>,
+    /// `None`: every group.
+    pub top_groups: F<Option<u64>>,
+    /// `None`: no shared expert.
+    pub shared: F<Option<SharedSpec>>,
+}
+
+/// `shared = { intermediate, gated }`
+#[derive(Clone, Debug)]
+pub struct SharedSpec {
+    pub intermediate: F<u64>,
+    pub gated: F<bool>,
 }
 
 /// `[stack]`
@@ -176,7 +205,17 @@ pub const NAMINGS: &[(&str, WeightNaming)] = &[
     ("nemotron_h", WeightNaming::NemotronH),
 ];
 pub const MIXER_KINDS: &[&str] = &["attention", "gated_deltanet", "short_conv", "mamba2"];
-pub const MLP_KINDS: &[(&str, MlpKind)] = &[("swiglu", MlpKind::Swiglu), ("relu2", MlpKind::Relu2)];
+pub const MLP_KINDS: &[(&str, MlpKind)] = &[
+    ("swiglu", MlpKind::Swiglu),
+    ("relu2", MlpKind::Relu2),
+    ("moe", MlpKind::Moe),
+];
+pub const EXPERT_ACTS: &[(&str, ExpertAct)] =
+    &[("swiglu", ExpertAct::Swiglu), ("relu2", ExpertAct::Relu2)];
+pub const ROUTER_SCORES: &[(&str, RouterScore)] = &[
+    ("softmax", RouterScore::Softmax),
+    ("sigmoid", RouterScore::Sigmoid),
+];
 
 /// Reads the keys of one table. Every key looked up is remembered, so [`Fields::finish`]
 /// can report the others as unknown, with a suggestion among the known ones.
@@ -693,11 +732,72 @@ fn read_mlp(cx: &mut Errors, e: &Entry, kind: &str) -> Option<MlpSpec> {
     let mlp_kind = MLP_KINDS.iter().find(|(n, _)| *n == tag).map(|&(_, k)| k)?;
     f.what = format!("the {tag} mlp of kind `{kind}`");
     let intermediate = f.req(cx, "intermediate", size);
+    let moe = (mlp_kind == MlpKind::Moe).then(|| read_moe(cx, &mut f));
     f.finish(cx);
     Some(MlpSpec {
         kind: mlp_kind,
         intermediate,
+        moe,
     })
+}
+
+fn read_moe<'a>(cx: &mut Errors, f: &mut Fields<'a>) -> MoeSpec {
+    let non_negative = |cx: &mut Errors, v: &Value| {
+        let x = number(cx, v)?;
+        if x >= 0.0 {
+            Some(x)
+        } else {
+            cx.push(
+                v.loc,
+                format!("`renorm_eps` must not be negative, found {x}"),
+            );
+            None
+        }
+    };
+    let positive = |cx: &mut Errors, v: &Value| {
+        let x = number(cx, v)?;
+        if x > 0.0 {
+            Some(x)
+        } else {
+            cx.push(v.loc, format!("`scaling` must be positive, found {x}"));
+            None
+        }
+    };
+    let shared = match f.entry("shared") {
+        None => Some(S {
+            v: None,
+            loc: f.loc,
+        }),
+        Some(e) => table(cx, &e.value).map(|t| {
+            let mut g = Fields::new(cx, t, e.key_loc, "the shared expert".into());
+            let spec = SharedSpec {
+                intermediate: g.req(cx, "intermediate", size),
+                gated: g.opt(cx, "gated", false, boolean),
+            };
+            g.finish(cx);
+            S {
+                v: Some(spec),
+                loc: e.key_loc,
+            }
+        }),
+    };
+    MoeSpec {
+        experts: f.req(cx, "experts", size),
+        top_k: f.req(cx, "top_k", size),
+        act: f.opt(cx, "act", ExpertAct::Swiglu, |cx, v| {
+            choice(cx, v, "expert activation", EXPERT_ACTS, no_alias)
+        }),
+        router: f.opt(cx, "router", RouterScore::Softmax, |cx, v| {
+            choice(cx, v, "router score", ROUTER_SCORES, no_alias)
+        }),
+        expert_bias: f.opt(cx, "expert_bias", false, boolean),
+        renormalize: f.opt(cx, "renormalize", true, boolean),
+        renorm_eps: f.opt(cx, "renorm_eps", 0.0, non_negative),
+        scaling: f.opt(cx, "scaling", 1.0, positive),
+        groups: f.opt(cx, "groups", 1, size),
+        top_groups: f.opt(cx, "top_groups", None, |cx, v| size(cx, v).map(Some)),
+        shared,
+    }
 }
 
 fn read_stack(cx: &mut Errors, t: &Table, loc: Loc) -> StackSpec {

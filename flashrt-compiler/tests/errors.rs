@@ -336,3 +336,76 @@ fn macro_type_errors() {
         ]
     );
 }
+
+const BAD_MOE: &str = r#"[model]
+name = "m"
+vocab = 64
+hidden = 32
+dtype = "f32"
+max_seq = 128
+prefill_buckets = [8]
+norm = { kind = "rms", eps = 1e-5 }
+weights = "qwen3_5_text"
+
+[kinds.a]
+mlp = { kind = "moe", experts = 8, top_k = 9, intermediate = 16, router = "softmx", act = "gelu" }
+
+[kinds.b]
+mlp = { kind = "moe", experts = 6, top_k = 2, intermediate = 16, groups = 4, scaling = 0, renorm_eps = -1 }
+
+[kinds.c]
+mlp = { kind = "moe", experts = 8, top_k = 4, intermediate = 16, groups = 4, top_groups = 1, shared = { gated = true } }
+
+[kinds.d]
+mlp = { kind = "moe", top_k = 1, intermediate = 16, bias = true }
+
+[stack]
+pattern = ["a", "b", "c", "d"]
+"#;
+
+#[test]
+fn moe_errors_are_all_reported_at_their_tokens() {
+    assert_errors(
+        &toml_errors(BAD_MOE),
+        &[
+            (12, 44, "`top_k` (9) exceeds the number of experts (8)"),
+            (
+                12,
+                75,
+                "unknown router score `softmx`; did you mean `softmax`?",
+            ),
+            (12, 91, "unknown expert activation `gelu`"),
+            (15, 75, "`experts` (6) is not a multiple of `groups` (4)"),
+            (15, 88, "`scaling` must be positive, found 0"),
+            (15, 104, "`renorm_eps` must not be negative, found -1"),
+            (
+                18,
+                91,
+                "1 groups of 2 experts cannot hold the top 4 experts",
+            ),
+            (18, 94, "missing key `intermediate` in the shared expert"),
+            (21, 1, "missing key `experts` in the moe mlp of kind `d`"),
+            (21, 53, "unknown key `bias` in the moe mlp of kind `d`"),
+        ],
+    );
+}
+
+#[test]
+fn macro_reports_moe_errors_at_their_tokens() {
+    let src = r#"model = { vocab = 64, hidden = 32, dtype = f32, max_seq = 128, prefill_buckets = [8],
+  norm = { eps = 1e-5 }, weights = nemotron_h },
+kinds = {
+  e = { mlp = { kind = moe, experts = 8, top_k = 3, intermediate = 16, groups = 8, act = relu2 } },
+},
+stack = { pattern = [e] },
+"#;
+    let got = macro_errors(src, Some("m"));
+    assert_errors(
+        &got,
+        &[(
+            4,
+            81,
+            "groups of 1 expert cannot be scored by their two best experts",
+        )],
+    );
+}

@@ -22,6 +22,10 @@ fn every_model_file_checks_and_lowers() {
         "nemotronh-tiny",
         "qwen35-tiny",
         "qwen36-27b",
+        "qwen36-35b-a3b",
+        "qwen35moe-tiny",
+        "lfm2moe-tiny",
+        "nemotronhmoe-tiny",
     ] {
         assert!(
             files.iter().any(|(s, _)| s == required),
@@ -205,6 +209,9 @@ fn tiny_models_match_the_hf_fixtures() {
         ("qwen35-tiny", "qwen35-public"),
         ("lfm2-tiny", "lfm2-public"),
         ("nemotronh-tiny", "nemotronh-public"),
+        ("qwen35moe-tiny", "qwen35moe-public"),
+        ("lfm2moe-tiny", "lfm2moe-public"),
+        ("nemotronhmoe-tiny", "nemotronhmoe-public"),
     ] {
         let ir = load(stem);
         let config = std::fs::read_to_string(dir.join(fixture).join("config.json")).unwrap();
@@ -276,4 +283,140 @@ fn tiny_model_details_from_the_fixture_readmes() {
         panic!()
     };
     assert_eq!(a.rope, None);
+}
+
+/// A `config.json` in the released Qwen3.5/3.6-35B-A3B form (multimodal wrapper
+/// `qwen3_5_moe`, text settings nested in `text_config`) with the shape the issue and the
+/// model card give; keys that do not affect the shape (vision tower, token ids) left out.
+const QWEN36_35B_A3B_CONFIG: &str = r#"{
+  "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+  "model_type": "qwen3_5_moe",
+  "tie_word_embeddings": false,
+  "text_config": {
+    "model_type": "qwen3_5_moe_text",
+    "dtype": "bfloat16",
+    "vocab_size": 248320,
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "full_attention_interval": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "attn_output_gate": true,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "router_aux_loss_coef": 0.001,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 262144,
+    "mtp_num_hidden_layers": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]}
+  }
+}"#;
+
+#[test]
+fn qwen36_35b_a3b_is_the_released_config() {
+    let ir = load("qwen36-35b-a3b");
+    let opts = HfOptions {
+        name: Some(ir.name.clone()),
+        max_seq: Some(ir.max_seq),
+        prefill_buckets: Some(ir.prefill_buckets.clone()),
+        dtype: None,
+    };
+    let imported = ir_from_hf_config(QWEN36_35B_A3B_CONFIG, &opts).unwrap();
+    // Same model; the importer's kind names (`gated_deltanet_moe`, ...) differ from the
+    // hand-written file's.
+    let strip = |ir: &ModelIr| {
+        let mut ir = ir.clone();
+        for l in ir
+            .layers
+            .iter_mut()
+            .chain(ir.mtp.iter_mut().flat_map(|m| m.layers.iter_mut()))
+        {
+            l.kind.clear();
+        }
+        ir
+    };
+    assert_eq!(strip(&imported), strip(&ir));
+    assert_eq!(ir.layers.len(), 40);
+    let Some(MlpIr::Moe(m)) = &ir.layers[0].mlp else {
+        panic!("{:?}", ir.layers[0].mlp)
+    };
+    assert_eq!(
+        (
+            m.route.experts,
+            m.route.top_k,
+            m.intermediate,
+            m.route.score
+        ),
+        (256, 8, 512, RouterScore::Softmax)
+    );
+    assert!(m.route.renormalize && !m.route.expert_bias && m.route.groups == 1);
+    assert_eq!(
+        m.shared,
+        Some(SharedExpertIr {
+            intermediate: 512,
+            gated: true
+        })
+    );
+    let attn = ir
+        .layers
+        .iter()
+        .filter(|l| matches!(l.mixer, Some(MixerIr::Attention(_))))
+        .count();
+    assert_eq!(attn, 10);
+    // The MTP layer is an attention layer with the same MoE block.
+    assert_eq!(ir.mtp.as_ref().unwrap().layers, vec![ir.layers[3].clone()]);
+}
+
+#[test]
+fn moe_tiny_model_details_from_the_fixture_readmes() {
+    let moe = |ir: &ModelIr, i: usize| match &ir.layers[i].mlp {
+        Some(MlpIr::Moe(m)) => m.clone(),
+        other => panic!("layer {i}: {other:?}"),
+    };
+    // Qwen3.5-MoE: softmax -> top-k -> renormalise (no epsilon), gated SwiGLU shared expert.
+    let q = moe(&load("qwen35moe-tiny"), 0);
+    assert_eq!(
+        (q.route.score, q.route.renorm_eps, q.route.scaling),
+        (RouterScore::Softmax, F64(0.0), F64(1.0))
+    );
+    assert_eq!(
+        q.shared,
+        Some(SharedExpertIr {
+            intermediate: 48,
+            gated: true
+        })
+    );
+    // LFM2-MoE: two dense layers first; sigmoid, selection-only bias, +1e-6, no shared expert.
+    let l = load("lfm2moe-tiny");
+    assert_eq!(l.layers[1].mlp, Some(MlpIr::Swiglu { intermediate: 128 }));
+    let lm = moe(&l, 2);
+    assert_eq!(
+        (lm.route.score, lm.route.expert_bias, lm.route.renorm_eps),
+        (RouterScore::Sigmoid, true, F64(1e-6))
+    );
+    assert!(lm.shared.is_none());
+    // Nemotron-H: MoE blocks without a mixer, relu2 experts, scaling 2.5, ungated shared expert.
+    let n = load("nemotronhmoe-tiny");
+    assert!(n.layers[1].mixer.is_none());
+    let nm = moe(&n, 1);
+    assert_eq!(
+        (nm.act, nm.route.scaling, nm.route.renorm_eps),
+        (ExpertAct::Relu2, F64(2.5), F64(1e-20))
+    );
+    assert_eq!(
+        nm.shared,
+        Some(SharedExpertIr {
+            intermediate: 48,
+            gated: false
+        })
+    );
 }

@@ -110,8 +110,10 @@ impl WeightNaming {
     }
     pub fn from_hf_model_type(s: &str) -> Option<Self> {
         Some(match s {
-            "qwen3_5_text" | "qwen3_5" | "qwen3_next" => WeightNaming::Qwen35,
-            "lfm2" => WeightNaming::Lfm2,
+            "qwen3_5_text" | "qwen3_5" | "qwen3_next" | "qwen3_5_moe_text" | "qwen3_5_moe" => {
+                WeightNaming::Qwen35
+            }
+            "lfm2" | "lfm2_moe" => WeightNaming::Lfm2,
             "nemotron_h" => WeightNaming::NemotronH,
             _ => return None,
         })
@@ -219,14 +221,114 @@ pub enum MlpIr {
     Swiglu { intermediate: usize },
     /// `down(relu(up x)^2)`.
     Relu2 { intermediate: usize },
+    /// A sparse mixture of experts (see [`MoeIr`]).
+    Moe(MoeIr),
 }
 
 impl MlpIr {
+    /// Width of the dense MLP, or of one routed expert.
     pub fn intermediate(&self) -> usize {
-        match *self {
-            MlpIr::Swiglu { intermediate } | MlpIr::Relu2 { intermediate } => intermediate,
+        match self {
+            MlpIr::Swiglu { intermediate } | MlpIr::Relu2 { intermediate } => *intermediate,
+            MlpIr::Moe(m) => m.intermediate,
         }
     }
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            MlpIr::Swiglu { .. } => "swiglu",
+            MlpIr::Relu2 { .. } => "relu2",
+            MlpIr::Moe(_) => "moe",
+        }
+    }
+}
+
+/// The feed-forward of one expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertAct {
+    /// `down(silu(gate x) * up x)`; stored fused as `gate_up` `[experts, 2 * width, hidden]`
+    /// (rows `0..width` the gate, `width..2 * width` the up projection).
+    Swiglu,
+    /// `down(relu(up x)^2)` (Nemotron-H); `up` `[experts, width, hidden]`.
+    Relu2,
+}
+
+impl ExpertAct {
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertAct::Swiglu => "swiglu",
+            ExpertAct::Relu2 => "relu2",
+        }
+    }
+    /// Rows of the first projection per unit of width (gate + up for SwiGLU).
+    pub fn up_rows(self) -> usize {
+        match self {
+            ExpertAct::Swiglu => 2,
+            ExpertAct::Relu2 => 1,
+        }
+    }
+}
+
+/// How router logits become scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RouterScore {
+    /// Softmax over all experts (Qwen3.5/3.6-MoE).
+    Softmax,
+    /// Element-wise sigmoid (LFM2-MoE, Nemotron-H, DeepSeek-V3).
+    Sigmoid,
+}
+
+impl RouterScore {
+    pub fn name(self) -> &'static str {
+        match self {
+            RouterScore::Softmax => "softmax",
+            RouterScore::Sigmoid => "sigmoid",
+        }
+    }
+}
+
+/// The always-active shared expert of an MoE block (same activation as the routed experts).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SharedExpertIr {
+    pub intermediate: usize,
+    /// Qwen3.5-MoE: the shared output is scaled by `sigmoid(x · g)` per token.
+    pub gated: bool,
+}
+
+/// The routing rule of an MoE block. Per token, with `x` the block's (normed) input:
+///
+/// 1. router logits `l = x Wᵀ` (`W`: `[experts, hidden]`, f32), scores `s = score(l)`;
+/// 2. choice scores `c = s + bias` with `expert_bias` (a per-expert bias used for the choice
+///    only), else `c = s`; with `groups > 1` the experts form `groups` equal consecutive
+///    groups, each scored by the sum of its two largest `c`, and only the experts of the
+///    `top_groups` best groups stay eligible;
+/// 3. the `top_k` eligible experts of largest `c`, best first (ties: the lower index first);
+/// 4. weights `w_j = s_j` of the chosen experts (unbiased), divided by `Σ w + renorm_eps` when
+///    `renormalize`, then multiplied by `scaling`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RouteIr {
+    pub experts: usize,
+    pub top_k: usize,
+    pub score: RouterScore,
+    pub expert_bias: bool,
+    pub renormalize: bool,
+    pub renorm_eps: F64,
+    pub scaling: F64,
+    /// Group-limited routing (1: no groups).
+    pub groups: usize,
+    pub top_groups: usize,
+}
+
+/// Sparse mixture-of-experts MLP: `Σ_j w_j expert_{e_j}(x)` over the routed experts (see
+/// [`RouteIr`]), plus the shared expert when there is one. Holds no state.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MoeIr {
+    pub route: RouteIr,
+    /// Width of one routed expert.
+    pub intermediate: usize,
+    pub act: ExpertAct,
+    pub shared: Option<SharedExpertIr>,
 }
 
 /// One decoder layer: `x += mixer(norm(x))` then `x += mlp(norm(x))`; either part may be

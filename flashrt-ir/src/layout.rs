@@ -105,6 +105,20 @@ pub struct Buffer {
     pub state: Option<StateKind>,
     /// For `Role::Weight`: the checkpoint tensor it is loaded from (Hugging Face name).
     pub source: Option<String>,
+    /// For a weight stacked from several checkpoint tensors (the routed experts of an MoE
+    /// block, stored one 2-D tensor per expert and projection by `save_pretrained`): the
+    /// pieces that fill it in order, used when `source` (the fused 3-D tensor the released
+    /// checkpoints hold) is absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pieces: Option<Pieces>,
+}
+
+/// Checkpoint tensors that, laid end to end, fill one weight buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Pieces {
+    pub names: Vec<String>,
+    /// Shape of every piece (`numel * names.len()` is the buffer's numel).
+    pub shape: Vec<usize>,
 }
 
 impl Buffer {
@@ -242,8 +256,21 @@ impl LayoutBuilder {
             layer,
             state,
             source,
+            pieces: None,
         });
         id
+    }
+
+    /// Give weight `id` its per-piece checkpoint names (see [`Buffer::pieces`]).
+    pub fn set_pieces(&mut self, id: BufferId, pieces: Pieces) {
+        let b = &mut self.buffers[id.index()];
+        debug_assert_eq!(
+            pieces.shape.iter().product::<usize>() * pieces.names.len(),
+            b.numel(),
+            "pieces of {} do not fill it",
+            b.name
+        );
+        b.pieces = Some(pieces);
     }
 
     pub fn finish(

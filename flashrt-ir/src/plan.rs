@@ -25,7 +25,7 @@
 //! the chunk starts (recurrences step token by token in the CPU reference), which is what makes
 //! "restore + append at any boundary == cold prefill" hold exactly on the CPU backend.
 
-use crate::ir::{F64, GateOrder, NormWeight};
+use crate::ir::{ExpertAct, F64, GateOrder, NormWeight, RouteIr};
 use crate::layout::BufferId;
 use serde::{Deserialize, Serialize};
 
@@ -77,8 +77,9 @@ pub enum Op {
         out: View,
         accumulate: bool,
     },
-    /// `out = act(gate) * x` element-wise (SwiGLU, output gates, LFM2's B·x and C·y).
-    /// `out` may alias `x` or `gate`.
+    /// `out = act(gate) * x` element-wise (SwiGLU, output gates, LFM2's B·x and C·y). A
+    /// `gate` of width 1 is one gate per row, applied to every column (the shared expert's
+    /// token gate). `out` may alias `x` or `gate`.
     Mul {
         gate: View,
         act: Act,
@@ -194,6 +195,24 @@ pub enum Op {
         state_size: usize,
         dt_min: Option<F64>,
     },
+    /// Sparse mixture of experts, added to `out` (fused residual add). Per row: router
+    /// logits `x · routerᵀ` in f32 (`router`: `[experts, x.width]`, f32), the experts and
+    /// weights [`RouteIr`] defines (`bias`: `[experts]` f32, present iff
+    /// `route.expert_bias`), then `out += Σ_j w_j · down_{e_j}(act(up_{e_j} x))` summed over
+    /// the chosen experts best first, in f32. `up`: `[experts, act.up_rows() * inter,
+    /// x.width]` (SwiGLU: each expert's gate rows, then its up rows); `down`: `[experts,
+    /// out.width, inter]`. Each row reads only its chosen experts.
+    Moe {
+        x: View,
+        router: BufferId,
+        bias: Option<BufferId>,
+        up: BufferId,
+        down: BufferId,
+        out: View,
+        route: RouteIr,
+        inter: usize,
+        act: ExpertAct,
+    },
 }
 
 impl Op {
@@ -241,6 +260,10 @@ impl Op {
             }
             Op::StoreLastRow { x, .. } => f(x),
             Op::LoadState { out, .. } => f(out),
+            Op::Moe { x, out, .. } => {
+                f(x);
+                f(out);
+            }
         }
     }
 
@@ -364,6 +387,22 @@ impl Op {
                 o(Some(*state));
                 o(Some(out.buf));
             }
+            Op::Moe {
+                x,
+                router,
+                bias,
+                up,
+                down,
+                out,
+                ..
+            } => {
+                o(Some(x.buf));
+                o(Some(*router));
+                o(*bias);
+                o(Some(*up));
+                o(Some(*down));
+                o(Some(out.buf));
+            }
         }
         v
     }
@@ -385,6 +424,7 @@ impl Op {
             Op::Mamba2Scan { .. } => "mamba2_scan",
             Op::StoreLastRow { .. } => "store_last_row",
             Op::LoadState { .. } => "load_state",
+            Op::Moe { .. } => "moe",
         }
     }
 }

@@ -151,6 +151,9 @@ pub struct Matched {
     pub start: usize,
     pub end: usize,
     pub shape: Vec<usize>,
+    /// Element of the buffer the tensor's first element goes to (non-zero for the pieces of
+    /// a stacked weight).
+    pub first: usize,
 }
 
 /// What [`Checkpoint::load`] did.
@@ -395,35 +398,78 @@ impl Checkpoint {
                 ));
                 continue;
             };
-            let found = alternatives(source)
-                .into_iter()
-                .find_map(|n| self.index.get_key_value(n.as_str()).map(|(k, &i)| (k, i)));
-            let Some((name, shard)) = found else {
-                missing.push(source.clone());
-                continue;
+            let find = |source: &str| {
+                alternatives(source)
+                    .into_iter()
+                    .find_map(|n| self.index.get_key_value(n.as_str()).map(|(k, &i)| (k, i)))
             };
-            used.insert(name);
-            let info = &self.shards[shard].tensors[name];
-            if !same_shape(&info.shape, &b.shape) {
-                misshaped.push(format!(
-                    "{name}: checkpoint {:?}, model expects {:?}",
-                    info.shape, b.shape
-                ));
-                continue;
+            // The whole tensor, else (experts stored one tensor each) its pieces end to end.
+            let parts: Vec<(&String, usize, &[usize], usize)> = match (find(source), &b.pieces) {
+                (Some((name, shard)), _) => vec![(name, shard, &b.shape[..], 0)],
+                (None, Some(p)) => {
+                    let found: Vec<_> = p.names.iter().map(|n| find(n)).collect();
+                    let absent: Vec<&String> = p
+                        .names
+                        .iter()
+                        .zip(&found)
+                        .filter(|(_, f)| f.is_none())
+                        .map(|(n, _)| n)
+                        .collect();
+                    if !absent.is_empty() {
+                        missing.push(if absent.len() == p.names.len() {
+                            format!(
+                                "{source} (or its {} per-expert pieces {}, ...)",
+                                p.names.len(),
+                                p.names[0]
+                            )
+                        } else {
+                            format!(
+                                "{} of the {} pieces of {source}, e.g. {}",
+                                absent.len(),
+                                p.names.len(),
+                                absent[0]
+                            )
+                        });
+                        continue;
+                    }
+                    let per = p.shape.iter().product::<usize>();
+                    found
+                        .into_iter()
+                        .flatten()
+                        .enumerate()
+                        .map(|(j, (name, shard))| (name, shard, &p.shape[..], j * per))
+                        .collect()
+                }
+                (None, None) => {
+                    missing.push(source.clone());
+                    continue;
+                }
+            };
+            for (name, shard, shape, first) in parts {
+                used.insert(name);
+                let info = &self.shards[shard].tensors[name];
+                if !same_shape(&info.shape, shape) {
+                    misshaped.push(format!(
+                        "{name}: checkpoint {:?}, model expects {:?}",
+                        info.shape, shape
+                    ));
+                    continue;
+                }
+                let Some(dtype) = info.dtype.source() else {
+                    bad_dtype.push(format!("{name}: {}", info.dtype.name()));
+                    continue;
+                };
+                matched.push(Matched {
+                    buffer: b.id,
+                    name: name.clone(),
+                    shard,
+                    dtype,
+                    start: info.start,
+                    end: info.end,
+                    shape: info.shape.clone(),
+                    first,
+                });
             }
-            let Some(dtype) = info.dtype.source() else {
-                bad_dtype.push(format!("{name}: {}", info.dtype.name()));
-                continue;
-            };
-            matched.push(Matched {
-                buffer: b.id,
-                name: name.clone(),
-                shard,
-                dtype,
-                start: info.start,
-                end: info.end,
-                shape: info.shape.clone(),
-            });
         }
         let tied = compiled.ir.tied_embeddings;
         let mut unexpected = Vec::new();
@@ -546,7 +592,7 @@ impl Checkpoint {
                         }
                     }
                     let bytes = shard.bytes(range.clone());
-                    let first = (range.start - m.start) / m.dtype.size();
+                    let first = m.first + (range.start - m.start) / m.dtype.size();
                     if bytes.len() >= (1 << 20) {
                         // Hash on a second thread while the sink copies the same (page-cached) bytes.
                         std::thread::scope(|s| {

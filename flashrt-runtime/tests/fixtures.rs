@@ -103,6 +103,231 @@ fn qwen35_released_layout_matches_transformers() {
     assert_complete(&r);
 }
 
+fn state_checks(r: &ReferenceReport) -> usize {
+    r.checks
+        .iter()
+        .filter(|c| c.name.starts_with("state "))
+        .count()
+}
+
+#[test]
+fn qwen35_moe_matches_transformers() {
+    let r = run("qwen35moe-public");
+    assert_eq!(r.tolerance, 1e-3);
+    assert_eq!(state_checks(&r), 8);
+    assert_complete(&r);
+}
+
+#[test]
+fn lfm2_moe_matches_transformers() {
+    let r = run("lfm2moe-public");
+    assert_eq!(r.tolerance, 1e-4);
+    assert_eq!(state_checks(&r), 7);
+    assert_complete(&r);
+}
+
+#[test]
+fn nemotron_h_moe_matches_transformers() {
+    let r = run("nemotronhmoe-public");
+    assert_eq!(r.tolerance, 1e-4);
+    // Mamba2 x3 (conv + recurrent) and one attention layer; MoE blocks hold no state.
+    assert_eq!(state_checks(&r), 8);
+    assert_complete(&r);
+}
+
+/// Rewrite a copied fixture's `model.safetensors` with its per-expert tensors stacked into
+/// the fused 3-D form the released Qwen3.5/3.6-MoE checkpoints store (and transformers holds
+/// in memory): `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows)
+/// and `experts.down_proj` [E, H, I].
+fn fused_experts(
+    name: &str,
+    block: &str,
+    up_parts: &[&str],
+    fused_up: &str,
+    down: &str,
+) -> TempDir {
+    let dir = copy_fixture(name);
+    let path = dir.join("model.safetensors");
+    let entries = read_entries(&path);
+    let mut out: Entries = Vec::new();
+    let mut groups: BTreeMap<String, BTreeMap<usize, Entries>> = BTreeMap::new();
+    for e in entries {
+        let marker = format!(".{block}.experts.");
+        match e.0.find(&marker) {
+            Some(at) => {
+                let prefix = e.0[..at + marker.len()].to_string();
+                let rest = &e.0[at + marker.len()..];
+                let (idx, _) = rest.split_once('.').unwrap();
+                let idx: usize = idx.parse().unwrap();
+                groups
+                    .entry(prefix)
+                    .or_default()
+                    .entry(idx)
+                    .or_default()
+                    .push(e);
+            }
+            None => out.push(e),
+        }
+    }
+    assert!(!groups.is_empty(), "{name} has no per-expert tensors");
+    for (prefix, experts) in groups {
+        let n = experts.len();
+        let part = |experts: &BTreeMap<usize, Entries>, e: usize, p: &str| {
+            experts[&e]
+                .iter()
+                .find(|t| t.0.ends_with(&format!(".{p}.weight")))
+                .unwrap_or_else(|| panic!("{prefix}{e}.{p}"))
+                .clone()
+        };
+        let mut up = Vec::new();
+        let mut shape = Vec::new();
+        for e in 0..n {
+            for p in up_parts {
+                let t = part(&experts, e, p);
+                shape = t.2.clone();
+                up.extend_from_slice(&t.3);
+            }
+        }
+        out.push((
+            format!("{prefix}{fused_up}"),
+            Dtype::F32,
+            vec![n, shape[0] * up_parts.len(), shape[1]],
+            up,
+        ));
+        let mut dn = Vec::new();
+        for e in 0..n {
+            let t = part(&experts, e, down);
+            shape = t.2.clone();
+            dn.extend_from_slice(&t.3);
+        }
+        out.push((
+            format!("{prefix}down_proj"),
+            Dtype::F32,
+            vec![n, shape[0], shape[1]],
+            dn,
+        ));
+    }
+    write_entries(&path, &out);
+    dir
+}
+
+#[test]
+fn fused_expert_checkpoints_load_and_match() {
+    for (name, block, parts, fused, down) in [
+        (
+            "qwen35moe-public",
+            "mlp",
+            &["gate_proj", "up_proj"][..],
+            "gate_up_proj",
+            "down_proj",
+        ),
+        (
+            "lfm2moe-public",
+            "feed_forward",
+            &["w1", "w3"][..],
+            "gate_up_proj",
+            "w2",
+        ),
+        (
+            "nemotronhmoe-public",
+            "mixer",
+            &["up_proj"][..],
+            "up_proj",
+            "down_proj",
+        ),
+    ] {
+        let dir = fused_experts(name, block, parts, fused, down);
+        let names: Vec<String> = read_entries(&dir.join("model.safetensors"))
+            .into_iter()
+            .map(|e| e.0)
+            .collect();
+        assert!(
+            names.iter().all(|n| !n.contains(".experts.0.")),
+            "{name}: per-expert tensors left"
+        );
+        let r = check_reference(&dir, cpu()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(r.passed(), "{name} (fused experts):\n{r}");
+        // Same weights, same numbers: the fused and per-expert forms load identically.
+        let per_expert = check_reference(&fixture(name), cpu()).unwrap();
+        assert_eq!(
+            r.check("prompt_logits").unwrap().error,
+            per_expert.check("prompt_logits").unwrap().error,
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn incomplete_expert_checkpoints_are_one_clear_error() {
+    let dir = copy_fixture("qwen35moe-public");
+    let path = dir.join("model.safetensors");
+    let mut entries = read_entries(&path);
+    entries.retain(|e| e.0 != "model.layers.2.mlp.experts.5.up_proj.weight");
+    write_entries(&path, &entries);
+    let e = check_reference(&dir, cpu()).unwrap_err().to_string();
+    assert!(e.contains("missing tensors (1)"), "{e}");
+    assert!(
+        e.contains("model.layers.2.mlp.experts.5.up_proj.weight"),
+        "{e}"
+    );
+}
+
+/// A fixture whose `config.json` has one routing key changed.
+fn with_config(name: &str, key: &str, value: serde_json::Value) -> TempDir {
+    let dir = copy_fixture(name);
+    let path = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg[key] = value;
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    dir
+}
+
+/// The fixtures pin the routing rule: the rule with one step wrong fails them.
+#[test]
+fn wrong_routing_rules_fail_the_fixtures() {
+    for (name, key, value) in [
+        // Weights not renormalised over the chosen experts.
+        (
+            "qwen35moe-public",
+            "norm_topk_prob",
+            serde_json::json!(false),
+        ),
+        // No renormalisation (and so no +1e-6) for the sigmoid router either.
+        ("lfm2moe-public", "norm_topk_prob", serde_json::json!(false)),
+        // The routed scaling factor left out.
+        (
+            "nemotronhmoe-public",
+            "routed_scaling_factor",
+            serde_json::json!(1.0),
+        ),
+        // One expert fewer per token.
+        (
+            "nemotronhmoe-public",
+            "num_experts_per_tok",
+            serde_json::json!(1),
+        ),
+    ] {
+        let dir = with_config(name, key, value);
+        let r = check_reference(&dir, cpu()).unwrap();
+        assert!(
+            r.check("prompt_logits").is_some_and(|c| !c.passed),
+            "{name} with {key} changed still passes:\n{r}"
+        );
+    }
+    // A config that drops the selection bias the checkpoint holds is refused, not ignored.
+    let dir = with_config(
+        "lfm2moe-public",
+        "use_expert_bias",
+        serde_json::json!(false),
+    );
+    let e = check_reference(&dir, cpu()).unwrap_err().to_string();
+    assert!(
+        e.contains("unexpected tensors (3)") && e.contains("feed_forward.expert_bias"),
+        "{e}"
+    );
+}
+
 /// Rewrite `reference.safetensors` of a copied fixture with `edit` applied to one tensor.
 fn perturbed(name: &str, tensor: &str, edit: impl Fn(&mut Vec<u8>)) -> TempDir {
     let dir = copy_fixture(name);

@@ -7,7 +7,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-pub const FIXTURES: [&str; 3] = ["qwen35-public", "lfm2-public", "nemotronh-public"];
+/// Every dense and MoE fixture family (the capsule contract runs on all of them).
+pub const FIXTURES: [&str; 6] = [
+    "qwen35-public",
+    "lfm2-public",
+    "nemotronh-public",
+    "qwen35moe-public",
+    "lfm2moe-public",
+    "nemotronhmoe-public",
+];
 
 /// The repository's reference fixtures (`tests/fixtures`).
 pub fn fixtures_dir() -> PathBuf {

@@ -374,6 +374,7 @@ impl OpBuilder {
             layer: None,
             state,
             source: None,
+            pieces: None,
         });
         self.data.push(data);
         id

@@ -320,8 +320,35 @@ impl ModelData {
                     view(self, gate)?;
                     view(self, x)?;
                     view(self, out)?;
-                    same(gate, x)?;
+                    if gate.width != 1 {
+                        same(gate, x)?;
+                    }
                     same(x, out)?;
+                }
+                Op::Moe {
+                    x,
+                    router,
+                    bias,
+                    up,
+                    down,
+                    out,
+                    route,
+                    inter,
+                    act,
+                } => {
+                    view(self, x)?;
+                    view(self, out)?;
+                    same(x, out)?;
+                    let (e, h) = (route.experts, x.width);
+                    if route.top_k == 0 || route.top_k > e || route.groups == 0 {
+                        return Err(backend_err(name, "inconsistent routing"));
+                    }
+                    weight(self, *router, e * h)?;
+                    if let Some(b) = bias {
+                        weight(self, *b, e)?;
+                    }
+                    weight(self, *up, e * act.up_rows() * inter * h)?;
+                    weight(self, *down, e * h * inter)?;
                 }
                 Op::Unary { x, out, .. } => {
                     view(self, x)?;
@@ -682,7 +709,30 @@ impl CpuSession {
                     gather(locs, scratch, io, gate, len, &mut ws.a);
                     gather(locs, scratch, io, x, len, &mut ws.b);
                     let mut o = out_rows(locs, scratch, io, out);
-                    ops::mul(&ws.a, &ws.b, len, x.width, *act, &mut o);
+                    ops::mul(&ws.a, gate.width, &ws.b, len, x.width, *act, &mut o);
+                }
+                Op::Moe {
+                    x,
+                    router,
+                    bias,
+                    up,
+                    down,
+                    out,
+                    route,
+                    inter,
+                    act,
+                } => {
+                    gather(locs, scratch, io, x, len, &mut ws.a);
+                    let w = ops::MoeWeights {
+                        router: m.weight(*router),
+                        bias: bias.map(|b| m.weight(b)),
+                        up: m.weight(*up),
+                        down: m.weight(*down),
+                    };
+                    let mut o = out_rows(locs, scratch, io, out);
+                    ops::moe(
+                        &ws.a, len, x.width, &w, route, *inter, *act, &mut o, m.threads,
+                    );
                 }
                 Op::Unary { x, act, out } => {
                     gather(locs, scratch, io, x, len, &mut ws.a);

@@ -2060,6 +2060,12 @@ impl Builder<'_> {
                     &p,
                 ));
             }
+            Op::Moe { .. } => {
+                return Err(Error::Unsupported(format!(
+                    "{label}: mixture-of-experts layers have no CUDA kernels yet; run this model \
+                     with `--backend cpu`"
+                )));
+            }
             Op::LoadState { state, out } => {
                 let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
                 self.expect_dtype(*state, od, label)?;

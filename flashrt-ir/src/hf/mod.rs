@@ -1,28 +1,42 @@
-//! Hugging Face `config.json` -> [`ModelIr`].
+//! Hugging Face `config.json` -> [`ModelIr`], one module per family.
 //!
-//! Three model types are understood, each translated as transformers implements it (the
-//! fixtures in `shared/fixtures/*/README.md` document the details this importer relies on):
+//! Each model type is translated as transformers implements it (the fixtures in
+//! `tests/fixtures/*/README.md` document the details this importer relies on):
 //!
-//! * `qwen3_5_text` (also `qwen3_5`, the multimodal wrapper whose text settings sit in a
-//!   nested `text_config`): Gated DeltaNet layers (`linear_attention`) and gated full attention
-//!   (`full_attention`), chosen by `layer_types` or every `full_attention_interval`-th layer;
-//!   zero-centred `(1 + w)` RMSNorm; partial RoPE; SwiGLU MLP in every layer; optional MTP head
-//!   (`mtp_num_hidden_layers` attention layers).
+//! * `qwen35`: `qwen3_5_text` (also `qwen3_5`, the multimodal wrapper whose text settings
+//!   sit in a nested `text_config`): Gated DeltaNet layers (`linear_attention`) and gated full
+//!   attention (`full_attention`), chosen by `layer_types` or every `full_attention_interval`-th
+//!   layer; zero-centred `(1 + w)` RMSNorm; partial RoPE; SwiGLU MLP in every layer; optional
+//!   MTP head (`mtp_num_hidden_layers` attention layers). `qwen3_5_moe_text` / `qwen3_5_moe`:
+//!   the same with a sparse MoE block in every layer (bar `mlp_only_layers`).
 //! * `lfm2`: gated short-convolution blocks (`conv`) and GQA attention with q/k norm
 //!   (`full_attention`, from `layer_types` or `full_attn_idxs`); SwiGLU MLP whose real width
-//!   follows `block_auto_adjust_ff_dim`.
-//! * `nemotron_h`: one mixer per block — Mamba2, attention (no positional encoding) or a
-//!   squared-ReLU MLP — from `layers_block_type` or `hybrid_override_pattern` (`M`, `*`, `-`).
+//!   follows `block_auto_adjust_ff_dim`. `lfm2_moe`: `num_dense_layers` dense layers, then MoE.
+//! * `nemotron_h`: one mixer per block — Mamba2, attention (no positional encoding), a
+//!   squared-ReLU MLP or an MoE block — from `layers_block_type` or `hybrid_override_pattern`
+//!   (`M`, `*`, `-`, `E`).
 //!
-//! Layer `kind`s are the mixer kind names (`gated_deltanet`, `attention`, `short_conv`,
-//! `mamba2`) or `mlp` for a block with only a channel mixer. Every missing or ill-typed key is
-//! reported as an [`HfError`] that names the key (with its `text_config.` prefix where nested).
+//! The routing rules of the three MoE families are in `moe`. Layer `kind`s are the mixer
+//! kind names (`gated_deltanet`, `attention`, `short_conv`, `mamba2`), with `_moe` appended
+//! where the layer's MLP is sparse, `mlp` for a block with only a dense channel mixer, `moe`
+//! for one with only a sparse one. Every missing or ill-typed key is reported as an
+//! [`HfError`] that names the key (with its `text_config.` prefix where nested).
 //! Transformers' own encoding of non-finite floats (`{"__float__": "Infinity"}`) is accepted
 //! wherever a float is read.
 
 use crate::ir::*;
 use serde_json::{Map, Value};
 use std::fmt;
+
+mod lfm2;
+mod moe;
+mod nemotron_h;
+mod qwen35;
+
+use lfm2::lfm2;
+pub use lfm2::lfm2_mlp_width;
+use nemotron_h::nemotron_h;
+use qwen35::qwen35;
 
 /// Options of the import that are not in `config.json`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -72,7 +86,7 @@ impl fmt::Display for HfError {
             HfError::Json(m) => write!(f, "config.json is not valid: {m}"),
             HfError::UnknownModelType(t) => write!(
                 f,
-                "unsupported model_type `{t}` (supported: qwen3_5_text, qwen3_5, lfm2, nemotron_h)"
+                "unsupported model_type `{t}` (supported: qwen3_5_text, qwen3_5, qwen3_5_moe_text, qwen3_5_moe, lfm2, lfm2_moe, nemotron_h)"
             ),
             HfError::Missing { key } => write!(f, "missing key `{key}`"),
             HfError::BadValue {
@@ -110,7 +124,7 @@ pub fn ir_from_hf_config(json: &str, opts: &HfOptions) -> Result<ModelIr> {
              qwen3_5_text / qwen3_5 are)"
                 .into(),
         )),
-        "qwen3_5_text" | "qwen3_5" => {
+        "qwen3_5_text" | "qwen3_5" | "qwen3_5_moe_text" | "qwen3_5_moe" => {
             // Multimodal Qwen3.5 configs nest the text model in `text_config`.
             let nested = match root.get("text_config") {
                 Some(Value::Object(t)) => Some(t),
@@ -129,7 +143,7 @@ pub fn ir_from_hf_config(json: &str, opts: &HfOptions) -> Result<ModelIr> {
                 None => qwen35(&top, &model_type, opts),
             }
         }
-        "lfm2" => lfm2(&top, opts),
+        "lfm2" | "lfm2_moe" => lfm2(&top, &model_type, opts),
         "nemotron_h" => nemotron_h(&top, opts),
         other => Err(HfError::UnknownModelType(other.to_string())),
     }
@@ -478,485 +492,6 @@ fn rope(cfg: &Cfg, head_dim: usize, default_partial: f64) -> Result<RopeIr> {
     })
 }
 
-// ---------------------------------------------------------------------------------------------
-// Qwen3.5
-
-fn qwen35(cfg: &Cfg, model_type: &str, opts: &HfOptions) -> Result<ModelIr> {
-    let default_name = if model_type == "qwen3_5_text" {
-        "qwen3_5_text"
-    } else {
-        model_type
-    };
-    let c = common(cfg, default_name, opts, false)?;
-    if cfg.opt_usize("num_experts")?.unwrap_or(0) > 0 {
-        return Err(HfError::Unsupported(
-            "mixture-of-experts Qwen3.5 (`num_experts` > 0)".into(),
-        ));
-    }
-    let n_layers = cfg.pos("num_hidden_layers")?;
-    let eps = cfg.opt_f64("rms_norm_eps")?.unwrap_or(1e-6);
-    let intermediate = cfg.pos("intermediate_size")?;
-    if let Some(act) = cfg.opt_str("hidden_act")?
-        && act != "silu"
-    {
-        return Err(HfError::Unsupported(format!(
-            "hidden_act `{act}` (Qwen3.5 MLPs are SwiGLU with silu)"
-        )));
-    }
-
-    let q_heads = cfg.pos("num_attention_heads")?;
-    let kv_heads = cfg.pos("num_key_value_heads")?;
-    let head_dim = match cfg.opt_usize("head_dim")? {
-        Some(d) => d,
-        None => {
-            divides("hidden_size / num_attention_heads", q_heads, c.hidden)?;
-            c.hidden / q_heads
-        }
-    };
-    divides(
-        "num_attention_heads / num_key_value_heads",
-        kv_heads,
-        q_heads,
-    )?;
-    let output_gate = cfg.opt_bool("attn_output_gate")?.unwrap_or(true);
-    let attn = AttentionIr {
-        q_heads,
-        kv_heads,
-        head_dim,
-        qk_norm: true,
-        rope: Some(rope(cfg, head_dim, 0.25)?),
-        output_gate,
-    };
-
-    let gdn_keys = [
-        "linear_num_key_heads",
-        "linear_num_value_heads",
-        "linear_key_head_dim",
-        "linear_value_head_dim",
-        "linear_conv_kernel_dim",
-    ];
-    let types: Vec<bool> = match cfg.opt_strings("layer_types")? {
-        Some(types) => {
-            if types.len() != n_layers {
-                return Err(HfError::Invalid(format!(
-                    "{} has {} entries but {} is {n_layers}",
-                    cfg.key("layer_types"),
-                    types.len(),
-                    cfg.key("num_hidden_layers")
-                )));
-            }
-            types
-                .iter()
-                .enumerate()
-                .map(|(i, t)| match *t {
-                    "full_attention" => Ok(true),
-                    "linear_attention" => Ok(false),
-                    other => Err(HfError::BadValue {
-                        key: format!("{}[{i}]", cfg.key("layer_types")),
-                        expected: "\"full_attention\" or \"linear_attention\"".into(),
-                        found: format!("\"{other}\""),
-                    }),
-                })
-                .collect::<Result<_>>()?
-        }
-        None => {
-            let interval = match cfg.opt_usize("full_attention_interval")? {
-                Some(0) => {
-                    return Err(HfError::BadValue {
-                        key: cfg.key("full_attention_interval"),
-                        expected: "a positive integer".into(),
-                        found: "0".into(),
-                    });
-                }
-                Some(i) => i,
-                None => {
-                    return Err(HfError::Missing {
-                        key: cfg.key("layer_types (or full_attention_interval)"),
-                    });
-                }
-            };
-            (0..n_layers).map(|i| (i + 1) % interval == 0).collect()
-        }
-    };
-    let gdn = if types.iter().any(|full| !full) {
-        let key_heads = cfg.pos(gdn_keys[0])?;
-        let value_heads = cfg.pos(gdn_keys[1])?;
-        divides(
-            "linear_num_value_heads / linear_num_key_heads",
-            key_heads,
-            value_heads,
-        )?;
-        let conv = cfg.pos(gdn_keys[4])?;
-        if conv < 2 {
-            return Err(HfError::Invalid(format!(
-                "{} must be at least 2",
-                cfg.key(gdn_keys[4])
-            )));
-        }
-        Some(GatedDeltaNetIr {
-            key_heads,
-            value_heads,
-            key_dim: cfg.pos(gdn_keys[2])?,
-            value_dim: cfg.pos(gdn_keys[3])?,
-            conv,
-            norm_order: GateOrder::NormThenGate,
-        })
-    } else {
-        None
-    };
-    let mlp = MlpIr::Swiglu { intermediate };
-    let attn_layer = LayerIr {
-        kind: "attention".into(),
-        mixer: Some(MixerIr::Attention(attn.clone())),
-        mlp: Some(mlp.clone()),
-    };
-    let layers = types
-        .iter()
-        .map(|&full| match (full, &gdn) {
-            (false, Some(g)) => LayerIr {
-                kind: "gated_deltanet".into(),
-                mixer: Some(MixerIr::GatedDeltanet(g.clone())),
-                mlp: Some(mlp.clone()),
-            },
-            // `gdn` is read whenever a linear-attention layer exists.
-            _ => attn_layer.clone(),
-        })
-        .collect();
-    let mtp = match cfg.opt_usize("mtp_num_hidden_layers")? {
-        Some(n) if n > 0 => Some(MtpIr {
-            layers: vec![attn_layer; n],
-        }),
-        _ => None,
-    };
-    let norm = NormIr {
-        eps: F64(eps),
-        weight: NormWeight::OnePlus,
-    };
-    Ok(finish(c, norm, layers, mtp, WeightNaming::Qwen35))
-}
-
-// ---------------------------------------------------------------------------------------------
-// LFM2
-
-/// LFM2's real MLP width: with `block_auto_adjust_ff_dim`,
-/// `m * ceil(int(mult * int(2 * intermediate / 3)) / m)` (`m = block_multiple_of`,
-/// `mult = block_ffn_dim_multiplier`, skipped when null).
-pub fn lfm2_mlp_width(
-    intermediate: usize,
-    auto_adjust: bool,
-    multiplier: Option<f64>,
-    multiple_of: usize,
-) -> usize {
-    if !auto_adjust {
-        return intermediate;
-    }
-    let mut w = 2 * intermediate / 3;
-    if let Some(m) = multiplier {
-        w = (m * w as f64) as usize;
-    }
-    let m = multiple_of.max(1);
-    w.div_ceil(m) * m
-}
-
-fn lfm2(cfg: &Cfg, opts: &HfOptions) -> Result<ModelIr> {
-    let c = common(cfg, "lfm2", opts, true)?;
-    let n_layers = cfg.pos_alias(&["num_hidden_layers", "num_layers"])?;
-    let eps = cfg
-        .opt_f64("norm_eps")?
-        .or(cfg.opt_f64("block_norm_eps")?)
-        .unwrap_or(1e-5);
-    let q_heads = cfg.pos("num_attention_heads")?;
-    let kv_heads = cfg.pos("num_key_value_heads")?;
-    divides("hidden_size / num_attention_heads", q_heads, c.hidden)?;
-    divides(
-        "num_attention_heads / num_key_value_heads",
-        kv_heads,
-        q_heads,
-    )?;
-    let head_dim = match cfg.opt_usize("head_dim")? {
-        Some(d) => d,
-        None => c.hidden / q_heads,
-    };
-    let attn = AttentionIr {
-        q_heads,
-        kv_heads,
-        head_dim,
-        qk_norm: true,
-        rope: Some(rope(cfg, head_dim, 1.0)?),
-        output_gate: false,
-    };
-    let conv = cfg.pos("conv_L_cache")?;
-    if conv < 2 {
-        return Err(HfError::Invalid(format!(
-            "{} must be at least 2",
-            cfg.key("conv_L_cache")
-        )));
-    }
-    let sc = ShortConvIr {
-        conv,
-        bias: cfg.opt_bool("conv_bias")?.unwrap_or(false),
-    };
-    let intermediate = cfg.pos_alias(&["intermediate_size", "block_ff_dim"])?;
-    let auto = cfg.opt_bool("block_auto_adjust_ff_dim")?.unwrap_or(false);
-    let width = lfm2_mlp_width(
-        intermediate,
-        auto,
-        cfg.opt_f64("block_ffn_dim_multiplier")?,
-        cfg.opt_usize("block_multiple_of")?.unwrap_or(256),
-    );
-    if width == 0 {
-        return Err(HfError::Invalid("the adjusted MLP width is 0".into()));
-    }
-    let mlp = MlpIr::Swiglu {
-        intermediate: width,
-    };
-
-    let is_attn: Vec<bool> = match cfg.opt_strings("layer_types")? {
-        Some(types) => {
-            if types.len() != n_layers {
-                return Err(HfError::Invalid(format!(
-                    "layer_types has {} entries but num_hidden_layers is {n_layers}",
-                    types.len()
-                )));
-            }
-            types
-                .iter()
-                .enumerate()
-                .map(|(i, t)| match *t {
-                    "full_attention" | "attention" => Ok(true),
-                    "conv" | "short_conv" => Ok(false),
-                    other => Err(HfError::BadValue {
-                        key: format!("layer_types[{i}]"),
-                        expected: "\"conv\" or \"full_attention\"".into(),
-                        found: format!("\"{other}\""),
-                    }),
-                })
-                .collect::<Result<_>>()?
-        }
-        None => {
-            let idxs = cfg
-                .opt_usizes("full_attn_idxs")?
-                .ok_or_else(|| HfError::Missing {
-                    key: "layer_types (or full_attn_idxs)".into(),
-                })?;
-            let mut v = vec![false; n_layers];
-            for (i, &ix) in idxs.iter().enumerate() {
-                if ix >= n_layers {
-                    return Err(HfError::BadValue {
-                        key: format!("full_attn_idxs[{i}]"),
-                        expected: format!("a layer index < {n_layers}"),
-                        found: ix.to_string(),
-                    });
-                }
-                v[ix] = true;
-            }
-            v
-        }
-    };
-    let layers = is_attn
-        .iter()
-        .map(|&a| {
-            let (kind, mixer) = if a {
-                ("attention", MixerIr::Attention(attn.clone()))
-            } else {
-                ("short_conv", MixerIr::ShortConv(sc.clone()))
-            };
-            LayerIr {
-                kind: kind.into(),
-                mixer: Some(mixer),
-                mlp: Some(mlp.clone()),
-            }
-        })
-        .collect();
-    let norm = NormIr {
-        eps: F64(eps),
-        weight: NormWeight::Plain,
-    };
-    Ok(finish(c, norm, layers, None, WeightNaming::Lfm2))
-}
-
-// ---------------------------------------------------------------------------------------------
-// Nemotron-H
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Block {
-    Mamba,
-    Attention,
-    Mlp,
-}
-
-fn nemotron_h(cfg: &Cfg, opts: &HfOptions) -> Result<ModelIr> {
-    let c = common(cfg, "nemotron_h", opts, false)?;
-    let eps = cfg
-        .opt_f64("layer_norm_epsilon")?
-        .or(cfg.opt_f64("rms_norm_eps")?)
-        .unwrap_or(1e-5);
-    let blocks: Vec<Block> = if let Some(types) = cfg.opt_strings("layers_block_type")? {
-        types
-            .iter()
-            .enumerate()
-            .map(|(i, t)| match *t {
-                "mamba" | "mamba2" | "linear_attention" => Ok(Block::Mamba),
-                "attention" | "full_attention" => Ok(Block::Attention),
-                "mlp" => Ok(Block::Mlp),
-                "moe" => Err(HfError::Unsupported(format!(
-                    "layers_block_type[{i}] = \"moe\" (MoE blocks)"
-                ))),
-                other => Err(HfError::BadValue {
-                    key: format!("layers_block_type[{i}]"),
-                    expected: "\"mamba\", \"attention\" or \"mlp\"".into(),
-                    found: format!("\"{other}\""),
-                }),
-            })
-            .collect::<Result<_>>()?
-    } else if let Some(p) = cfg.opt_str("hybrid_override_pattern")? {
-        p.chars()
-            .enumerate()
-            .map(|(i, ch)| match ch {
-                'M' => Ok(Block::Mamba),
-                '*' => Ok(Block::Attention),
-                '-' => Ok(Block::Mlp),
-                'E' => Err(HfError::Unsupported(format!(
-                    "hybrid_override_pattern[{i}] = 'E' (MoE blocks)"
-                ))),
-                other => Err(HfError::BadValue {
-                    key: format!("hybrid_override_pattern[{i}]"),
-                    expected: "one of 'M', '*', '-'".into(),
-                    found: format!("'{other}'"),
-                }),
-            })
-            .collect::<Result<_>>()?
-    } else {
-        return Err(HfError::Missing {
-            key: "layers_block_type (or hybrid_override_pattern)".into(),
-        });
-    };
-    if blocks.is_empty() {
-        return Err(HfError::Invalid("the layer list is empty".into()));
-    }
-    if let Some(n) = cfg.opt_usize("num_hidden_layers")?
-        && n != blocks.len()
-    {
-        return Err(HfError::Invalid(format!(
-            "num_hidden_layers is {n} but the block pattern has {} entries",
-            blocks.len()
-        )));
-    }
-
-    let attn = if blocks.contains(&Block::Attention) {
-        let q_heads = cfg.pos("num_attention_heads")?;
-        let kv_heads = cfg.pos("num_key_value_heads")?;
-        divides(
-            "num_attention_heads / num_key_value_heads",
-            kv_heads,
-            q_heads,
-        )?;
-        let head_dim = match cfg
-            .opt_usize("head_dim")?
-            .or(cfg.opt_usize("attention_head_dim")?)
-        {
-            Some(d) => d,
-            None => {
-                divides("hidden_size / num_attention_heads", q_heads, c.hidden)?;
-                c.hidden / q_heads
-            }
-        };
-        if cfg.opt_bool("attention_bias")?.unwrap_or(false) {
-            return Err(HfError::Unsupported("attention_bias = true".into()));
-        }
-        Some(AttentionIr {
-            q_heads,
-            kv_heads,
-            head_dim,
-            qk_norm: false,
-            rope: None,
-            output_gate: false,
-        })
-    } else {
-        None
-    };
-    let mamba = if blocks.contains(&Block::Mamba) {
-        let heads = cfg.pos("mamba_num_heads")?;
-        let groups = cfg.pos("n_groups")?;
-        divides("mamba_num_heads / n_groups", groups, heads)?;
-        let conv = cfg.pos("conv_kernel")?;
-        if conv < 2 {
-            return Err(HfError::Invalid("conv_kernel must be at least 2".into()));
-        }
-        if cfg.opt_bool("mamba_proj_bias")?.unwrap_or(false) {
-            return Err(HfError::Unsupported("mamba_proj_bias = true".into()));
-        }
-        if let Some(act) = cfg.opt_str("mamba_hidden_act")?
-            && act != "silu"
-        {
-            return Err(HfError::Unsupported(format!("mamba_hidden_act `{act}`")));
-        }
-        // HF clamps dt below at `time_step_min` on its multi-token path (the decode path does
-        // not); a cold forward over any sequence takes the multi-token path, so the clamp is
-        // applied on every path here.
-        let dt_min = cfg.opt_f64("time_step_min")?.filter(|v| *v > 0.0).map(F64);
-        Some(Mamba2Ir {
-            heads,
-            head_dim: cfg.pos("mamba_head_dim")?,
-            groups,
-            state: cfg.pos("ssm_state_size")?,
-            conv,
-            chunk: cfg.opt_usize("chunk_size")?.unwrap_or(128).max(1),
-            conv_bias: cfg.opt_bool("use_conv_bias")?.unwrap_or(true),
-            dt_min,
-            norm_order: GateOrder::GateThenNorm,
-        })
-    } else {
-        None
-    };
-    let mlp = if blocks.contains(&Block::Mlp) {
-        let act = cfg.opt_str("mlp_hidden_act")?.unwrap_or("relu2");
-        if act != "relu2" {
-            return Err(HfError::Unsupported(format!(
-                "mlp_hidden_act `{act}` (only relu2)"
-            )));
-        }
-        if cfg.opt_bool("mlp_bias")?.unwrap_or(false) {
-            return Err(HfError::Unsupported("mlp_bias = true".into()));
-        }
-        Some(MlpIr::Relu2 {
-            intermediate: cfg.pos("intermediate_size")?,
-        })
-    } else {
-        None
-    };
-    let layers = blocks
-        .iter()
-        .map(|b| match b {
-            Block::Mamba => LayerIr {
-                kind: "mamba2".into(),
-                mixer: mamba.clone().map(MixerIr::Mamba2),
-                mlp: None,
-            },
-            Block::Attention => LayerIr {
-                kind: "attention".into(),
-                mixer: attn.clone().map(MixerIr::Attention),
-                mlp: None,
-            },
-            Block::Mlp => LayerIr {
-                kind: "mlp".into(),
-                mixer: None,
-                mlp: mlp.clone(),
-            },
-        })
-        .collect();
-    if cfg.opt_usize("num_nextn_predict_layers")?.unwrap_or(0) > 0 {
-        return Err(HfError::Unsupported(
-            "Nemotron-H MTP layers (num_nextn_predict_layers > 0)".into(),
-        ));
-    }
-    let norm = NormIr {
-        eps: F64(eps),
-        weight: NormWeight::Plain,
-    };
-    Ok(finish(c, norm, layers, None, WeightNaming::NemotronH))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1228,5 +763,46 @@ mod tests {
         assert_eq!(lfm2_mlp_width(200, true, Some(1.0), 32), 160);
         assert_eq!(lfm2_mlp_width(200, false, Some(1.0), 32), 200);
         assert_eq!(lfm2_mlp_width(12288, true, None, 256), 8192);
+    }
+
+    #[test]
+    fn moe_configs_and_their_errors() {
+        let q = ir_from_hf_config(&fixture("qwen35moe-public"), &HfOptions::default()).unwrap();
+        assert_eq!(q.layers[0].kind, "gated_deltanet_moe");
+        assert_eq!(q.layers[3].kind, "attention_moe");
+        let edit = |name: &str, key: &str, v: Value| {
+            let mut c: Value = serde_json::from_str(&fixture(name)).unwrap();
+            c[key] = v;
+            ir_from_hf_config(&c.to_string(), &HfOptions::default())
+        };
+        let e = edit("qwen35moe-public", "num_experts_per_tok", 9.into()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("num_experts_per_tok = 9 exceeds the 8 experts"),
+            "{e}"
+        );
+        let e = edit("nemotronhmoe-public", "moe_latent_size", 16.into()).unwrap_err();
+        assert!(
+            matches!(e, HfError::Unsupported(ref m) if m.contains("moe_latent_size")),
+            "{e}"
+        );
+        let e = edit("nemotronhmoe-public", "n_group", 3.into()).unwrap_err();
+        assert!(e.to_string().contains("n_group = 3"), "{e}");
+        // `decoder_sparse_step` / `mlp_only_layers` make some Qwen layers dense.
+        let mut c: Value = serde_json::from_str(&fixture("qwen35moe-public")).unwrap();
+        c["mlp_only_layers"] = serde_json::json!([1]);
+        c["intermediate_size"] = 96.into();
+        let ir = ir_from_hf_config(&c.to_string(), &HfOptions::default()).unwrap();
+        assert_eq!(ir.layers[1].mlp, Some(MlpIr::Swiglu { intermediate: 96 }));
+        assert_eq!(ir.layers[1].kind, "gated_deltanet");
+        assert!(matches!(ir.layers[2].mlp, Some(MlpIr::Moe(_))));
+        // Nemotron-H patterns accept `E`.
+        let mut c: Value = serde_json::from_str(&fixture("nemotronhmoe-public")).unwrap();
+        c.as_object_mut().unwrap().remove("layers_block_type");
+        c["hybrid_override_pattern"] = "MEM*EME".into();
+        let p = ir_from_hf_config(&c.to_string(), &HfOptions::default()).unwrap();
+        let base =
+            ir_from_hf_config(&fixture("nemotronhmoe-public"), &HfOptions::default()).unwrap();
+        assert_eq!(p.layers, base.layers);
     }
 }

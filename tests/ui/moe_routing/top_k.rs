@@ -1,0 +1,16 @@
+// Top-8 routing over 4 experts cannot be satisfied.
+#[flashrt::model(
+    model = {
+        name = "tiny_moe", vocab = 64, hidden = 32, dtype = "f32", max_seq = 128, prefill_buckets = [8],
+        norm = { kind = "rms", eps = 1e-5, weight = "plain" }, weights = "qwen3_5_text",
+    },
+    kinds = {
+        moe = {
+            mlp = { kind = "moe", experts = 4, top_k = 8, intermediate = 16, router = "softmax" },
+        },
+    },
+    stack = { pattern = [moe] },
+)]
+pub struct TinyMoe;
+
+fn main() {}
