@@ -50,6 +50,35 @@ QWEN36_27B = dict(
     tie_word_embeddings=False,
 )
 
+# The Qwen3.6-35B-A3B shape of models/qwen36-35b-a3b.toml: 40 layers, a sparse MoE block in
+# every layer (256 experts, top-8, width 512, gated shared expert of width 512). transformers
+# runs its default MoE path for it.
+QWEN36_35B_A3B = dict(
+    model_type="qwen3_5_moe_text",
+    vocab_size=248320,
+    hidden_size=2048,
+    num_hidden_layers=40,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False,
+)
+
+CONFIGS = {"qwen36-27b": QWEN36_27B, "qwen36-35b-a3b": QWEN36_35B_A3B}
+
 
 def sync():
     torch.cuda.synchronize()
@@ -78,7 +107,7 @@ def cache_bytes(cache):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="qwen36-27b", choices=["qwen36-27b"])
+    ap.add_argument("--config", default="qwen36-27b", choices=sorted(CONFIGS))
     ap.add_argument("--lengths", default="2048,4096,8192,16384")
     ap.add_argument("--decode-steps", type=int, default=10)
     ap.add_argument("--json")
@@ -87,7 +116,7 @@ def main():
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(**QWEN36_27B)
+    cfg = AutoConfig.for_model(**CONFIGS[args.config])
     torch.manual_seed(7)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)

@@ -44,6 +44,19 @@ template <typename T> static __device__ __forceinline__ void mul_impl(const MulP
 
 FLASHRT_ENTRY(mul, MulParams, 256)
 
+// mul_rowgate: out[r, c] = act(gate[r]) * x[r, c], one gate per row (a gate view of width 1:
+// the MoE shared expert's token gate). grid = (column tiles, rows).
+template <typename T> static __device__ __forceinline__ void mul_rowgate_impl(const MulParams& p) {
+    const int row = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= flashrt::load_len(p.len) || c >= p.width) return;
+    const float g = flashrt::to_f32(static_cast<const T*>(p.gate)[(size_t)row * p.ld_gate]);
+    const float x = flashrt::to_f32(static_cast<const T*>(p.x)[(size_t)row * p.ld_x + c]);
+    static_cast<T*>(p.out)[(size_t)row * p.ld_out + c] = flashrt::from_f32<T>(flashrt::apply_act(p.act, g) * x);
+}
+
+FLASHRT_ENTRY(mul_rowgate, MulParams, 256)
+
 // Thread i of the 1-D grid handles pack i % (width / N) of row i / (width / N).
 template <typename T> static __device__ __forceinline__ void mul_vec_impl(const MulParams& p) {
     constexpr int N = flashrt::Pack16<T>::N;

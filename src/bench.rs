@@ -70,11 +70,73 @@ pub fn prefill_flops(compiled: &crate::ir::Compiled, n: usize) -> f64 {
             crate::ir::Op::Attention {
                 q_heads, head_dim, ..
             } => per_pair += 4.0 * (*q_heads * *head_dim) as f64,
+            // The router, then `top_k` of the experts per token.
+            crate::ir::Op::Moe {
+                router,
+                up,
+                down,
+                route,
+                ..
+            } => {
+                let chosen = route.top_k as f64 / route.experts as f64;
+                per_token += 2.0 * layout.buffer(*router).numel() as f64
+                    + 2.0
+                        * chosen
+                        * (layout.buffer(*up).numel() + layout.buffer(*down).numel()) as f64;
+            }
             _ => {}
         }
     }
     let n = n as f64;
     per_token * n + once + per_pair * n * (n + 1.0) / 2.0
+}
+
+/// Weight bytes one decode step reads: every weight its plan touches, once, except that the
+/// embedding table gives one row (unless it is also the LM head) and an MoE block reads only
+/// `top_k` of its experts. Weights only other phases use (an MTP head) are not counted.
+pub fn decode_weight_bytes(compiled: &crate::ir::Compiled) -> usize {
+    use crate::ir::{Op, Role};
+    let layout = &compiled.layout;
+    let Some(plan) = compiled.plan(crate::ir::Phase::Decode) else {
+        return layout.arena_bytes(Role::Weight);
+    };
+    let mut read: std::collections::BTreeMap<u32, usize> = Default::default();
+    let mut note = |id: crate::ir::BufferId, bytes: usize| {
+        let e = read.entry(id.0).or_default();
+        *e = (*e).max(bytes);
+    };
+    for op in &plan.ops {
+        match op {
+            Op::Embed { table, .. } => {
+                let b = layout.buffer(*table);
+                note(*table, b.bytes / b.shape[0].max(1));
+            }
+            Op::Moe {
+                router,
+                bias,
+                up,
+                down,
+                route,
+                ..
+            } => {
+                for id in [*router].into_iter().chain(*bias) {
+                    note(id, layout.buffer(id).bytes);
+                }
+                for id in [*up, *down] {
+                    note(id, layout.buffer(id).bytes / route.experts * route.top_k);
+                }
+            }
+            _ => {
+                for id in op.buffers() {
+                    let b = layout.buffer(id);
+                    if b.role == Role::Weight {
+                        note(id, b.bytes);
+                    }
+                }
+            }
+        }
+    }
+    read.values().sum()
 }
 
 #[derive(Serialize)]
@@ -83,6 +145,8 @@ pub struct BenchReport {
     pub backend: String,
     pub dtype: String,
     pub weight_bytes: usize,
+    /// What a decode step reads of them (MoE blocks: the chosen experts only).
+    pub decode_weight_bytes: usize,
     pub copy_bandwidth_gb_s: f64,
     pub decode_floor_ms: f64,
     /// Measured dense matmul rate in the model's dtype (8192^3), TFLOP/s; 0 where the backend
@@ -266,7 +330,8 @@ pub fn run(model: &Model, load_ms: f64, opts: &BenchOptions) -> Result<BenchRepo
     let probe = 1 << 30;
     let t_probe = backend.copy_seconds(probe, 10).map_err(err)?;
     let copy_bw = 2.0 * probe as f64 / t_probe;
-    let decode_floor_ms = weight_bytes as f64 / copy_bw * 1e3;
+    let decode_bytes = decode_weight_bytes(model.compiled());
+    let decode_floor_ms = decode_bytes as f64 / copy_bw * 1e3;
     progress(&format!(
         "copy bandwidth {:.0} GB/s (1 GiB); decode floor {decode_floor_ms:.2} ms",
         copy_bw / 1e9
@@ -426,6 +491,7 @@ pub fn run(model: &Model, load_ms: f64, opts: &BenchOptions) -> Result<BenchRepo
         backend: model.backend_name(),
         dtype: layout.target.dtype.name().to_string(),
         weight_bytes,
+        decode_weight_bytes: decode_bytes,
         copy_bandwidth_gb_s: copy_bw / 1e9,
         decode_floor_ms,
         matmul_tflops: matmul / 1e12,
@@ -446,8 +512,9 @@ pub fn render(r: &BenchReport) -> String {
     );
     let _ = writeln!(
         s,
-        "weights {}, copy bandwidth {:.0} GB/s, decode floor {:.2} ms (weight bytes / bandwidth)",
+        "weights {} ({} read per decode step), copy bandwidth {:.0} GB/s, decode floor {:.2} ms (bytes read / bandwidth)",
         crate::cli::human_bytes(r.weight_bytes),
+        crate::cli::human_bytes(r.decode_weight_bytes),
         r.copy_bandwidth_gb_s,
         r.decode_floor_ms
     );
@@ -506,6 +573,34 @@ pub fn render(r: &BenchReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn compiled(stem: &str) -> crate::ir::Compiled {
+        let path = format!("{}/models/{stem}.toml", env!("CARGO_MANIFEST_DIR"));
+        let src = std::fs::read_to_string(&path).unwrap();
+        let ir = crate::compiler::model_from_toml(&src, &path).unwrap();
+        crate::ir::compile(&ir, crate::ir::Target { dtype: ir.dtype })
+    }
+
+    #[test]
+    fn decode_bytes_count_what_a_step_reads() {
+        // Qwen3.6-35B-A3B, by hand: per layer 8 of 256 experts (3 x 512 x 2048 bf16 each), the
+        // gated shared expert, the f32 router and the mixer; plus the LM head and one
+        // embedding row, and no MTP head: the "about 5.9 GB".
+        let moe = compiled("qwen36-35b-a3b");
+        let all = moe.layout.arena_bytes(crate::ir::Role::Weight);
+        let read = decode_weight_bytes(&moe);
+        let expert = 3 * 512 * 2048 * 2;
+        let experts_per_layer = 256 * expert;
+        assert!(read < all - 40 * (experts_per_layer - 8 * expert), "{read} of {all}");
+        assert!((5.5e9..6.2e9).contains(&(read as f64)), "{read}");
+        // Dense: everything but the embedding table (one row) and the MTP head.
+        let dense = compiled("qwen36-27b");
+        let all = dense.layout.arena_bytes(crate::ir::Role::Weight);
+        let embed = 248320 * 5120 * 2;
+        let read = decode_weight_bytes(&dense);
+        assert!(read < all - embed + 5120 * 2, "{read} of {all}");
+        assert!((50e9..52.5e9).contains(&(read as f64)), "{read}");
+    }
 
     #[test]
     fn profile_groups_merge_layers_and_splits() {

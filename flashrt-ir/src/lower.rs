@@ -1151,6 +1151,11 @@ impl Lower<'_> {
                 shape: vec![h, m.intermediate],
             },
         );
+        let k = m.route.top_k;
+        // hidden [k, inter] + y [k, hidden] + ids, weights [k] + router logits [experts] (4-byte
+        // values in 2-byte columns: twice as many columns as needed at f32).
+        let tmp_width = (k * (m.intermediate + h + 4) + 2 * e).next_multiple_of(8);
+        let tmp = self.scratch("moe_tmp", tmp_width);
         ops.push(Op::Moe {
             x: hn,
             router,
@@ -1158,6 +1163,7 @@ impl Lower<'_> {
             up,
             down,
             out: x,
+            tmp,
             route: m.route.clone(),
             inter: m.intermediate,
             act: m.act,

@@ -201,7 +201,9 @@ pub enum Op {
     /// `route.expert_bias`), then `out += Σ_j w_j · down_{e_j}(act(up_{e_j} x))` summed over
     /// the chosen experts best first, in f32. `up`: `[experts, act.up_rows() * inter,
     /// x.width]` (SwiGLU: each expert's gate rows, then its up rows); `down`: `[experts,
-    /// out.width, inter]`. Each row reads only its chosen experts.
+    /// out.width, inter]`. Each row reads only its chosen experts. `tmp` (at least
+    /// `top_k * (inter + out.width + 4) + 2 * route.experts` columns) is per-row scratch a backend may use for the
+    /// routing and the experts' activations; its contents are meaningless afterwards.
     Moe {
         x: View,
         router: BufferId,
@@ -209,6 +211,7 @@ pub enum Op {
         up: BufferId,
         down: BufferId,
         out: View,
+        tmp: View,
         route: RouteIr,
         inter: usize,
         act: ExpertAct,
@@ -260,9 +263,10 @@ impl Op {
             }
             Op::StoreLastRow { x, .. } => f(x),
             Op::LoadState { out, .. } => f(out),
-            Op::Moe { x, out, .. } => {
+            Op::Moe { x, out, tmp, .. } => {
                 f(x);
                 f(out);
+                f(tmp);
             }
         }
     }
@@ -394,6 +398,7 @@ impl Op {
                 up,
                 down,
                 out,
+                tmp,
                 ..
             } => {
                 o(Some(x.buf));
@@ -402,6 +407,7 @@ impl Op {
                 o(Some(*up));
                 o(Some(*down));
                 o(Some(out.buf));
+                o(Some(tmp.buf));
             }
         }
         v

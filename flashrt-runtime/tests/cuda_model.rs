@@ -20,7 +20,31 @@ use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
-const FIXTURES: [&str; 3] = ["qwen35-public", "lfm2-public", "nemotronh-public"];
+const FIXTURES: [&str; 6] = [
+    "qwen35-public",
+    "lfm2-public",
+    "nemotronh-public",
+    "qwen35moe-public",
+    "lfm2moe-public",
+    "nemotronhmoe-public",
+];
+
+/// A Qwen3.5-MoE-style hybrid at realistic head and expert sizes (32 experts, top-8, expert
+/// width 256, a gated shared expert), small in width and depth.
+const QWEN_MOE_LIKE: &str = r#"{
+  "model_type": "qwen3_5_moe_text",
+  "hidden_size": 512, "vocab_size": 1000,
+  "num_hidden_layers": 4,
+  "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 256,
+  "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+  "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+  "num_experts": 32, "num_experts_per_tok": 8, "moe_intermediate_size": 256,
+  "shared_expert_intermediate_size": 256,
+  "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+  "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+  "tie_word_embeddings": false, "hidden_act": "silu", "dtype": "bfloat16"
+}"#;
 
 /// A Qwen3.5-style hybrid at realistic head sizes (head_dim 256, GDN key/value dim 128,
 /// partial RoPE, output gate, (1+w) norms), small in width and depth.
@@ -179,12 +203,28 @@ fn bf16_vs_cpu(
 /// 1.0e-2 against the f32 CPU reference. A bf16 backend is held to the drift of the reference
 /// implementation's own bf16 run (rounded up); the random-weight model, which transformers
 /// cannot load, gets the lfm2 bound (it measured 2.7e-2).
+///
+/// The MoE fixtures' README measured transformers' own bf16 drift at 35 % (qwen35moe,
+/// lfm2moe) and 63 % (nemotronhmoe): in bf16 a few routing decisions flip, and a flipped
+/// expert moves a whole row. Their bounds are those drifts; their greedy agreement may lose a
+/// few more steps (see [`bf16_agreement`]).
 fn bf16_bound(name: &str) -> f64 {
     match name {
         "qwen35-public" => 9e-2,
         "nemotronh-public" => 2e-2,
+        "qwen35moe-public" | "lfm2moe-public" => 0.35,
+        "nemotronhmoe-public" => 0.63,
+        // Measured 1.27e-1 on the H200 (2026-12-02): top-8 of 32 random experts route on
+        // close margins, so bf16 rounding moves a few experts per row (the f32 path matches
+        // transformers at 1e-3 on the MoE fixtures).
+        "qwen-moe-like" => 0.2,
         _ => 5e-2,
     }
+}
+
+/// Teacher-forced greedy decisions out of 12 that must agree with the CPU.
+fn bf16_agreement(name: &str) -> usize {
+    if name.contains("moe") { 8 } else { 10 }
 }
 
 #[test]
@@ -192,10 +232,21 @@ fn bf16_tracks_cpu_reference() {
     let Some(gpu) = cuda("bf16_tracks_cpu_reference") else {
         return;
     };
-    let mut results = vec![(
-        "qwen-like".to_string(),
-        bf16_vs_cpu("qwen-like (random weights)", QWEN_LIKE, None, gpu.clone()),
-    )];
+    let mut results = vec![
+        (
+            "qwen-like".to_string(),
+            bf16_vs_cpu("qwen-like (random weights)", QWEN_LIKE, None, gpu.clone()),
+        ),
+        (
+            "qwen-moe-like".to_string(),
+            bf16_vs_cpu(
+                "qwen-moe-like (random weights)",
+                QWEN_MOE_LIKE,
+                None,
+                gpu.clone(),
+            ),
+        ),
+    ];
     match fixtures_dir() {
         Some(dir) => {
             for name in FIXTURES {
@@ -218,7 +269,7 @@ fn bf16_tracks_cpu_reference() {
         );
         // Teacher-forced greedy decisions: bf16 may flip a near tie, not a run of them.
         assert!(
-            *agree >= 10,
+            *agree >= bf16_agreement(name),
             "{name}: bf16 greedy agreed with the CPU on only {agree}/12 steps"
         );
     }
@@ -629,8 +680,19 @@ fn unaligned_restore_and_forks_match_cold_prefill_on_gpu() {
     let Some(gpu) = cuda("unaligned_restore_and_forks_match_cold_prefill_on_gpu") else {
         return;
     };
-    const TOL: f64 = 3e-2;
-    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 256);
+    // bf16 differences between a decode step and a prefill chunk (other kernels) move close
+    // routing decisions in the MoE model: its bound is wider (measured 4.5e-2 at split 1).
+    for (name, json, tol) in [
+        ("qwen-like", QWEN_LIKE, 3e-2),
+        ("qwen-moe-like", QWEN_MOE_LIKE, 8e-2),
+    ] {
+        println!("{name}:");
+        unaligned_restore_and_forks(gpu.clone(), json, tol);
+    }
+}
+
+fn unaligned_restore_and_forks(gpu: Arc<dyn Backend>, json: &str, tol: f64) {
+    let ir = ir_of(json, DType::Bf16, &[8, 32], 256);
     let model = model_on(gpu, &ir, None);
     let vocab = model.vocab();
     let full = prompt(90, vocab, 21);
@@ -653,11 +715,11 @@ fn unaligned_restore_and_forks_match_cold_prefill_on_gpu() {
             "restore at {split} + append {}: logits rel err {err:.3e} vs cold prefill",
             tail.len()
         );
-        assert!(err <= TOL, "split {split}: rel err {err:.3e} > {TOL:.0e}");
+        assert!(err <= tol, "split {split}: rel err {err:.3e} > {tol:.0e}");
         let (t_ours, _) = greedy(&mut s, 12);
         let (t_cold, l_cold) = greedy(&mut cold, 12);
         let scale = l_cold.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let n = agree_where_margins_allow(&t_ours, &t_cold, &l_cold, vocab, (TOL as f32) * scale);
+        let n = agree_where_margins_allow(&t_ours, &t_cold, &l_cold, vocab, (tol as f32) * scale);
         println!("  greedy agreement {n}/12");
     }
     // Two branches from one capsule equal two cold runs.
@@ -681,12 +743,12 @@ fn unaligned_restore_and_forks_match_cold_prefill_on_gpu() {
         let (tb, _) = greedy(&mut branch, 12);
         let (tc, lc) = greedy(&mut cold, 12);
         let scale = lc.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let n = agree_where_margins_allow(&tb, &tc, &lc, vocab, (TOL as f32) * scale);
+        let n = agree_where_margins_allow(&tb, &tc, &lc, vocab, (tol as f32) * scale);
         println!(
             "fork branch {}: logits rel err {err:.3e} vs cold, greedy agreement {n}/12",
             i + 1
         );
-        assert!(err <= TOL, "branch {}: rel err {err:.3e}", i + 1);
+        assert!(err <= tol, "branch {}: rel err {err:.3e}", i + 1);
     }
 }
 

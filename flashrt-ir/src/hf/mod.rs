@@ -736,8 +736,21 @@ mod tests {
 
         let mut v: Value = serde_json::from_str(&fixture("nemotronh-public")).unwrap();
         v["layers_block_type"][2] = Value::String("moe".into());
+        // transformers writes its MoE defaults into every nemotron_h config, so a `moe` block
+        // is read from them (8 experts, top-2, width 7688 in this one).
+        let ir = ir_from_hf_config(&v.to_string(), &HfOptions::default()).unwrap();
+        assert!(
+            matches!(ir.layers[2].mlp, Some(MlpIr::Moe(ref m)) if m.route.experts == 8),
+            "{ir:?}"
+        );
+        let mut v: Value = serde_json::from_str(&fixture("nemotronh-public")).unwrap();
+        v["layers_block_type"][2] = Value::String("moe".into());
+        v.as_object_mut().unwrap().remove("n_routed_experts");
         let e = ir_from_hf_config(&v.to_string(), &HfOptions::default()).unwrap_err();
-        assert!(matches!(e, HfError::Unsupported(_)), "{e}");
+        assert!(
+            matches!(e, HfError::Missing { ref key } if key == "n_routed_experts"),
+            "{e}"
+        );
 
         let e = ir_from_hf_config(r#"{"model_type": "qwen3_next"}"#, &HfOptions::default())
             .unwrap_err();

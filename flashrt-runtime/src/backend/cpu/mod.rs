@@ -332,12 +332,17 @@ impl ModelData {
                     up,
                     down,
                     out,
+                    tmp,
                     route,
                     inter,
                     act,
                 } => {
                     view(self, x)?;
                     view(self, out)?;
+                    view(self, tmp)?;
+                    if tmp.width < route.top_k * (inter + out.width + 4) + 2 * route.experts {
+                        return Err(backend_err(name, "moe scratch too narrow"));
+                    }
                     same(x, out)?;
                     let (e, h) = (route.experts, x.width);
                     if route.top_k == 0 || route.top_k > e || route.groups == 0 {
@@ -721,6 +726,7 @@ impl CpuSession {
                     route,
                     inter,
                     act,
+                    ..
                 } => {
                     gather(locs, scratch, io, x, len, &mut ws.a);
                     let w = ops::MoeWeights {

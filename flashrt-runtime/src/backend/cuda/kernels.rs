@@ -24,6 +24,7 @@ const PER_DTYPE: &[&str] = &[
     "gated_rms_norm_vec",
     "mul",
     "mul_vec",
+    "mul_rowgate",
     "unary",
     "unary_vec",
     "add_bias",
@@ -54,6 +55,14 @@ const PER_DTYPE: &[&str] = &[
     "mamba2_scan_n256",
     "init_random",
     "convert",
+    "moe_logits",
+    "moe_route",
+    "moe_plan",
+    "moe_up",
+    "moe_down",
+    "moe_combine",
+    "moe_tiles",
+    "moe_down_small",
 ];
 
 /// Kernels whose entry points are `<name>_<dtype>` for the 16-bit dtypes only (tensor-core
@@ -85,6 +94,8 @@ const PER_HALF_DTYPE: &[&str] = &[
     "gemv_norm_r1f4",
     "gemv_r1f2",
     "gemv_norm_r1f2",
+    "moe_up_mm",
+    "moe_down_mm",
 ];
 
 /// Kernels with a single entry point.

@@ -21,6 +21,10 @@ use cudarc::driver::{CudaFunction, sys};
 use flashrt_ir::{
     Act, Buffer, BufferId, Compiled, DType, GateOrder, NormWeight, Op, Plan, Role, View,
 };
+
+mod moe;
+use moe::MoeOp;
+
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -1432,6 +1436,36 @@ impl Builder<'_> {
                     ));
                 }
             }
+            Op::Mul { gate, act, x, out } if gate.width == 1 && x.width > 1 => {
+                // One gate per row (the shared expert's token gate): the plain kernel with a
+                // column step of 0 into the gate.
+                let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
+                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+                if gd != xd || xd != od || x.width != out.width {
+                    return Err(Error::Config(format!(
+                        "{label}: operand dtypes or widths differ"
+                    )));
+                }
+                let p = MulParams {
+                    gate: gp,
+                    x: xp,
+                    out: op_,
+                    len,
+                    ld_gate: ld_g,
+                    ld_x,
+                    ld_out: ld_o,
+                    width: to_i32(x.width, "width", label)?,
+                    act: act_code(*act),
+                };
+                cmds.push(self.kernel(
+                    label,
+                    self.kernels.typed("mul_rowgate", xd)?,
+                    (ceil_div(x.width, 256), r, 1),
+                    256,
+                    &p,
+                ));
+            }
             Op::Mul { gate, act, x, out } => {
                 let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
@@ -2060,12 +2094,34 @@ impl Builder<'_> {
                     &p,
                 ));
             }
-            Op::Moe { .. } => {
-                return Err(Error::Unsupported(format!(
-                    "{label}: mixture-of-experts layers have no CUDA kernels yet; run this model \
-                     with `--backend cpu`"
-                )));
-            }
+            Op::Moe {
+                x,
+                router,
+                bias,
+                up,
+                down,
+                out,
+                tmp,
+                route,
+                inter,
+                act,
+            } => self.moe(
+                MoeOp {
+                    x,
+                    router: *router,
+                    bias: *bias,
+                    up: *up,
+                    down: *down,
+                    out,
+                    tmp,
+                    route,
+                    inter: *inter,
+                    act: *act,
+                },
+                rows,
+                label,
+                cmds,
+            )?,
             Op::LoadState { state, out } => {
                 let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
                 self.expect_dtype(*state, od, label)?;
