@@ -591,7 +591,10 @@ mod tests {
         let read = decode_weight_bytes(&moe);
         let expert = 3 * 512 * 2048 * 2;
         let experts_per_layer = 256 * expert;
-        assert!(read < all - 40 * (experts_per_layer - 8 * expert), "{read} of {all}");
+        assert!(
+            read < all - 40 * (experts_per_layer - 8 * expert),
+            "{read} of {all}"
+        );
         assert!((5.5e9..6.2e9).contains(&(read as f64)), "{read}");
         // Dense: everything but the embedding table (one row) and the MTP head.
         let dense = compiled("qwen36-27b");

@@ -1,0 +1,344 @@
+//! Small phases' matmuls -> kernels/gemv.cu launches: consecutive `Linear`s on one input in one
+//! launch, with the RMSNorm before them fused into the prologue and an MLP's SwiGLU product into
+//! the epilogue.
+
+use super::*;
+
+/// Matrices one `gemv` launch may cover and warps per block: mirrors of kernels/gemv.cu.
+pub(super) const MAX_GEMV: usize = 4;
+pub(super) const GEMV_WARPS: usize = 8;
+
+/// Output features per `gemv` block at `rows` rows (in `glu` mode half as many gate/up
+/// pairs): `GEMV_FEATS_OF` in kernels/gemv.cu.
+pub(super) fn gemv_feats(rows: usize) -> usize {
+    if rows <= 2 { 8 } else { 4 }
+}
+
+/// A RmsNorm fused into a `gemv` launch ([`Builder::gemv_norm`]).
+#[derive(Clone, Copy, Default)]
+pub(super) struct GemvNorm {
+    pub(super) x: u64,
+    pub(super) ld_x: i32,
+    pub(super) w: u64,
+    pub(super) one_plus: bool,
+    pub(super) out: u64,
+    pub(super) ld_out: i32,
+    pub(super) eps: f32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(super) struct GemvMat {
+    pub(super) w: u64,
+    pub(super) out: u64,
+    pub(super) n: i32,
+    pub(super) ld_out: i32,
+    pub(super) blocks: i32,
+    pub(super) pad: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct GemvParams {
+    pub(super) x: u64,
+    pub(super) ld_x: i32,
+    pub(super) k: i32,
+    pub(super) nmats: i32,
+    pub(super) accumulate: i32,
+    pub(super) out_f32: i32,
+    pub(super) glu: i32,
+    pub(super) act: i32,
+    pub(super) pad: i32,
+    pub(super) glu_out: u64,
+    pub(super) ld_glu: i32,
+    pub(super) last_row: i32,
+    pub(super) len: u64,
+    pub(super) norm: i32,
+    pub(super) one_plus: i32,
+    pub(super) norm_w: u64,
+    pub(super) norm_out: u64,
+    pub(super) ld_norm_out: i32,
+    pub(super) eps: f32,
+    pub(super) m: [GemvMat; MAX_GEMV],
+}
+
+impl Builder<'_> {
+    /// A `Linear` that [`Builder::gemv`] can run: no bias, 16-bit target, `k % 8 == 0`,
+    /// 16-byte aligned rows. Returns (x address, ld_x, weight address, out address, ld_out,
+    /// out is f32), or `None` to leave the op to cuBLASLt (which also reports bad views).
+    pub(super) fn gemv_operands(
+        &self,
+        op: &Op,
+        shape_rows: usize,
+    ) -> Option<(u64, i32, u64, u64, i32, bool)> {
+        let Op::Linear {
+            x,
+            w,
+            bias: None,
+            out,
+            ..
+        } = op
+        else {
+            return None;
+        };
+        let t = self.target();
+        let (xp, ld_x, xd) = self.view(x, shape_rows, "", "").ok()?;
+        let (op_, ld_o, od) = self.view(out, shape_rows, "", "").ok()?;
+        let wb = self.buf(*w);
+        let wp = self.addr(*w);
+        let fits = xd == t
+            && wb.dtype == t
+            && (od == t || od == DType::F32)
+            && wb.shape == [out.width, x.width]
+            && x.width % 8 == 0
+            && ld_x % 8 == 0
+            && xp % 16 == 0
+            && wp.is_multiple_of(16);
+        fits.then_some((xp, ld_x, wp, op_, ld_o, od == DType::F32))
+    }
+
+    /// Small phases (at most 8 shape rows, bf16/f16): the `Linear`s at the head of `ops` as
+    /// one `gemv` launch (kernels/gemv.cu) — up to 4 consecutive matrices reading the same
+    /// input, or an MLP's gate, up and `Mul` fused (`glu`). Returns how many ops it consumed,
+    /// `None` when the head op is not such a `Linear` (or gemv is off).
+    pub(super) fn gemv(
+        &self,
+        ops: &[Op],
+        shape_rows: usize,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+    ) -> Result<Option<usize>> {
+        let t = self.target();
+        if !self.gemv || shape_rows > 8 || !matches!(t, DType::Bf16 | DType::F16) {
+            return Ok(None);
+        }
+        // A leading RmsNorm over whole rows, read by the Linears right after it, is fused
+        // into their launch (each block normalises its input rows itself).
+        let norm = self.gemv_norm(ops, shape_rows);
+        let ops = if norm.is_some() { &ops[1..] } else { ops };
+        let Some(first) = self.gemv_operands(&ops[0], shape_rows) else {
+            return Ok(None);
+        };
+        let Op::Linear {
+            x: x0,
+            accumulate: acc0,
+            ..
+        } = &ops[0]
+        else {
+            return Ok(None);
+        };
+        // The group: consecutive non-accumulating Linears on the same input and output dtype.
+        let mut group = vec![(&ops[0], first)];
+        if !acc0 {
+            for op in ops.iter().skip(1).take(MAX_GEMV - 1) {
+                match (op, self.gemv_operands(op, shape_rows)) {
+                    (
+                        Op::Linear {
+                            x,
+                            accumulate: false,
+                            ..
+                        },
+                        Some(o),
+                    ) if x == x0 && o.5 == first.5 => group.push((op, o)),
+                    _ => break,
+                }
+            }
+        }
+        let out_view = |op: &Op| match op {
+            Op::Linear { out, w, .. } => (*out, *w),
+            _ => unreachable!("gemv groups hold Linear ops only"),
+        };
+        // gate, up, Mul(act(gate) * up) -> one glu launch.
+        let glu = match (group.len() >= 2, ops.get(2)) {
+            (
+                true,
+                Some(Op::Mul {
+                    gate,
+                    act,
+                    x: mx,
+                    out,
+                }),
+            ) => {
+                let (g, _) = out_view(group[0].0);
+                let (u, _) = out_view(group[1].0);
+                (*gate == g && *mx == u && g.width == u.width && !first.5).then_some((*act, *out))
+            }
+            _ => None,
+        };
+        if glu.is_some() {
+            group.truncate(2);
+        }
+        // Features per block: the rows' default, or for one row fewer when the default leaves
+        // the last wave of resident blocks mostly empty (see `gemv_r1f<F>`).
+        let widths: Vec<usize> = group.iter().map(|(op, _)| out_view(op).0.width).collect();
+        let (feats, suffix) = self.gemv_shape(
+            shape_rows,
+            &widths[..if glu.is_some() { 1 } else { widths.len() }],
+            glu.is_some(),
+            norm.is_some(),
+        )?;
+        let per_block = if glu.is_some() { feats / 2 } else { feats };
+        let mut mats = [GemvMat::default(); MAX_GEMV];
+        let mut total_blocks = 0u32;
+        let mut names = Vec::new();
+        for (slot, (op, (_, _, wp, op_, ld_o, _))) in mats.iter_mut().zip(&group) {
+            let (out, w) = out_view(op);
+            let blocks = ceil_div(out.width, per_block);
+            *slot = GemvMat {
+                w: *wp,
+                out: *op_,
+                n: to_i32(out.width, "n", label)?,
+                ld_out: *ld_o,
+                blocks: blocks as i32,
+                pad: 0,
+            };
+            total_blocks += blocks;
+            names.push(self.buf(w).name.clone());
+        }
+        if glu.is_some() {
+            total_blocks = mats[0].blocks as u32;
+        }
+        let (glu_out, ld_glu, act) = match glu {
+            Some((act, out)) => {
+                let (p, ld, d) = self.view(&out, shape_rows, label, "glu out")?;
+                if d != t || out.width != mats[0].n as usize {
+                    return Ok(None);
+                }
+                (p, ld, act_code(act))
+            }
+            None => (0, 0, 0),
+        };
+        let (xp, ld_x, ..) = first;
+        let (xp, ld_x) = norm.map_or((xp, ld_x), |n| (n.x, n.ld_x));
+        let n = norm.unwrap_or_default();
+        let p = GemvParams {
+            x: xp,
+            ld_x,
+            k: to_i32(x0.width, "k", label)?,
+            nmats: group.len() as i32,
+            accumulate: *acc0 as i32,
+            out_f32: first.5 as i32,
+            glu: glu.is_some() as i32,
+            act,
+            pad: 0,
+            glu_out,
+            ld_glu,
+            last_row: 0,
+            len: 0,
+            norm: norm.is_some() as i32,
+            one_plus: n.one_plus as i32,
+            norm_w: n.w,
+            norm_out: n.out,
+            ld_norm_out: n.ld_out,
+            eps: n.eps,
+            m: mats,
+        };
+        let kernel = if norm.is_some() {
+            format!("gemv_norm_r{shape_rows}{suffix}")
+        } else {
+            format!("gemv_r{shape_rows}{suffix}")
+        };
+        let label = format!(
+            "{label} {}`{}`{}",
+            if norm.is_some() { "rms_norm + " } else { "" },
+            names.join("` + `"),
+            if glu.is_some() { " + mul" } else { "" }
+        );
+        cmds.push(self.kernel(
+            &label,
+            self.kernels.typed(&kernel, t)?,
+            (total_blocks, 1, 1),
+            32 * GEMV_WARPS as u32,
+            &p,
+        ));
+        Ok(Some(
+            norm.is_some() as usize + group.len() + glu.is_some() as usize,
+        ))
+    }
+
+    /// Features per block and entry-point suffix for a `gemv` launch over matrices with
+    /// `widths` outputs (`glu`: one gate/up pair width). More rows use their default; one row
+    /// takes the largest of 8 / 4 / 2 whose blocks fill the resident slots (SMs x blocks per
+    /// SM, from the occupancy calculator) in waves at least 85 % full, else the fullest.
+    pub(super) fn gemv_shape(
+        &self,
+        rows: usize,
+        widths: &[usize],
+        glu: bool,
+        norm: bool,
+    ) -> Result<(usize, &'static str)> {
+        if rows != 1 {
+            return Ok((gemv_feats(rows), ""));
+        }
+        let t = self.target();
+        let mut best = (0.0, 8, "");
+        for (feats, suffix) in [(8, ""), (4, "f4"), (2, "f2")] {
+            let name = format!("gemv_{}r1{suffix}", if norm { "norm_" } else { "" });
+            let func = self.kernels.typed(&name, t)?;
+            let per_block = if glu { feats / 2 } else { feats };
+            let blocks: usize = widths.iter().map(|w| w.div_ceil(per_block)).sum();
+            let resident = func
+                .occupancy_max_active_blocks_per_multiprocessor(32 * GEMV_WARPS as u32, 0, None)
+                .unwrap_or(1)
+                .max(1) as usize
+                * self.sms.max(1);
+            let waves = blocks as f64 / resident as f64;
+            let fill = waves / waves.ceil();
+            if fill >= 0.85 {
+                return Ok((feats, suffix));
+            }
+            if fill > best.0 {
+                best = (fill, feats, suffix);
+            }
+        }
+        Ok((best.1, best.2))
+    }
+
+    /// `ops[0]` as a fusable RmsNorm: over whole 16-byte-aligned rows (`group == width`), with
+    /// an f32 weight (or none) and read by the `Linear` at `ops[1]`.
+    pub(super) fn gemv_norm(&self, ops: &[Op], rows: usize) -> Option<GemvNorm> {
+        let [
+            Op::RmsNorm {
+                x,
+                weight,
+                weight_kind,
+                out,
+                eps,
+                group,
+            },
+            Op::Linear { x: lx, .. },
+            ..,
+        ] = ops
+        else {
+            return None;
+        };
+        let t = self.target();
+        let (xp, ld_x, xd) = self.view(x, rows, "", "").ok()?;
+        let (op_, ld_o, od) = self.view(out, rows, "", "").ok()?;
+        let w = match weight {
+            Some(w) => {
+                let b = self.buf(*w);
+                (b.dtype == DType::F32 && b.numel() == *group && self.addr(*w).is_multiple_of(16))
+                    .then(|| self.addr(*w))?
+            }
+            None => 0,
+        };
+        let fits = lx == out
+            && *group == x.width
+            && x.width == out.width
+            && xd == t
+            && od == t
+            && x.width % 8 == 0
+            && ld_x % 8 == 0
+            && xp % 16 == 0;
+        fits.then_some(GemvNorm {
+            x: xp,
+            ld_x,
+            w,
+            one_plus: weight.is_some() && *weight_kind == NormWeight::OnePlus,
+            out: op_,
+            ld_out: ld_o,
+            eps: eps.get() as f32,
+        })
+    }
+}
