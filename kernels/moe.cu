@@ -473,7 +473,7 @@ FLASHRT_ENTRY(moe_combine, MoeParams, 256)
 // Plans of more than 8 rows run the experts as grouped GEMMs on the tensor cores (wmma
 // 16x16x16, f32 accumulators): block (feature tile, pair tile) takes MOE_MM_M pairs of one
 // expert (gathered rows of x, or of the hidden activations) and MOE_MM_N of its features, and
-// walks K in steps of 32 through shared memory. `moe_tiles` lists the (expert, first pair)
+// walks K in steps of MOE_MM_K through a two-stage cp.async pipeline in shared memory. `moe_tiles` lists the (expert, first pair)
 // tiles after `moe_plan`; blocks past the list return. Each output element is one tensor-core
 // dot product of its own A row and B column, whatever else shares the tile, so a row's result
 // does not depend on its chunk; decode and verify steps (<= 8 rows) keep the CUDA-core kernels
@@ -482,7 +482,7 @@ FLASHRT_ENTRY(moe_combine, MoeParams, 256)
 
 #define MOE_MM_M 64
 #define MOE_MM_N 64
-#define MOE_MM_K 32
+#define MOE_MM_K 64
 
 namespace moe {
 // Tiles of MOE_MM_M pairs: tiles[2 t] = expert, tiles[2 t + 1] = first pair (into pairs());
@@ -522,59 +522,89 @@ template <typename T> static __device__ __forceinline__ void moe_tiles_impl(cons
 FLASHRT_ENTRY(moe_tiles, MoeParams, 1024)
 
 // C[m, n] = sum_k A[m, k] B[n, k] for one tile: A rows are gathered (`a_row(m)` pointers, null
-// past the tile's pairs), B rows `b_row(n)` (null past the matrix), K a multiple of 8.
-// NB is the number of B row groups of MOE_MM_N (2 for SwiGLU's gate and up).
+// past the tile's pairs), B rows `b_row(n)` (null past the matrix), K a multiple of 8. NB is the
+// number of B row groups of MOE_MM_N (2 for SwiGLU's gate and up). Two stages of MOE_MM_K
+// columns stream through dynamic shared memory by cp.async while the tensor cores work on the
+// other; 4 warps in a 2 x 2 grid, each 32 rows x 32 columns of every group. The result lands in
+// `smem` as [NB * MOE_MM_N][MOE_MM_M] floats (column-major per group).
+template <typename T>
+static __device__ __forceinline__ void cp_async16(T* dst, const T* src, bool valid) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+
 template <typename T, int NB, typename ARow, typename BRow>
-static __device__ __forceinline__ void mm_tile(ARow a_row, BRow b_row, int K, float* c_out) {
+static __device__ __forceinline__ void mm_tile(ARow a_row, BRow b_row, int K, float* c_out, unsigned char* smem) {
     using namespace nvcuda;
-    __shared__ __align__(32) T As[MOE_MM_M][MOE_MM_K + 8];
-    __shared__ __align__(32) T Bs[NB * MOE_MM_N][MOE_MM_K + 8];
-    const int warp = threadIdx.x >> 5; // 4 warps: 16 rows of A each
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[NB][MOE_MM_N / 16];
+    constexpr int LD = MOE_MM_K + 8;
+    constexpr int A_ELEMS = MOE_MM_M * LD, B_ELEMS = NB * MOE_MM_N * LD;
+    T* stage[2] = {reinterpret_cast<T*>(smem), reinterpret_cast<T*>(smem) + A_ELEMS + B_ELEMS};
+    const int warp = threadIdx.x >> 5, wm = warp >> 1, wn = warp & 1;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][NB][2];
 #pragma unroll
-    for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < MOE_MM_N / 16; ++j) wmma::fill_fragment(acc[b][j], 0.0f);
-    constexpr int PK = MOE_MM_K / 8; // 16-byte packs per tile row
-    for (int k0 = 0; k0 < K; k0 += MOE_MM_K) {
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][b][j], 0.0f);
+    constexpr int PK = MOE_MM_K / 8;
+    // A fallback source for zero-filled packs (never read: cp.async with 0 source bytes).
+    const T* any = b_row(0) ? b_row(0) : a_row(0);
+    auto load = [&](int s, int k0) {
+        T* As = stage[s];
+        T* Bs = stage[s] + A_ELEMS;
         for (int i = threadIdx.x; i < MOE_MM_M * PK; i += blockDim.x) {
             const int m = i / PK, kk = (i % PK) * 8;
             const T* src = a_row(m);
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (src && k0 + kk < K) v = flashrt::ld16(src + k0 + kk);
-            flashrt::st16(&As[m][kk], v);
+            const bool ok = src && k0 + kk < K;
+            cp_async16(As + m * LD + kk, ok ? src + k0 + kk : any, ok);
         }
         for (int i = threadIdx.x; i < NB * MOE_MM_N * PK; i += blockDim.x) {
             const int n = i / PK, kk = (i % PK) * 8;
             const T* src = b_row(n);
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (src && k0 + kk < K) v = flashrt::ld16(src + k0 + kk);
-            flashrt::st16(&Bs[n][kk], v);
+            const bool ok = src && k0 + kk < K;
+            cp_async16(Bs + n * LD + kk, ok ? src + k0 + kk : any, ok);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    const int nk = (K + MOE_MM_K - 1) / MOE_MM_K;
+    load(0, 0);
+    for (int kt = 0; kt < nk; ++kt) {
+        if (kt + 1 < nk) {
+            load((kt + 1) & 1, (kt + 1) * MOE_MM_K);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
         }
         __syncthreads();
+        const T* As = stage[kt & 1];
+        const T* Bs = stage[kt & 1] + A_ELEMS;
 #pragma unroll
         for (int kk = 0; kk < MOE_MM_K; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-            wmma::load_matrix_sync(fa, &As[warp * 16][kk], MOE_MM_K + 8);
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(fa[i], As + (wm * 32 + i * 16) * LD + kk, LD);
 #pragma unroll
             for (int b = 0; b < NB; ++b)
 #pragma unroll
-                for (int j = 0; j < MOE_MM_N / 16; ++j) {
+                for (int j = 0; j < 2; ++j) {
                     wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-                    wmma::load_matrix_sync(fb, &Bs[b * MOE_MM_N + j * 16][kk], MOE_MM_K + 8);
-                    wmma::mma_sync(acc[b][j], fa, fb, acc[b][j]);
+                    wmma::load_matrix_sync(fb, Bs + (b * MOE_MM_N + wn * 32 + j * 16) * LD + kk, LD);
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[i][b][j], fa[i], fb, acc[i][b][j]);
                 }
         }
         __syncthreads();
     }
-    // c_out: [NB * MOE_MM_N][MOE_MM_M] column-major per B group: element (m, n) of group b at
-    // c_out[(b * MOE_MM_N + n) * MOE_MM_M + m].
 #pragma unroll
-    for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < MOE_MM_N / 16; ++j)
-            wmma::store_matrix_sync(c_out + (size_t)(b * MOE_MM_N + j * 16) * MOE_MM_M + warp * 16, acc[b][j],
-                                    MOE_MM_M, wmma::mem_col_major);
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                wmma::store_matrix_sync(c_out + (size_t)(b * MOE_MM_N + wn * 32 + j * 16) * MOE_MM_M + wm * 32 + i * 16,
+                                        acc[i][b][j], MOE_MM_M, wmma::mem_col_major);
     __syncthreads();
 }
 
@@ -592,20 +622,21 @@ template <typename T> static __device__ __forceinline__ void moe_up_mm_impl(cons
     auto a_row = [&](int m) -> const T* {
         return m < n ? static_cast<const T*>(p.x) + (size_t)(pr[m] / K) * p.ld_x : nullptr;
     };
-    __shared__ __align__(32) float cs[2 * MOE_MM_N * MOE_MM_M];
+    extern __shared__ __align__(128) unsigned char mm_smem[];
+    float* cs = reinterpret_cast<float*>(mm_smem);
     if (p.swiglu) {
         auto b_row = [&](int r) -> const T* {
             const int c = c0 + (r % MOE_MM_N);
             if (c >= I) return nullptr;
             return base + (size_t)(r < MOE_MM_N ? c : I + c) * H;
         };
-        mm_tile<T, 2>(a_row, b_row, H, cs);
+        mm_tile<T, 2>(a_row, b_row, H, cs, mm_smem);
     } else {
         auto b_row = [&](int r) -> const T* {
             const int c = c0 + r;
             return c < I ? base + (size_t)c * H : nullptr;
         };
-        mm_tile<T, 1>(a_row, b_row, H, cs);
+        mm_tile<T, 1>(a_row, b_row, H, cs, mm_smem);
     }
     for (int i = threadIdx.x; i < n * MOE_MM_N; i += blockDim.x) {
         const int m = i / MOE_MM_N, j = i % MOE_MM_N, c = c0 + j;
@@ -640,8 +671,9 @@ template <typename T> static __device__ __forceinline__ void moe_down_mm_impl(co
         const int c = c0 + r;
         return c < H ? base + (size_t)c * I : nullptr;
     };
-    __shared__ __align__(32) float cs[MOE_MM_N * MOE_MM_M];
-    mm_tile<T, 1>(a_row, b_row, I, cs);
+    extern __shared__ __align__(128) unsigned char mm_smem[];
+    float* cs = reinterpret_cast<float*>(mm_smem);
+    mm_tile<T, 1>(a_row, b_row, I, cs, mm_smem);
     for (int i = threadIdx.x; i < n * MOE_MM_N; i += blockDim.x) {
         const int m = i / MOE_MM_N, j = i % MOE_MM_N, c = c0 + j;
         if (c >= H) continue;

@@ -57,6 +57,16 @@ const MOE_MAX_K: usize = 32;
 const MOE_TILE: usize = 8;
 const MOE_MM_M: usize = 64;
 const MOE_MM_N: usize = 64;
+const MOE_MM_K: usize = 64;
+
+/// Dynamic shared memory of a grouped-mma block with `groups` B row groups: two cp.async
+/// stages of A (MOE_MM_M rows) and B (groups x MOE_MM_N rows) at MOE_MM_K + 8 columns, reused
+/// for the f32 result tile.
+fn mm_smem(groups: usize, t: DType) -> u32 {
+    let stages = 2 * (MOE_MM_M + groups * MOE_MM_N) * (MOE_MM_K + 8) * t.size();
+    let result = groups * MOE_MM_N * MOE_MM_M * 4;
+    stages.max(result) as u32
+}
 
 impl Builder<'_> {
     /// The launches of an `Op::Moe` (kernels/moe.cu): router logits, route (+ plan in small
@@ -199,20 +209,22 @@ impl Builder<'_> {
                 1024,
                 &p,
             ));
-            cmds.push(self.kernel(
+            cmds.push(self.kernel_smem(
                 &format!("{label} up (grouped mma)"),
                 self.kernels.typed("moe_up_mm", t)?,
                 (ceil_div(i, MOE_MM_N), max_tiles as u32, 1),
                 128,
+                mm_smem(m.act.up_rows(), t),
                 &p,
-            ));
-            cmds.push(self.kernel(
+            )?);
+            cmds.push(self.kernel_smem(
                 &format!("{label} down (grouped mma)"),
                 self.kernels.typed("moe_down_mm", t)?,
                 (ceil_div(h, MOE_MM_N), max_tiles as u32, 1),
                 128,
+                mm_smem(1, t),
                 &p,
-            ));
+            )?);
         } else {
             cmds.push(self.kernel_smem(
                 &format!("{label} up"),
