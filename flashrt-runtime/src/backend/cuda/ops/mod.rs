@@ -991,41 +991,17 @@ impl Builder<'_> {
                     ));
                 }
             }
-            Op::Mul { gate, act, x, out } if gate.width == 1 && x.width > 1 => {
-                // One gate per row (the shared expert's token gate): the plain kernel with a
-                // column step of 0 into the gate.
-                let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
-                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
-                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
-                if gd != xd || xd != od || x.width != out.width {
-                    return Err(Error::Config(format!(
-                        "{label}: operand dtypes or widths differ"
-                    )));
-                }
-                let p = MulParams {
-                    gate: gp,
-                    x: xp,
-                    out: op_,
-                    len,
-                    ld_gate: ld_g,
-                    ld_x,
-                    ld_out: ld_o,
-                    width: to_i32(x.width, "width", label)?,
-                    act: act_code(*act),
-                };
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed("mul_rowgate", xd)?,
-                    (ceil_div(x.width, 256), r, 1),
-                    256,
-                    &p,
-                ));
-            }
             Op::Mul { gate, act, x, out } => {
                 let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
                 let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
-                if gd != xd || xd != od || gate.width != x.width || x.width != out.width {
+                // A gate of width 1 is one gate per row (the MoE shared expert's token gate).
+                let row_gate = gate.width == 1 && x.width > 1;
+                if gd != xd
+                    || xd != od
+                    || (!row_gate && gate.width != x.width)
+                    || x.width != out.width
+                {
                     return Err(Error::Config(format!(
                         "{label}: operand dtypes or widths differ"
                     )));
@@ -1041,14 +1017,24 @@ impl Builder<'_> {
                     width: to_i32(x.width, "width", label)?,
                     act: act_code(*act),
                 };
-                cmds.push(self.elementwise(
-                    label,
-                    "mul",
-                    xd,
-                    (rows, r, x.width),
-                    &[(gp, ld_g), (xp, ld_x), (op_, ld_o)],
-                    &p,
-                )?);
+                cmds.push(if row_gate {
+                    self.kernel(
+                        label,
+                        self.kernels.typed("mul_rowgate", xd)?,
+                        (ceil_div(x.width, 256), r, 1),
+                        256,
+                        &p,
+                    )
+                } else {
+                    self.elementwise(
+                        label,
+                        "mul",
+                        xd,
+                        (rows, r, x.width),
+                        &[(gp, ld_g), (xp, ld_x), (op_, ld_o)],
+                        &p,
+                    )?
+                });
             }
             Op::Unary { x, act, out } => {
                 let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
