@@ -354,3 +354,25 @@ static __device__ __forceinline__ void flash_store(const float (&o)[4 * NO], con
         flashrt::pdl_trigger();                                                               \
         name##_impl<float>(p);                                                                \
     }
+
+// As FLASHRT_ENTRY, with `pre(p)` run before the wait: it may only touch memory no earlier
+// kernel writes (weights), e.g. prefetch them into L2 while the predecessor drains.
+#define FLASHRT_ENTRY_PRE(name, Params, bounds, pre)                                          \
+    extern "C" __global__ void __launch_bounds__(bounds) name##_bf16(const Params p) {       \
+        pre(p);                                                                               \
+        flashrt::pdl_wait();                                                                  \
+        flashrt::pdl_trigger();                                                               \
+        name##_impl<__nv_bfloat16>(p);                                                        \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(bounds) name##_f16(const Params p) {        \
+        pre(p);                                                                               \
+        flashrt::pdl_wait();                                                                  \
+        flashrt::pdl_trigger();                                                               \
+        name##_impl<__half>(p);                                                               \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(bounds) name##_f32(const Params p) {        \
+        pre(p);                                                                               \
+        flashrt::pdl_wait();                                                                  \
+        flashrt::pdl_trigger();                                                               \
+        name##_impl<float>(p);                                                                \
+    }

@@ -2,6 +2,7 @@
 // leave the device, so a captured graph replays them at any position and routing:
 //
 //   moe_logits   router logits (f32 weights), tiles of 8 rows x 4 experts per block
+//                (prefill plans: moe_x_f32, then a TF32 cuBLASLt matmul, see ops/moe.rs)
 //   moe_route    per row: scores, choice, top-k, weights
 //   moe_plan     one block: the (row, rank) pairs grouped by expert, the active experts
 //   moe_up       per active expert: act(gate x) * (up x) (SwiGLU) or relu(up x)^2 for its pairs
@@ -56,6 +57,29 @@ struct MoeParams {
     int max_pairs;   // the plan's rows * k (sizes the pair list)
     int small;       // decode / verify (<= 8 rows): moe_route also plans; moe_down_small combines
     int pad_;
+    // Small phases only: the block's neighbouring ops fused into its launches (null / 0 when
+    // not). The RMSNorm before the block: moe_logits reads `norm_x`, normalises it (weights
+    // `norm_w`, 1 + w with `one_plus`, rounded to T as the separate op stores it) and block
+    // (0, y) stores the result to `x` for the later launches. The shared expert: its token
+    // gate (x . s_gate, rounded to T) is one more router output, at `s_gate_out`; moe_up runs
+    // it as one more expert over every row into `s_h` (gated by sigmoid of that logit), and
+    // moe_down_small adds its down projection after the routed ranks.
+    const void* norm_x;
+    const float* norm_w;
+    const void* s_gate;   // [hidden] T or null
+    void* s_gate_out;     // [rows, ld_s_gate_out] T
+    const void* s_up;     // [s_inter, hidden] T: gate rows (SwiGLU) or up rows
+    const void* s_up2;    // [s_inter, hidden] T: up rows (SwiGLU) or null
+    const void* s_down;   // [hidden, s_inter] T
+    void* s_h;            // [rows, ld_s_h] T
+    int ld_norm_x;
+    int one_plus;
+    float eps;
+    int ld_s_gate_out;
+    int ld_s_h;
+    int s_inter;
+    int shared;           // 1: the shared expert is fused (s_up, s_down, s_h set)
+    int pad2_;
 };
 
 namespace moe {
@@ -104,42 +128,151 @@ static __device__ __forceinline__ float warp_max(float v) {
 
 } // namespace moe
 
+// Dot products of up to MOE_TILE shared input rows (`k` elements each, 16-byte packs) with W
+// weight rows (W = 2: SwiGLU's gate and up rows together): lane-strided packs, each lane's in
+// increasing order, loaded MOE_BATCH / W at a time per weight row so a decode step keeps
+// MOE_BATCH loads in flight per lane; then warp sums. acc[w * ROWS + q]: weight row w, input
+// row q; every lane returns the totals.
+#define MOE_BATCH 8
+template <typename T, int ROWS, int W = 1>
+static __device__ __forceinline__ void tile_dots(const T* const (&w)[W], const T* xs, int k, int n, float* acc) {
+    constexpr int N = flashrt::Pack16<T>::N;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int q = 0; q < W * ROWS; ++q) acc[q] = 0.0f;
+    constexpr int B = MOE_BATCH / W;
+    for (int c0 = lane * N; c0 < k; c0 += B * 32 * N) {
+        uint4 wp[W][B];
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int c = c0 + b * 32 * N;
+#pragma unroll
+            for (int v = 0; v < W; ++v) wp[v][b] = c < k ? flashrt::ld16(w[v] + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int c = c0 + b * 32 * N;
+            if (c >= k) break;
+#pragma unroll
+            for (int q = 0; q < ROWS; ++q) {
+                if (q >= n) break;
+                float xv[N];
+                flashrt::unpack16<T>(flashrt::ld16(xs + (size_t)q * k + c), xv);
+#pragma unroll
+                for (int v = 0; v < W; ++v) {
+                    float wv[N];
+                    flashrt::unpack16<T>(wp[v][b], wv);
+#pragma unroll
+                    for (int e = 0; e < N; ++e) acc[v * ROWS + q] += wv[e] * xv[e];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < W * ROWS; ++q) acc[q] = flashrt::warp_sum(acc[q]);
+}
+
 #define MOE_LOGIT_ROWS 8
 #define MOE_LOGIT_WARPS 4
+#define MOE_LOGIT_BATCH 16
 
-// grid = (ceil(E / 4), ceil(rows / 8)), block = 128, dynamic shared memory 8 * hidden T: the
+// grid = (ceil((E + token gate) / 4), ceil(rows / 8)), block = 128, dynamic shared memory
+// 8 * hidden T: the
 // block's rows of x in shared memory, warp w computes expert 4 * bx + w for them, reading its
 // router row once (decode's router is a 2 MB f32 read spread over E / 4 blocks). Each logit is
 // the same lane-strided f32 sum whatever rows share the block.
 template <typename T> static __device__ __forceinline__ void moe_logits_impl(const MoeParams& p) {
     extern __shared__ __align__(16) unsigned char logit_smem[];
     T* xs = reinterpret_cast<T*>(logit_smem);
+    __shared__ float inv[MOE_LOGIT_ROWS];
     const int len = flashrt::load_len(p.len);
     const int r0 = blockIdx.y * MOE_LOGIT_ROWS;
     if (r0 >= len) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = min(MOE_LOGIT_ROWS, len - r0), H = p.hidden;
     constexpr int N = flashrt::Pack16<T>::N;
+    const T* src = static_cast<const T*>(p.norm_x ? p.norm_x : p.x);
+    const int ld_src = p.norm_x ? p.ld_norm_x : p.ld_x;
     for (int i = threadIdx.x; i < n * (H / N); i += blockDim.x) {
         const int q = i / (H / N), col = (i % (H / N)) * N;
-        flashrt::st16(xs + (size_t)q * H + col, flashrt::ld16(static_cast<const T*>(p.x) + (size_t)(r0 + q) * p.ld_x + col));
+        flashrt::st16(xs + (size_t)q * H + col, flashrt::ld16(src + (size_t)(r0 + q) * ld_src + col));
     }
     __syncthreads();
+    if (p.norm_x) {
+        // The fused RMSNorm: a warp per row sums the squares (lane-strided packs, then the warp
+        // reduction), every element is scaled and rounded in place, block (0, y) stores the
+        // rows for the launches after this one.
+        for (int q = warp; q < n; q += MOE_LOGIT_WARPS) {
+            float ss = 0.0f;
+            for (int c = lane * N; c < H; c += 32 * N) {
+                float v[N];
+                flashrt::unpack16<T>(flashrt::ld16(xs + (size_t)q * H + c), v);
+#pragma unroll
+                for (int j = 0; j < N; ++j) ss = fmaf(v[j], v[j], ss);
+            }
+            ss = flashrt::warp_sum(ss);
+            if (lane == 0) inv[q] = 1.0f / sqrtf(ss / (float)H + p.eps);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < n * (H / N); i += blockDim.x) {
+            const int q = i / (H / N), col = (i % (H / N)) * N;
+            T* px = xs + (size_t)q * H + col;
+            float v[N];
+            flashrt::unpack16<T>(flashrt::ld16(px), v);
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                float s = p.norm_w ? __ldg(p.norm_w + col + j) : 1.0f;
+                if (p.norm_w && p.one_plus) s += 1.0f;
+                px[j] = flashrt::from_f32<T>(v[j] * inv[q] * s);
+            }
+        }
+        __syncthreads();
+        if (blockIdx.x == 0)
+            for (int i = threadIdx.x; i < n * (H / N); i += blockDim.x) {
+                const int q = i / (H / N), col = (i % (H / N)) * N;
+                flashrt::st16(static_cast<T*>(const_cast<void*>(p.x)) + (size_t)(r0 + q) * p.ld_x + col,
+                              flashrt::ld16(xs + (size_t)q * H + col));
+            }
+    }
     const int e = blockIdx.x * MOE_LOGIT_WARPS + warp;
+    if (e == p.experts && p.s_gate) {
+        // The shared expert's token gate: one T weight row.
+        float acc[MOE_LOGIT_ROWS];
+        const T* const gw[1] = {static_cast<const T*>(p.s_gate)};
+        tile_dots<T, MOE_LOGIT_ROWS>(gw, xs, H, n, acc);
+#pragma unroll
+        for (int q = 0; q < MOE_LOGIT_ROWS; ++q) {
+            if (q >= n) break;
+            const float v = acc[q];
+            if (lane == 0) static_cast<T*>(p.s_gate_out)[(size_t)(r0 + q) * p.ld_s_gate_out] = flashrt::from_f32<T>(v);
+        }
+        return;
+    }
     if (e >= p.experts) return;
     const float4* w = reinterpret_cast<const float4*>(p.router + (size_t)e * H);
     float acc[MOE_LOGIT_ROWS];
 #pragma unroll
     for (int q = 0; q < MOE_LOGIT_ROWS; ++q) acc[q] = 0.0f;
-#pragma unroll 4
-    for (int i = lane; i < H / 4; i += 32) {
-        const float4 v = __ldg(w + i);
+    // MOE_LOGIT_BATCH float4 loads in flight per lane; each lane sums its packs in order.
+    for (int i0 = lane; i0 < H / 4; i0 += MOE_LOGIT_BATCH * 32) {
+        float4 wv[MOE_LOGIT_BATCH];
 #pragma unroll
-        for (int q = 0; q < MOE_LOGIT_ROWS; ++q) {
-            if (q >= n) break;
-            const T* x = xs + (size_t)q * H + 4 * i;
-            acc[q] += v.x * flashrt::to_f32(x[0]) + v.y * flashrt::to_f32(x[1]) +
-                      v.z * flashrt::to_f32(x[2]) + v.w * flashrt::to_f32(x[3]);
+        for (int b = 0; b < MOE_LOGIT_BATCH; ++b) {
+            const int i = i0 + b * 32;
+            wv[b] = i < H / 4 ? __ldg(w + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int b = 0; b < MOE_LOGIT_BATCH; ++b) {
+            const int i = i0 + b * 32;
+            if (i >= H / 4) break;
+            const float4 v = wv[b];
+#pragma unroll
+            for (int q = 0; q < MOE_LOGIT_ROWS; ++q) {
+                if (q >= n) break;
+                const T* x = xs + (size_t)q * H + 4 * i;
+                acc[q] += v.x * flashrt::to_f32(x[0]) + v.y * flashrt::to_f32(x[1]) +
+                          v.z * flashrt::to_f32(x[2]) + v.w * flashrt::to_f32(x[3]);
+            }
         }
     }
 #pragma unroll
@@ -150,7 +283,42 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
     }
 }
 
-FLASHRT_ENTRY(moe_logits, MoeParams, 128)
+// Before the predecessor is done: this warp's router row (or the token gate row) into L2.
+static __device__ __forceinline__ void moe_logits_prefetch(const MoeParams& p) {
+    const int lane = threadIdx.x & 31;
+    const int e = blockIdx.x * MOE_LOGIT_WARPS + (threadIdx.x >> 5);
+    const char* row = nullptr;
+    size_t bytes = 0;
+    if (e < p.experts) {
+        row = reinterpret_cast<const char*>(p.router + (size_t)e * p.hidden);
+        bytes = (size_t)p.hidden * 4;
+    } else if (e == p.experts && p.s_gate) {
+        // 16-bit weights (the fused path is bf16 / f16 only).
+        row = static_cast<const char*>(p.s_gate);
+        bytes = (size_t)p.hidden * 2;
+    }
+    for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+}
+
+FLASHRT_ENTRY_PRE(moe_logits, MoeParams, 128, moe_logits_prefetch)
+
+// grid = (ceil(hidden / 1024), rows), block = 256: row r of x widened to f32 in its `y` scratch
+// (the input of the prefill router's TF32 matmul), four values per thread.
+template <typename T> static __device__ __forceinline__ void moe_x_f32_impl(const MoeParams& p) {
+    const int row = blockIdx.y;
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (row >= flashrt::load_len(p.len) || c >= p.hidden) return;
+    const T* x = static_cast<const T*>(p.x) + (size_t)row * p.ld_x + c;
+    float4 v;
+    v.x = flashrt::to_f32(x[0]);
+    v.y = flashrt::to_f32(x[1]);
+    v.z = flashrt::to_f32(x[2]);
+    v.w = flashrt::to_f32(x[3]);
+    *reinterpret_cast<float4*>(reinterpret_cast<float*>(moe::y_of<T>(p, row, 0)) + c) = v;
+}
+
+FLASHRT_ENTRY(moe_x_f32, MoeParams, 256)
 
 // One row's routing by one warp; `score`, `choice`: E floats of shared memory, `keep`: 32.
 template <typename T>
@@ -317,61 +485,61 @@ template <typename T> static __device__ __forceinline__ void moe_plan_impl(const
 
 FLASHRT_ENTRY(moe_plan, MoeParams, 1024)
 
-// Dot products of up to MOE_TILE shared input rows (`k` elements each, 16-byte packs) with one
-// weight row: lane-strided packs, then a warp sum; every lane returns the totals.
-template <typename T, int ROWS>
-static __device__ __forceinline__ void tile_dots(const T* w, const T* xs, int k, int n, float* acc) {
-    constexpr int N = flashrt::Pack16<T>::N;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int q = 0; q < ROWS; ++q) acc[q] = 0.0f;
-    for (int c = lane * N; c < k; c += 32 * N) {
-        float wv[N];
-        flashrt::unpack16<T>(flashrt::ld16(w + c), wv);
-#pragma unroll
-        for (int q = 0; q < ROWS; ++q) {
-            if (q >= n) break;
-            float xv[N];
-            flashrt::unpack16<T>(flashrt::ld16(xs + (size_t)q * k + c), xv);
-#pragma unroll
-            for (int e = 0; e < N; ++e) acc[q] += wv[e] * xv[e];
-        }
-    }
-#pragma unroll
-    for (int q = 0; q < ROWS; ++q) acc[q] = flashrt::warp_sum(acc[q]);
-}
-
-// grid = (ceil(inter / 8), min(E, rows * k)), block = 256 (a warp per feature); dynamic shared
-// memory MOE_TILE * hidden * sizeof(T).
+// grid = (ceil(max(inter, s_inter) / 8), min(E, rows * k) + shared), block = 256 (a warp per
+// feature); dynamic shared memory MOE_TILE * hidden * sizeof(T). With `shared`, the last
+// blockIdx.y is the shared expert over every row (rows <= MOE_TILE: small phases only).
 template <typename T> static __device__ __forceinline__ void moe_up_impl(const MoeParams& p) {
     extern __shared__ __align__(16) unsigned char smem[];
     T* xs = reinterpret_cast<T*>(smem);
-    if ((int)blockIdx.y >= *moe::n_active(p)) return;
-    const int e = moe::active(p)[blockIdx.y];
-    const int lo = moe::offsets(p)[e], hi = moe::offsets(p)[e + 1];
-    const int H = p.hidden, I = p.inter, K = p.top_k;
+    const bool sh = p.shared && blockIdx.y == gridDim.y - 1;
+    if (!sh && (int)blockIdx.y >= *moe::n_active(p)) return;
+    const int e = sh ? 0 : moe::active(p)[blockIdx.y];
+    const int lo = sh ? 0 : moe::offsets(p)[e];
+    const int hi = sh ? flashrt::load_len(p.len) : moe::offsets(p)[e + 1];
+    const int H = p.hidden, I = sh ? p.s_inter : p.inter, K = p.top_k;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.x * (blockDim.x >> 5) + warp;
-    const int up_rows = p.swiglu ? 2 * I : I;
-    const T* base = static_cast<const T*>(p.up) + (size_t)e * up_rows * H;
-    const T* wg = base + (size_t)(c < I ? c : 0) * H;     // gate row (SwiGLU) or the up row
-    const T* wu = base + (size_t)(c < I ? I + c : 0) * H; // up row (SwiGLU only)
+    const int cc = c < I ? c : 0;
+    const T* wg;
+    const T* wu;
+    if (sh) {
+        wg = static_cast<const T*>(p.s_up) + (size_t)cc * H;
+        wu = p.swiglu ? static_cast<const T*>(p.s_up2) + (size_t)cc * H : wg;
+    } else {
+        const int up_rows = p.swiglu ? 2 * I : I;
+        const T* base = static_cast<const T*>(p.up) + (size_t)e * up_rows * H;
+        wg = base + (size_t)cc * H;                       // gate row (SwiGLU) or the up row
+        wu = p.swiglu ? base + (size_t)(I + cc) * H : wg; // up row (SwiGLU only)
+    }
+    // Pair q of the tile: its input row and where its activation goes.
+    auto row_of = [&](int t) { return sh ? t : moe::pairs(p)[t] / K; };
+    auto out_of = [&](int t) -> T* {
+        if (sh) return static_cast<T*>(p.s_h) + (size_t)t * p.ld_s_h;
+        const int pair = moe::pairs(p)[t];
+        return moe::hidden_of<T>(p, pair / K, pair % K);
+    };
     constexpr int N = flashrt::Pack16<T>::N;
     for (int t = lo; t < hi; t += MOE_TILE) {
         const int n = min(MOE_TILE, hi - t);
         for (int i = threadIdx.x; i < n * (H / N); i += blockDim.x) {
             const int q = i / (H / N), col = (i % (H / N)) * N;
-            const int r = moe::pairs(p)[t + q] / K;
+            const int r = row_of(t + q);
             flashrt::st16(xs + (size_t)q * H + col, flashrt::ld16(static_cast<const T*>(p.x) + (size_t)r * p.ld_x + col));
         }
         __syncthreads();
         if (c < I) {
-            float g[MOE_TILE], u[MOE_TILE];
-            tile_dots<T, MOE_TILE>(wg, xs, H, n, g);
-            if (p.swiglu) tile_dots<T, MOE_TILE>(wu, xs, H, n, u);
+            float gu[2 * MOE_TILE];
+            if (p.swiglu) {
+                const T* const wr[2] = {wg, wu};
+                tile_dots<T, MOE_TILE, 2>(wr, xs, H, n, gu);
+            } else {
+                const T* const wr[1] = {wg};
+                tile_dots<T, MOE_TILE>(wr, xs, H, n, gu);
+            }
+            const float* g = gu;
+            const float* u = gu + MOE_TILE;
             if (lane == 0) {
                 for (int q = 0; q < n; ++q) {
-                    const int pair = moe::pairs(p)[t + q];
                     float h;
                     if (p.swiglu) {
                         // Gate and up rounded to T first, as the dense MLP's separate ops store them.
@@ -381,7 +549,13 @@ template <typename T> static __device__ __forceinline__ void moe_up_impl(const M
                     } else {
                         h = flashrt::apply_act(flashrt::ACT_RELU2, flashrt::to_f32(flashrt::from_f32<T>(g[q])));
                     }
-                    moe::hidden_of<T>(p, pair / K, pair % K)[c] = flashrt::from_f32<T>(h);
+                    if (sh && p.s_gate) {
+                        // The token gate scales the rounded activation, as the separate row-gate
+                        // multiply does.
+                        const float tg = flashrt::to_f32(static_cast<const T*>(p.s_gate_out)[(size_t)(t + q) * p.ld_s_gate_out]);
+                        h = flashrt::sigmoidf_(tg) * flashrt::to_f32(flashrt::from_f32<T>(h));
+                    }
+                    out_of(t + q)[c] = flashrt::from_f32<T>(h);
                 }
             }
         }
@@ -414,7 +588,8 @@ template <typename T> static __device__ __forceinline__ void moe_down_impl(const
         __syncthreads();
         if (c < H) {
             float acc[MOE_TILE];
-            tile_dots<T, MOE_TILE>(w, hs, I, n, acc);
+            const T* const wr[1] = {w};
+            tile_dots<T, MOE_TILE>(wr, hs, I, n, acc);
             if (lane == 0)
                 for (int q = 0; q < n; ++q) {
                     const int pair = moe::pairs(p)[t + q];
@@ -428,24 +603,54 @@ template <typename T> static __device__ __forceinline__ void moe_down_impl(const
 FLASHRT_ENTRY(moe_down, MoeParams, 256)
 
 // Small phases (<= 8 rows): down projection and combine in one launch. grid = ceil(hidden / 8),
-// block = 256: warp w owns output feature 8 * bx + w of every row and sums
-// w_j * down_{e_j}[c] . hidden(r, j) over the ranks in order (f32, the y of the prefill path
-// not rounded), then adds it to out.
+// block = 256: warp w owns output feature 8 * bx + w of every row. Its lanes walk the
+// (rank, pack) pairs of all ranks at once, MOE_BATCH loads in flight each, summing
+// w_j * down_{e_j}[c] . hidden(r, j) (f32, the y of the prefill path not rounded), then the
+// shared expert's down_s[c] . s_h(r) (weight 1), one warp sum, added to out.
 template <typename T> static __device__ __forceinline__ void moe_down_small_impl(const MoeParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.x * (blockDim.x >> 5) + warp;
     if (c >= p.hidden) return;
+    constexpr int N = flashrt::Pack16<T>::N;
     const int len = flashrt::load_len(p.len), K = p.top_k, H = p.hidden, I = p.inter;
+    const int P = I / N, SP = p.shared ? p.s_inter / N : 0;
+    const int total = K * P + SP;
     for (int r = 0; r < len; ++r) {
         const int* ids = moe::ids_of<T>(p, r);
         const float* wts = moe::weights_of<T>(p, r);
         float acc = 0.0f;
-        for (int j = 0; j < K; ++j) {
-            const T* w = static_cast<const T*>(p.down) + ((size_t)ids[j] * H + c) * I;
-            float d;
-            tile_dots<T, 1>(w, moe::hidden_of<T>(p, r, j), I, 1, &d);
-            acc += wts[j] * d;
+        for (int q0 = lane; q0 < total; q0 += MOE_BATCH * 32) {
+            uint4 wp[MOE_BATCH], hp[MOE_BATCH];
+            float sc[MOE_BATCH];
+#pragma unroll
+            for (int b = 0; b < MOE_BATCH; ++b) {
+                const int q = q0 + b * 32;
+                wp[b] = hp[b] = make_uint4(0, 0, 0, 0);
+                sc[b] = 0.0f;
+                if (q < K * P) {
+                    const int j = q / P, col = (q % P) * N;
+                    wp[b] = flashrt::ld16(static_cast<const T*>(p.down) + ((size_t)ids[j] * H + c) * I + col);
+                    hp[b] = flashrt::ld16(moe::hidden_of<T>(p, r, j) + col);
+                    sc[b] = wts[j];
+                } else if (q < total) {
+                    const int col = (q - K * P) * N;
+                    wp[b] = flashrt::ld16(static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + col);
+                    hp[b] = flashrt::ld16(static_cast<const T*>(p.s_h) + (size_t)r * p.ld_s_h + col);
+                    sc[b] = 1.0f;
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < MOE_BATCH; ++b) {
+                float wv[N], hv[N];
+                flashrt::unpack16<T>(wp[b], wv);
+                flashrt::unpack16<T>(hp[b], hv);
+                float d = 0.0f;
+#pragma unroll
+                for (int e = 0; e < N; ++e) d += wv[e] * hv[e];
+                acc += sc[b] * d;
+            }
         }
+        acc = flashrt::warp_sum(acc);
         if (lane == 0) {
             T* o = static_cast<T*>(p.out) + (size_t)r * p.ld_out + c;
             *o = flashrt::from_f32<T>(flashrt::to_f32(*o) + acc);

@@ -247,6 +247,24 @@ fn bf16_tracks_cpu_reference() {
             ),
         ),
     ];
+    // The prefill experts' wmma kernels (what devices other than compute capability 9.0 run).
+    if let Some(wmma) = cuda_with(
+        "bf16_tracks_cpu_reference (wmma experts)",
+        CudaOptions {
+            moe_wgmma: false,
+            ..CudaOptions::default()
+        },
+    ) {
+        results.push((
+            "qwen-moe-like".to_string(),
+            bf16_vs_cpu(
+                "qwen-moe-like (random weights, wmma experts)",
+                QWEN_MOE_LIKE,
+                None,
+                wmma,
+            ),
+        ));
+    }
     match fixtures_dir() {
         Some(dir) => {
             for name in FIXTURES {

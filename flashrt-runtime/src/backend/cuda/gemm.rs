@@ -72,6 +72,10 @@ pub struct GemmShape {
     pub align_w: u32,
     pub align_x: u32,
     pub align_out: u32,
+    /// f32 inputs through the TF32 tensor cores (`CUBLAS_COMPUTE_32F_FAST_TF32`). Only for
+    /// operands whose values TF32 holds exactly (bf16/f16 values widened to f32, as the MoE
+    /// router's input): the products stay exact and only the f32 sum order differs.
+    pub tf32: bool,
 }
 
 /// A ready-to-run matmul: descriptors plus the chosen algorithm. Immutable after creation, so
@@ -150,11 +154,13 @@ impl Blas {
     fn create(&self, s: GemmShape) -> Result<LtGemm> {
         let in_t = cuda_type(s.in_dtype)?;
         let out_t = cuda_type(s.out_dtype)?;
-        let desc = lt::create_matmul_desc(
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cudaDataType_t::CUDA_R_32F,
-        )
-        .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
+        let compute = if s.tf32 {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let desc = lt::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
+            .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
         // Build the value step by step so that Drop cleans up whatever was created if a later
         // call fails.
         let mut g = LtGemm {

@@ -56,6 +56,7 @@ const PER_DTYPE: &[&str] = &[
     "init_random",
     "convert",
     "moe_logits",
+    "moe_x_f32",
     "moe_route",
     "moe_plan",
     "moe_up",
@@ -96,6 +97,8 @@ const PER_HALF_DTYPE: &[&str] = &[
     "gemv_norm_r1f2",
     "moe_up_mm",
     "moe_down_mm",
+    "moe_up_wg",
+    "moe_down_wg",
 ];
 
 /// Kernels with a single entry point.

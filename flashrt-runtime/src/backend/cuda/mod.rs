@@ -130,6 +130,10 @@ pub struct CudaOptions {
     /// any other device, uses the mma.sync kernel of kernels/attention_prefill.cu. Default
     /// from `FLASHRT_ATTN_WGMMA` (`0` = off).
     pub attn_wgmma: bool,
+    /// Run prefill MoE experts as warpgroup-MMA grouped GEMMs (kernels/moe_wgmma.cu) on
+    /// compute capability 9.0 (default); `false`, or any other device, uses the wmma kernels
+    /// of kernels/moe.cu. Default from `FLASHRT_MOE_WGMMA` (`0` = off).
+    pub moe_wgmma: bool,
 }
 
 impl Default for CudaOptions {
@@ -141,6 +145,7 @@ impl Default for CudaOptions {
             gemv: on("FLASHRT_GEMV"),
             attn_decode: on("FLASHRT_ATTN_DECODE"),
             attn_wgmma: on("FLASHRT_ATTN_WGMMA"),
+            moe_wgmma: on("FLASHRT_MOE_WGMMA"),
         }
     }
 }
@@ -319,6 +324,7 @@ impl CudaBackend {
             align_w: 256,
             align_x: 256,
             align_out: 256,
+            tf32: false,
         })?;
         let event = || {
             self.ctx
@@ -608,6 +614,7 @@ impl WeightSink for CudaSink {
                 options: sink.options,
                 sms,
                 wgmma: sm90a && sink.options.attn_wgmma,
+                moe_wgmma: sm90a && sink.options.moe_wgmma,
             }),
         }))
     }
@@ -627,6 +634,7 @@ struct ModelInner {
     sms: usize,
     /// Prefill attention through the sm_90a warpgroup-MMA kernel.
     wgmma: bool,
+    moe_wgmma: bool,
 }
 
 /// A model whose weights are on one GPU.
@@ -812,6 +820,7 @@ impl CudaSession {
             gemv: model.options.gemv,
             attn_decode: model.options.attn_decode,
             wgmma: model.wgmma,
+            moe_wgmma: model.moe_wgmma,
         };
         let mut programs = Vec::new();
         for plan in &model.compiled.plans {

@@ -294,21 +294,28 @@ impl Builder<'_> {
         Ok((best.1, best.2))
     }
 
-    /// `ops[0]` as a fusable RmsNorm: over whole 16-byte-aligned rows (`group == width`), with
-    /// an f32 weight (or none) and read by the `Linear` at `ops[1]`.
+    /// `ops[0]` as a fusable RmsNorm ([`Builder::row_norm`]) read by the `Linear` at `ops[1]`.
     pub(super) fn gemv_norm(&self, ops: &[Op], rows: usize) -> Option<GemvNorm> {
-        let [
-            Op::RmsNorm {
-                x,
-                weight,
-                weight_kind,
-                out,
-                eps,
-                group,
-            },
-            Op::Linear { x: lx, .. },
-            ..,
-        ] = ops
+        let [norm @ Op::RmsNorm { out, .. }, Op::Linear { x: lx, .. }, ..] = ops else {
+            return None;
+        };
+        if lx != out {
+            return None;
+        }
+        self.row_norm(norm, rows)
+    }
+
+    /// `op` as an RmsNorm a kernel can fuse into its prologue: over whole 16-byte-aligned rows
+    /// (`group == width`) of the target dtype, with an f32 weight (or none).
+    pub(super) fn row_norm(&self, op: &Op, rows: usize) -> Option<GemvNorm> {
+        let Op::RmsNorm {
+            x,
+            weight,
+            weight_kind,
+            out,
+            eps,
+            group,
+        } = op
         else {
             return None;
         };
@@ -323,8 +330,7 @@ impl Builder<'_> {
             }
             None => 0,
         };
-        let fits = lx == out
-            && *group == x.width
+        let fits = *group == x.width
             && x.width == out.width
             && xd == t
             && od == t

@@ -467,6 +467,8 @@ pub struct Builder<'a> {
     pub attn_decode: bool,
     /// Prefill attention at head_dim 129..=256 through attention_prefill_wgmma.cu (sm_90a).
     pub wgmma: bool,
+    /// Prefill MoE grouped GEMMs through kernels/moe_wgmma.cu (sm_90a).
+    pub moe_wgmma: bool,
 }
 
 /// kernels/norm.cu: packs per thread and the vector kernels' block bound; blocks of several
@@ -698,6 +700,10 @@ impl Builder<'_> {
                         }
                     }
                 }
+            }
+            if let Some(used) = self.moe_small(&plan.ops[i..], rows, &label, &mut cmds)? {
+                i += used;
+                continue;
             }
             // gemv computes a row the same way whatever the row count (see kernels/gemv.cu),
             // so it runs at the plan's own rows even where phases share a GEMM shape.
@@ -956,6 +962,7 @@ impl Builder<'_> {
                     align_w: gemm::alignment(wp),
                     align_x: gemm::alignment(xp),
                     align_out: gemm::alignment(op_),
+                    tf32: false,
                 };
                 let g = self.blas.gemm(shape).map_err(|e| match e {
                     Error::Backend { msg, .. } => Error::Backend {
@@ -1658,6 +1665,8 @@ impl Builder<'_> {
                     route,
                     inter: *inter,
                     act: *act,
+                    norm: None,
+                    shared: None,
                 },
                 rows,
                 label,

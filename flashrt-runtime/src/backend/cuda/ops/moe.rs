@@ -4,6 +4,24 @@
 use super::*;
 use flashrt_ir::{ExpertAct, RouteIr, RouterScore};
 
+/// A small phase's shared expert (the ops the lowering writes after an `Op::Moe`), fused
+/// into the block's launches ([`Builder::moe_small`]).
+#[derive(Clone, Copy)]
+pub(super) struct SharedExpert {
+    /// Token gate weight `[1, hidden]` and its output view (address, row stride), if gated.
+    gate: Option<(u64, u64, i32)>,
+    /// Gate rows (SwiGLU) or up rows `[inter, hidden]`; SwiGLU's up rows (else 0).
+    up: u64,
+    up2: u64,
+    /// `[hidden, inter]`.
+    down: u64,
+    /// The activation view (address, row stride).
+    h: (u64, i32),
+    inter: usize,
+    /// Plan ops it replaces.
+    ops: usize,
+}
+
 /// The operands of one `Op::Moe`.
 pub(super) struct MoeOp<'a> {
     pub(super) x: &'a View,
@@ -16,6 +34,9 @@ pub(super) struct MoeOp<'a> {
     pub(super) route: &'a RouteIr,
     pub(super) inter: usize,
     pub(super) act: ExpertAct,
+    /// Small phases: the RMSNorm before the block and the shared expert after it, fused.
+    pub(super) norm: Option<GemvNorm>,
+    pub(super) shared: Option<SharedExpert>,
 }
 
 /// kernels/moe.cu `MoeParams`.
@@ -48,6 +69,22 @@ struct MoeParams {
     max_pairs: i32,
     small: i32,
     pad: i32,
+    norm_x: u64,
+    norm_w: u64,
+    s_gate: u64,
+    s_gate_out: u64,
+    s_up: u64,
+    s_up2: u64,
+    s_down: u64,
+    s_h: u64,
+    ld_norm_x: i32,
+    one_plus: i32,
+    eps: f32,
+    ld_s_gate_out: i32,
+    ld_s_h: i32,
+    s_inter: i32,
+    shared: i32,
+    pad2: i32,
 }
 
 /// kernels/moe.cu limits.
@@ -58,6 +95,9 @@ const MOE_TILE: usize = 8;
 const MOE_MM_M: usize = 64;
 const MOE_MM_N: usize = 64;
 const MOE_MM_K: usize = 64;
+/// kernels/moe_wgmma.cu `MOE_WG_SMEM`: 4 stages of a 64-row A slab and a 128-row B slab
+/// (128-byte rows), plus 1 KiB of alignment slack.
+const MOE_WG_SMEM: u32 = 4 * (64 + 128) * 128 + 1024;
 
 /// Dynamic shared memory of a grouped-mma block with `groups` B row groups: two cp.async
 /// stages of A (MOE_MM_M rows) and B (groups x MOE_MM_N rows) at MOE_MM_K + 8 columns, reused
@@ -68,7 +108,188 @@ fn mm_smem(groups: usize, t: DType) -> u32 {
     stages.max(result) as u32
 }
 
+fn mm16(t: DType) -> bool {
+    matches!(t, DType::Bf16 | DType::F16)
+}
+
 impl Builder<'_> {
+    /// Small 16-bit phases: the `Op::Moe` at `ops[0]` (or `ops[1]` after the RMSNorm that
+    /// produces its input) with the shared-expert ops the lowering writes after it, as four
+    /// launches: norm + router + token gate, route + plan, the experts' up projections with
+    /// the shared expert as one more, and down + combine with the shared down projection.
+    /// Returns the ops consumed, `None` where the head is not such a block (the ops then run
+    /// one by one).
+    pub(super) fn moe_small(
+        &self,
+        ops: &[Op],
+        rows: usize,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+    ) -> Result<Option<usize>> {
+        let t = self.target();
+        if !self.gemv || rows > 8 || !mm16(t) {
+            return Ok(None);
+        }
+        let (norm, at) = match ops {
+            [n @ Op::RmsNorm { out, .. }, Op::Moe { x, .. }, ..] if out == x => {
+                match self.row_norm(n, rows) {
+                    Some(g) => (Some(g), 1),
+                    None => return Ok(None),
+                }
+            }
+            [Op::Moe { .. }, ..] => (None, 0),
+            _ => return Ok(None),
+        };
+        let Op::Moe {
+            x,
+            router,
+            bias,
+            up,
+            down,
+            out,
+            tmp,
+            route,
+            inter,
+            act,
+        } = &ops[at]
+        else {
+            return Ok(None);
+        };
+        if route.experts > 256 {
+            return Ok(None);
+        }
+        let shared = self.shared_expert(&ops[at + 1..], x, out, *act, rows);
+        let m = MoeOp {
+            x,
+            router: *router,
+            bias: *bias,
+            up: *up,
+            down: *down,
+            out,
+            tmp,
+            route,
+            inter: *inter,
+            act: *act,
+            norm,
+            shared,
+        };
+        self.moe(m, rows, label, cmds)?;
+        Ok(Some(at + 1 + shared.map_or(0, |s| s.ops)))
+    }
+
+    /// The shared expert the lowering writes after an MoE block reading `hn` and adding to
+    /// `out`: [gate Linear, up Linear, Mul(silu)] (SwiGLU) or [up Linear, Unary(relu2)], then
+    /// optionally [token-gate Linear to width 1, Mul(sigmoid)], then the down Linear
+    /// accumulating into `out`. `None` unless `ops` starts with exactly that, with weights
+    /// and views the fused kernels take.
+    fn shared_expert(
+        &self,
+        ops: &[Op],
+        hn: &View,
+        out: &View,
+        act: ExpertAct,
+        rows: usize,
+    ) -> Option<SharedExpert> {
+        let t = self.target();
+        let h = hn.width;
+        // A bias-free Linear from `src` (width `k`) to a width-`n` view: (weight, out view).
+        let lin = |op: &Op, src: &View, n: Option<usize>, acc: bool| -> Option<(u64, View)> {
+            let Op::Linear {
+                x,
+                w,
+                bias: None,
+                out,
+                accumulate,
+            } = op
+            else {
+                return None;
+            };
+            let b = self.buf(*w);
+            let fits = x == src
+                && *accumulate == acc
+                && n.is_none_or(|n| out.width == n)
+                && b.dtype == t
+                && b.shape == [out.width, x.width]
+                && self.addr(*w).is_multiple_of(16);
+            fits.then_some((self.addr(*w), *out))
+        };
+        let mut i = 0;
+        let next = |i: &mut usize| {
+            let op = ops.get(*i);
+            *i += 1;
+            op
+        };
+        let (up, up2, hv) = match act {
+            ExpertAct::Swiglu => {
+                let (g, gv) = lin(next(&mut i)?, hn, None, false)?;
+                let (u, uv) = lin(next(&mut i)?, hn, Some(gv.width), false)?;
+                let Op::Mul {
+                    gate,
+                    act: Act::Silu,
+                    x,
+                    out,
+                } = next(&mut i)?
+                else {
+                    return None;
+                };
+                (*gate == gv && *x == uv && *out == uv).then_some((g, u, uv))?
+            }
+            ExpertAct::Relu2 => {
+                let (u, uv) = lin(next(&mut i)?, hn, None, false)?;
+                let Op::Unary {
+                    x,
+                    act: Act::Relu2,
+                    out,
+                } = next(&mut i)?
+                else {
+                    return None;
+                };
+                (*x == uv && *out == uv).then_some((u, 0, uv))?
+            }
+        };
+        let si = hv.width;
+        let mut gate = None;
+        if let Some((tw, tv)) = ops.get(i).and_then(|op| lin(op, hn, Some(1), false)) {
+            let Some(Op::Mul {
+                gate: g,
+                act: Act::Sigmoid,
+                x,
+                out,
+            }) = ops.get(i + 1)
+            else {
+                return None;
+            };
+            if *g != tv || *x != hv || *out != hv {
+                return None;
+            }
+            let (tp, ld_t, td) = self.view(&tv, rows, "", "").ok()?;
+            if td != t {
+                return None;
+            }
+            gate = Some((tw, tp, ld_t));
+            i += 2;
+        }
+        let (d, dv) = lin(ops.get(i)?, &hv, Some(h), true)?;
+        if dv != *out {
+            return None;
+        }
+        let (hp, ld_h, hd) = self.view(&hv, rows, "", "").ok()?;
+        let pack = 16 / t.size();
+        let fits = hd == t
+            && si.is_multiple_of(pack)
+            && (ld_h as usize).is_multiple_of(pack)
+            && hp.is_multiple_of(16);
+        fits.then_some(SharedExpert {
+            gate,
+            up,
+            up2,
+            down: d,
+            h: (hp, ld_h),
+            inter: si,
+            ops: i + 1,
+        })
+    }
+
     /// The launches of an `Op::Moe` (kernels/moe.cu): router logits, route (+ plan in small
     /// phases), then for prefill plans the tile list and the grouped tensor-core GEMMs and the
     /// combine, for decode and verify the CUDA-core up and a fused down + combine.
@@ -119,9 +340,15 @@ impl Builder<'_> {
             )));
         }
         // Prefill plans run the experts as tensor-core grouped GEMMs over tiles of pairs.
-        let mm = rows > 8 && matches!(t, DType::Bf16 | DType::F16);
+        let mm = rows > 8 && mm16(t);
         // Decode and verify: routing and planning in one block, down and combine in one launch.
         let small = rows <= 8 && e <= 256;
+        let sh = m.shared;
+        if (m.norm.is_some() || sh.is_some()) && !(small && mm16(t)) {
+            return Err(bad(
+                "fused norm / shared expert outside a small 16-bit phase".into(),
+            ));
+        }
         let max_tiles = ceil_div(rows * k, MOE_MM_M) as usize + e.min(rows * k);
         let plan_bytes = 4 * (2 * e + 2 + rows * k + 1 + 2 * max_tiles);
         if plan_bytes > gemm::WORKSPACE_BYTES {
@@ -173,17 +400,74 @@ impl Builder<'_> {
             max_pairs: (rows * k) as i32,
             small: small as i32,
             pad: 0,
+            norm_x: m.norm.map_or(0, |n| n.x),
+            norm_w: m.norm.map_or(0, |n| n.w),
+            s_gate: sh.and_then(|s| s.gate).map_or(0, |g| g.0),
+            s_gate_out: sh.and_then(|s| s.gate).map_or(0, |g| g.1),
+            s_up: sh.map_or(0, |s| s.up),
+            s_up2: sh.map_or(0, |s| s.up2),
+            s_down: sh.map_or(0, |s| s.down),
+            s_h: sh.map_or(0, |s| s.h.0),
+            ld_norm_x: m.norm.map_or(0, |n| n.ld_x),
+            one_plus: m.norm.is_some_and(|n| n.one_plus) as i32,
+            eps: m.norm.map_or(0.0, |n| n.eps),
+            ld_s_gate_out: sh.and_then(|s| s.gate).map_or(0, |g| g.2),
+            ld_s_h: sh.map_or(0, |s| s.h.1),
+            s_inter: sh.map_or(0, |s| s.inter as i32),
+            shared: sh.is_some() as i32,
+            pad2: 0,
         };
         let active = e.min(rows * k) as u32;
         let rr = rows as u32;
-        cmds.push(self.kernel_smem(
-            &format!("{label} router"),
-            self.kernels.typed("moe_logits", t)?,
-            (ceil_div(e, 4), ceil_div(rows, 8), 1),
-            128,
-            (8 * h * t.size()) as u32,
-            &p,
-        )?);
+        // Prefill routers run on the TF32 tensor cores (cuBLASLt): x widened to f32 in each
+        // row's `y` scratch, logits straight into the rows' logit slots. bf16/f16 inputs and
+        // router weights stored from a 16-bit checkpoint are exact in TF32, so only the sum
+        // order differs from the CUDA-core kernel (which f32 targets and small phases keep).
+        let ld_f32 = ld_t as usize * t.size() / 4;
+        if mm && k * t.size() >= 4 && (ld_t as usize * t.size()).is_multiple_of(4) {
+            cmds.push(self.kernel(
+                &format!("{label} router input (f32)"),
+                self.kernels.typed("moe_x_f32", t)?,
+                (ceil_div(h, 1024), rr, 1),
+                256,
+                &p,
+            ));
+            let row_bytes = |cols: usize| (cols * t.size()) as u64;
+            let xf = tp + row_bytes(k * i);
+            let logits = tp + row_bytes(k * (i + h)) + 8 * k as u64;
+            let router = self.addr(m.router);
+            let shape = GemmShape {
+                in_dtype: DType::F32,
+                out_dtype: DType::F32,
+                n: e as u64,
+                k: h as u64,
+                rows: rows as u64,
+                ld_x: ld_f32 as i64,
+                ld_out: ld_f32 as i64,
+                align_w: gemm::alignment(router),
+                align_x: gemm::alignment(xf),
+                align_out: gemm::alignment(logits),
+                tf32: true,
+            };
+            cmds.push(Cmd::Gemm(GemmCmd {
+                label: format!("{label} router (tf32 matmul)"),
+                gemm: self.blas.gemm(shape)?,
+                w: router,
+                x: xf,
+                out: logits,
+                accumulate: false,
+            }));
+        } else {
+            let gate = sh.is_some_and(|s| s.gate.is_some()) as usize;
+            cmds.push(self.kernel_smem(
+                &format!("{label} router"),
+                self.kernels.typed("moe_logits", t)?,
+                (ceil_div(e + gate, 4), ceil_div(rows, 8), 1),
+                128,
+                (8 * h * t.size()) as u32,
+                &p,
+            )?);
+        }
         cmds.push(self.kernel_smem(
             &format!("{label} route"),
             self.kernels.typed("moe_route", t)?,
@@ -209,27 +493,50 @@ impl Builder<'_> {
                 1024,
                 &p,
             ));
-            cmds.push(self.kernel_smem(
-                &format!("{label} up (grouped mma)"),
-                self.kernels.typed("moe_up_mm", t)?,
-                (ceil_div(i, MOE_MM_N), max_tiles as u32, 1),
-                128,
-                mm_smem(m.act.up_rows(), t),
-                &p,
-            )?);
-            cmds.push(self.kernel_smem(
-                &format!("{label} down (grouped mma)"),
-                self.kernels.typed("moe_down_mm", t)?,
-                (ceil_div(h, MOE_MM_N), max_tiles as u32, 1),
-                128,
-                mm_smem(1, t),
-                &p,
-            )?);
+            if self.moe_wgmma {
+                // kernels/moe_wgmma.cu: 64 pairs x 128 B rows per block (SwiGLU: 64 features'
+                // gate and up rows).
+                let per = if m.act == ExpertAct::Swiglu { 64 } else { 128 };
+                cmds.push(self.kernel_smem(
+                    &format!("{label} up (grouped wgmma)"),
+                    self.kernels.typed("moe_up_wg", t)?,
+                    (ceil_div(i, per), max_tiles as u32, 1),
+                    128,
+                    MOE_WG_SMEM,
+                    &p,
+                )?);
+                cmds.push(self.kernel_smem(
+                    &format!("{label} down (grouped wgmma)"),
+                    self.kernels.typed("moe_down_wg", t)?,
+                    (ceil_div(h, 128), max_tiles as u32, 1),
+                    128,
+                    MOE_WG_SMEM,
+                    &p,
+                )?);
+            } else {
+                cmds.push(self.kernel_smem(
+                    &format!("{label} up (grouped mma)"),
+                    self.kernels.typed("moe_up_mm", t)?,
+                    (ceil_div(i, MOE_MM_N), max_tiles as u32, 1),
+                    128,
+                    mm_smem(m.act.up_rows(), t),
+                    &p,
+                )?);
+                cmds.push(self.kernel_smem(
+                    &format!("{label} down (grouped mma)"),
+                    self.kernels.typed("moe_down_mm", t)?,
+                    (ceil_div(h, MOE_MM_N), max_tiles as u32, 1),
+                    128,
+                    mm_smem(1, t),
+                    &p,
+                )?);
+            }
         } else {
+            let feats = sh.map_or(i, |s| s.inter.max(i));
             cmds.push(self.kernel_smem(
                 &format!("{label} up"),
                 self.kernels.typed("moe_up", t)?,
-                (ceil_div(i, 8), active, 1),
+                (ceil_div(feats, 8), active + sh.is_some() as u32, 1),
                 256,
                 (MOE_TILE * h * t.size()) as u32,
                 &p,
