@@ -298,3 +298,205 @@ impl Builder<'_> {
         Ok(Some(cmds))
     }
 }
+
+impl Builder<'_> {
+    /// The launches of an `Op::Attention` over `rows`: the KV-cache write, then decode
+    /// (split over the cache, combined) or prefill (tensor-core tiles) attention. With
+    /// `shared = Some(s)` the split count is a one-row step's (see [`Builder::op`]).
+    pub(super) fn attention(
+        &self,
+        op: &Op,
+        rows: usize,
+        shared: Option<usize>,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+    ) -> Result<()> {
+        let Op::Attention {
+            q,
+            k,
+            v,
+            cache_k,
+            cache_v,
+            out,
+            q_heads,
+            kv_heads,
+            head_dim,
+            scale,
+        } = op
+        else {
+            unreachable!("attention builds only Op::Attention")
+        };
+        let shape_rows = shared.unwrap_or(rows);
+        let t = self.target();
+        let io = &self.compiled.io;
+        let len = self.addr(io.len);
+        let pos = self.addr(io.pos);
+        let r = rows as u32;
+        let (qp, ld_q, qd) = self.view(q, rows, label, "q")?;
+        let (kp, ld_k, kd) = self.view(k, rows, label, "k")?;
+        let (vp, ld_v, vd) = self.view(v, rows, label, "v")?;
+        let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+        if [qd, kd, vd, od].iter().any(|&d| d != t) {
+            return Err(Error::Config(format!(
+                "{label}: q/k/v/out must be {}",
+                t.name()
+            )));
+        }
+        if *kv_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(Error::Config(format!(
+                "{label}: {q_heads} query heads vs {kv_heads} KV heads"
+            )));
+        }
+        let kvw = kv_heads * head_dim;
+        if q.width != q_heads * head_dim || out.width != q.width || k.width != kvw || v.width != kvw
+        {
+            return Err(Error::Config(format!(
+                "{label}: view widths do not match the head counts"
+            )));
+        }
+        let max_seq = self.compiled.layout.max_seq;
+        for c in [cache_k, cache_v] {
+            self.expect_dtype(*c, t, label)?;
+            let cb = self.buf(*c);
+            if cb.shape != [max_seq, *kv_heads, *head_dim] {
+                return Err(Error::Config(format!(
+                    "{label}: cache `{}` has shape {:?}, expected [{max_seq}, {kv_heads}, {head_dim}]",
+                    cb.name, cb.shape
+                )));
+            }
+        }
+        let variant = match head_dim {
+            0 => return Err(Error::Config(format!("{label}: head_dim 0"))),
+            1..=64 => "attention_d64",
+            65..=128 => "attention_d128",
+            129..=256 => "attention_d256",
+            257..=512 => "attention_d512",
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "{label}: head_dim {head_dim} > 512"
+                )));
+            }
+        };
+        let kw = KvWriteParams {
+            k: kp,
+            v: vp,
+            cache_k: self.addr(*cache_k),
+            cache_v: self.addr(*cache_v),
+            pos,
+            len,
+            ld_k,
+            ld_v,
+            width: to_i32(kvw, "kv width", label)?,
+            max_seq: to_i32(max_seq, "max_seq", label)?,
+        };
+        cmds.push(self.kernel(
+            &format!("{label} kv_write"),
+            self.kernels.typed("kv_write", t)?,
+            (ceil_div(kvw, 256), r, 1),
+            256,
+            &kw,
+        ));
+        let mut p = AttentionParams {
+            q: qp,
+            cache_k: self.addr(*cache_k),
+            cache_v: self.addr(*cache_v),
+            out: op_,
+            pos,
+            len,
+            ld_q,
+            ld_out: ld_o,
+            q_heads: to_i32(*q_heads, "q_heads", label)?,
+            kv_heads: to_i32(*kv_heads, "kv_heads", label)?,
+            head_dim: to_i32(*head_dim, "head_dim", label)?,
+            max_seq: to_i32(max_seq, "max_seq", label)?,
+            splits: 1,
+            scale: scale.get() as f32,
+            partial: self.workspace,
+        };
+        // Prefill buckets of >= 64 rows on 16-bit targets: the tensor-core kernel of
+        // attention_prefill.cu (tiles of 128 query rows x 64 keys, head_dim a multiple
+        // of 8 up to 256, 16-byte aligned rows for cp.async). Decode and verify plans
+        // never take it (small phases go to `attention_decode`, the rest to the split
+        // kernel of attention.cu). A device that cannot give a block
+        // the kernel's shared memory (192 KiB at head_dim 256) keeps the old kernel too.
+        let prefill_d = match head_dim {
+            8..=64 => Some(64),
+            65..=128 => Some(128),
+            129..=256 => Some(256),
+            _ => None,
+        }
+        .filter(|_| {
+            shared.is_none()
+                && rows >= 64
+                && matches!(t, DType::Bf16 | DType::F16)
+                && head_dim % 8 == 0
+                && ld_q % 8 == 0
+                && ld_o % 8 == 0
+                && [qp, op_, p.cache_k, p.cache_v].iter().all(|a| a % 16 == 0)
+        });
+        let prefill = match prefill_d {
+            // attention_prefill_wgmma.cu (sm_90a): TMA-fed, so it takes tensor maps
+            // of Q, K and V; if the driver cannot encode them, the mma.sync kernel.
+            Some(256) if self.wgmma => self
+                .attention_tma_params(&p, t, rows)
+                .and_then(|tp| {
+                    self.kernel_smem(
+                        &format!("{label} prefill wgmma d256"),
+                        self.kernels.typed("attention_prefill_wg_d256", t)?,
+                        (*q_heads as u32, ceil_div(rows, PREFILL_ROWS), 1),
+                        256,
+                        FA_WG_SMEM,
+                        &tp,
+                    )
+                })
+                .ok()
+                .map_or_else(
+                    || self.attention_prefill_mma(label, &p, t, 256, rows),
+                    |c| Ok(Some(c)),
+                )?,
+            Some(d) => self.attention_prefill_mma(label, &p, t, d, rows)?,
+            None => None,
+        };
+        if let Some(cmd) = prefill {
+            cmds.push(cmd);
+        } else if let Some(dec) = self
+            .attn_decode
+            .then(|| self.attention_decode(label, &p, rows, shared))
+            .transpose()?
+            .flatten()
+        {
+            // Small phases (<= 8 rows, or every phase of a speculative model's shared
+            // <= 5 rows): one block per (KV head, split), see `attention_decode`.
+            cmds.extend(dec);
+        } else {
+            // Flash-decoding split: enough blocks for ~4 waves, pieces of >= 16
+            // positions at max_seq, partials within the workspace.
+            let blocks = q_heads * if shared.is_some() { 1 } else { rows };
+            let per_split = q_heads * shape_rows * (head_dim + 2) * 4;
+            let splits = (4 * self.sms)
+                .div_ceil(blocks)
+                .min(64)
+                .min(max_seq.div_ceil(16))
+                .min(gemm::WORKSPACE_BYTES / per_split)
+                .max(1);
+            p.splits = splits as i32;
+            cmds.push(self.kernel(
+                label,
+                self.kernels.typed(variant, t)?,
+                (*q_heads as u32, r, splits as u32),
+                128,
+                &p,
+            ));
+            if splits > 1 {
+                cmds.push(self.kernel(
+                    &format!("{label} combine ({splits} splits)"),
+                    self.kernels.typed("attention_combine", t)?,
+                    (*q_heads as u32, r, 1),
+                    128,
+                    &p,
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -97,7 +97,9 @@ const MOE_MM_N: usize = 64;
 const MOE_MM_K: usize = 64;
 /// kernels/moe_wgmma.cu `MOE_WG_SMEM`: 4 stages of a 64-row A slab and a 128-row B slab
 /// (128-byte rows), plus 1 KiB of alignment slack.
-const MOE_WG_SMEM: u32 = 4 * (64 + 128) * 128 + 1024;
+fn moe_wg_smem(stages: u32) -> u32 {
+    stages * (64 + 128) * 128 + 1024
+}
 
 /// Dynamic shared memory of a grouped-mma block with `groups` B row groups: two cp.async
 /// stages of A (MOE_MM_M rows) and B (groups x MOE_MM_N rows) at MOE_MM_K + 8 columns, reused
@@ -497,20 +499,22 @@ impl Builder<'_> {
                 // kernels/moe_wgmma.cu: 64 pairs x 128 B rows per block (SwiGLU: 64 features'
                 // gate and up rows).
                 let per = if m.act == ExpertAct::Swiglu { 64 } else { 128 };
+                let s4 = std::env::var("FLASHRT_MOE_WG_STAGES").is_ok_and(|v| v == "4");
+                let (sfx, stages) = if s4 { ("4", 4) } else { ("", 3) };
                 cmds.push(self.kernel_smem(
                     &format!("{label} up (grouped wgmma)"),
-                    self.kernels.typed("moe_up_wg", t)?,
+                    self.kernels.typed(&format!("moe_up_wg{sfx}"), t)?,
                     (ceil_div(i, per), max_tiles as u32, 1),
                     128,
-                    MOE_WG_SMEM,
+                    moe_wg_smem(stages),
                     &p,
                 )?);
                 cmds.push(self.kernel_smem(
                     &format!("{label} down (grouped wgmma)"),
-                    self.kernels.typed("moe_down_wg", t)?,
+                    self.kernels.typed(&format!("moe_down_wg{sfx}"), t)?,
                     (ceil_div(h, 128), max_tiles as u32, 1),
                     128,
-                    MOE_WG_SMEM,
+                    moe_wg_smem(stages),
                     &p,
                 )?);
             } else {

@@ -1,0 +1,182 @@
+//! `Op::GatedDeltaNet` -> kernels/gated_deltanet.cu (the recurrent and chunked scans).
+
+use super::*;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GdnParams {
+    qkv: u64,
+    a: u64,
+    b: u64,
+    a_log: u64,
+    dt_bias: u64,
+    state: u64,
+    out: u64,
+    len: u64,
+    ld_qkv: i32,
+    ld_a: i32,
+    ld_b: i32,
+    ld_out: i32,
+    key_heads: i32,
+    value_heads: i32,
+    key_dim: i32,
+    value_dim: i32,
+}
+
+impl Builder<'_> {
+    /// The launches of an `Op::GatedDeltaNet` over `rows`: the recurrent kernel, or the
+    /// chunked one where it applies (see the variant choice below).
+    pub(super) fn gated_deltanet(
+        &self,
+        op: &Op,
+        rows: usize,
+        _shared: Option<usize>,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+    ) -> Result<()> {
+        let Op::GatedDeltaNet {
+            qkv,
+            a,
+            b,
+            a_log,
+            dt_bias,
+            state,
+            out,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+        } = op
+        else {
+            unreachable!("gated_deltanet builds only Op::GatedDeltaNet")
+        };
+        let t = self.target();
+        let io = &self.compiled.io;
+        let len = self.addr(io.len);
+        let (qp, ld_qkv, qd) = self.view(qkv, rows, label, "qkv")?;
+        let (ap, ld_a, ad) = self.view(a, rows, label, "a")?;
+        let (bp, ld_b, bd) = self.view(b, rows, label, "b")?;
+        let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+        if [qd, ad, bd, od].iter().any(|&d| d != t) {
+            return Err(Error::Config(format!(
+                "{label}: activations must be {}",
+                t.name()
+            )));
+        }
+        if *key_heads == 0 || value_heads % key_heads != 0 {
+            return Err(Error::Config(format!(
+                "{label}: {value_heads} value heads vs {key_heads} key heads"
+            )));
+        }
+        if qkv.width != 2 * key_heads * key_dim + value_heads * value_dim
+            || a.width != *value_heads
+            || b.width != *value_heads
+            || out.width != value_heads * value_dim
+        {
+            return Err(Error::Config(format!(
+                "{label}: view widths do not match the head counts"
+            )));
+        }
+        for p in [a_log, dt_bias] {
+            self.expect_dtype(*p, DType::F32, label)?;
+            self.expect_numel(*p, *value_heads, label)?;
+        }
+        self.expect_dtype(*state, DType::F32, label)?;
+        self.expect_numel(*state, value_heads * key_dim * value_dim, label)?;
+        // Two kernels (kernels/gated_deltanet.cu), both continuing from the state
+        // left by earlier calls:
+        // * buckets of >= 64 rows with key_dim <= 128: the chunked kernel (64-row
+        //   chunks in WY form on tensor cores: bf16/f16 mma for 16-bit targets,
+        //   3xTF32 for f32). One block per value head and 16 value columns, 128
+        //   threads, its shared memory (`GDN_CHUNK_*` below, mirroring `GdncLayout`)
+        //   above 48 KiB: 67 KiB for bf16 at key_dim 128, so 3 blocks share an SM;
+        // * otherwise (decode, verify, small prefill buckets, key_dim > 128): the
+        //   token-by-token kernel, one block per value head and 32 value columns.
+        // Which one runs depends only on the plan, so a phase always computes a row
+        // the same way.
+        const GDN_CHUNK_MIN_ROWS: usize = 64;
+        const GDN_CHUNK_ROWS: usize = 64;
+        const GDN_CHUNK_COLS: usize = 16;
+        // The chunked kernel's key_dim bound, if it runs.
+        let chunk_dk = match key_dim {
+            _ if rows < GDN_CHUNK_MIN_ROWS => None,
+            1..=64 => Some(64),
+            65..=128 => Some(128),
+            _ => None,
+        };
+        let variant = match (chunk_dk, key_dim) {
+            (_, 0) => return Err(Error::Config(format!("{label}: key_dim 0"))),
+            (Some(64), _) => "gated_deltanet_chunk_k64",
+            (Some(_), _) => "gated_deltanet_chunk_k128",
+            (None, 1..=64) => "gated_deltanet_k64",
+            (None, 65..=128) => "gated_deltanet_k128",
+            (None, 129..=256) => "gated_deltanet_k256",
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "{label}: key_dim {key_dim} > 256"
+                )));
+            }
+        };
+        let p = GdnParams {
+            qkv: qp,
+            a: ap,
+            b: bp,
+            a_log: self.addr(*a_log),
+            dt_bias: self.addr(*dt_bias),
+            state: self.addr(*state),
+            out: op_,
+            len,
+            ld_qkv,
+            ld_a,
+            ld_b,
+            ld_out: ld_o,
+            key_heads: to_i32(*key_heads, "key_heads", label)?,
+            value_heads: to_i32(*value_heads, "value_heads", label)?,
+            key_dim: to_i32(*key_dim, "key_dim", label)?,
+            value_dim: to_i32(*value_dim, "value_dim", label)?,
+        };
+        match chunk_dk {
+            Some(dk) => {
+                // GdncLayout<E, DK, N>, elements of the target dtype: Ks, Qs [C][DK+8];
+                // St [N][DK+8]; Vs [C][N+8]; As, Ps [C][C+8]; Ts [C][24]; Vt [N][C+8];
+                // Yt [N/8][8][24]; then six per-row f32 vectors [C].
+                let (c, n) = (GDN_CHUNK_ROWS, GDN_CHUNK_COLS);
+                let elems = 2 * c * (dk + 8)
+                    + n * (dk + 8)
+                    + c * (n + 8)
+                    + 2 * c * (c + 8)
+                    + c * 24
+                    + n * (c + 8)
+                    + n * 24;
+                let bytes = elems * t.size() + 6 * c * 4;
+                let func = self.kernels.typed(variant, t)?;
+                // Ask for the largest shared-memory carveout, so that several blocks fit
+                // on an SM (the kernel keeps nothing in L1 worth the space).
+                func.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    100,
+                )
+                .map_err(|e| Error::Backend {
+                    op: label.to_string(),
+                    msg: format!("cannot set the shared-memory carveout: {e:?}"),
+                })?;
+                cmds.push(self.kernel_smem(
+                    label,
+                    func,
+                    (ceil_div(*value_dim, n), *value_heads as u32, 1),
+                    128,
+                    bytes as u32,
+                    &p,
+                )?);
+            }
+            None => cmds.push(self.kernel(
+                label,
+                self.kernels.typed(variant, t)?,
+                (ceil_div(*value_dim, 32), *value_heads as u32, 1),
+                128,
+                &p,
+            )),
+        }
+        Ok(())
+    }
+}
