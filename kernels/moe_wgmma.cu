@@ -30,12 +30,11 @@
 #include "common.cuh"
 
 #define MOE_WG_N 128
-#define MOE_WG_STAGES 4
 #define MOE_WG_A_BYTES (MOE_MM_M * 128)
 #define MOE_WG_B_BYTES (MOE_WG_N * 128)
 #define MOE_WG_STAGE_BYTES (MOE_WG_A_BYTES + MOE_WG_B_BYTES)
-// Dynamic shared memory: the stages plus 1 KiB of alignment slack.
-#define MOE_WG_SMEM (MOE_WG_STAGES * MOE_WG_STAGE_BYTES + 1024)
+// Dynamic shared memory of S stages plus 1 KiB of alignment slack.
+#define MOE_WG_SMEM(S) ((S) * MOE_WG_STAGE_BYTES + 1024)
 
 namespace moe_wg {
 
@@ -83,7 +82,7 @@ MOE_WG_TYPE(__half, "f16")
 // C = A B^T for one tile: `a_row(m)` (m < 64) and `b_row(n)` (n < 128) give the rows' global
 // addresses or null (zero rows); K a multiple of 8. On return d holds the accumulators: d[4 j
 // + e] is row 16 w + lane / 4 + 8 (e / 2), column 8 j + 2 (lane % 4) + (e & 1).
-template <typename T, typename ARow, typename BRow>
+template <typename T, int MOE_WG_STAGES, typename ARow, typename BRow>
 static __device__ __forceinline__ void gemm_tile(ARow a_row, BRow b_row, int K, float (&d)[64], unsigned char* raw) {
     const uint32_t raw_s = flashrt::smem_u32(raw);
     const uint32_t base_s = (raw_s + 1023u) & ~1023u;
@@ -149,8 +148,8 @@ static __device__ __forceinline__ void gemm_tile(ARow a_row, BRow b_row, int K, 
 } // namespace moe_wg
 
 // grid = (ceil(inter / 64) SwiGLU or ceil(inter / 128) relu^2, max tiles), block = 128,
-// dynamic shared memory MOE_WG_SMEM.
-template <typename T> static __device__ __forceinline__ void moe_up_wg_impl(const MoeParams& p) {
+// dynamic shared memory MOE_WG_SMEM(S).
+template <typename T, int S> static __device__ __forceinline__ void moe_up_wg_impl(const MoeParams& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const int max_pairs = p.max_pairs;
     if ((int)blockIdx.y >= *moe::n_tiles(p, max_pairs)) return;
@@ -173,7 +172,7 @@ template <typename T> static __device__ __forceinline__ void moe_up_wg_impl(cons
     };
     extern __shared__ __align__(128) unsigned char moe_wg_smem[];
     float d[64];
-    moe_wg::gemm_tile<T>(a_row, b_row, H, d, moe_wg_smem);
+    moe_wg::gemm_tile<T, S>(a_row, b_row, H, d, moe_wg_smem);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -210,8 +209,8 @@ template <typename T> static __device__ __forceinline__ void moe_up_wg_impl(cons
 #endif
 }
 
-// grid = (ceil(hidden / 128), max tiles), block = 128, dynamic shared memory MOE_WG_SMEM.
-template <typename T> static __device__ __forceinline__ void moe_down_wg_impl(const MoeParams& p) {
+// grid = (ceil(hidden / 128), max tiles), block = 128, dynamic shared memory MOE_WG_SMEM(S).
+template <typename T, int S> static __device__ __forceinline__ void moe_down_wg_impl(const MoeParams& p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const int max_pairs = p.max_pairs;
     if ((int)blockIdx.y >= *moe::n_tiles(p, max_pairs)) return;
@@ -230,7 +229,7 @@ template <typename T> static __device__ __forceinline__ void moe_down_wg_impl(co
     };
     extern __shared__ __align__(128) unsigned char moe_wg_smem[];
     float d[64];
-    moe_wg::gemm_tile<T>(a_row, b_row, I, d, moe_wg_smem);
+    moe_wg::gemm_tile<T, S>(a_row, b_row, I, d, moe_wg_smem);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -251,17 +250,19 @@ template <typename T> static __device__ __forceinline__ void moe_down_wg_impl(co
 #endif
 }
 
-#define MOE_WG_ENTRY(name)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) name##_bf16(const MoeParams p) {       \
+#define MOE_WG_ENTRY(name, S, suffix)                                                         \
+    extern "C" __global__ void __launch_bounds__(128) name##suffix##_bf16(const MoeParams p) { \
         flashrt::pdl_wait();                                                                  \
         flashrt::pdl_trigger();                                                               \
-        name##_impl<__nv_bfloat16>(p);                                                        \
+        name##_impl<__nv_bfloat16, S>(p);                                                     \
     }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) name##_f16(const MoeParams p) {        \
+    extern "C" __global__ void __launch_bounds__(128) name##suffix##_f16(const MoeParams p) {  \
         flashrt::pdl_wait();                                                                  \
         flashrt::pdl_trigger();                                                               \
-        name##_impl<__half>(p);                                                               \
+        name##_impl<__half, S>(p);                                                            \
     }
 
-MOE_WG_ENTRY(moe_up_wg)
-MOE_WG_ENTRY(moe_down_wg)
+MOE_WG_ENTRY(moe_up_wg, 3, )
+MOE_WG_ENTRY(moe_down_wg, 3, )
+MOE_WG_ENTRY(moe_up_wg, 4, 4)
+MOE_WG_ENTRY(moe_down_wg, 4, 4)
