@@ -264,5 +264,3 @@ template <typename T, int S> static __device__ __forceinline__ void moe_down_wg_
 
 MOE_WG_ENTRY(moe_up_wg, 3, )
 MOE_WG_ENTRY(moe_down_wg, 3, )
-MOE_WG_ENTRY(moe_up_wg, 4, 4)
-MOE_WG_ENTRY(moe_down_wg, 4, 4)

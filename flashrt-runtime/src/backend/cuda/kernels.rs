@@ -99,8 +99,6 @@ const PER_HALF_DTYPE: &[&str] = &[
     "moe_down_mm",
     "moe_up_wg",
     "moe_down_wg",
-    "moe_up_wg4",
-    "moe_down_wg4",
 ];
 
 /// Kernels with a single entry point.

@@ -499,11 +499,12 @@ impl Builder<'_> {
                 // kernels/moe_wgmma.cu: 64 pairs x 128 B rows per block (SwiGLU: 64 features'
                 // gate and up rows).
                 let per = if m.act == ExpertAct::Swiglu { 64 } else { 128 };
-                let s4 = std::env::var("FLASHRT_MOE_WG_STAGES").is_ok_and(|v| v == "4");
-                let (sfx, stages) = if s4 { ("4", 4) } else { ("", 3) };
+                // Three stages: measured ahead of four (16k cold TTFT 345.7 vs 354.2 ms, H200,
+                // benches/results/2026-12-02-h200-moe-wgmma) — three blocks fit an SM.
+                let stages = 3;
                 cmds.push(self.kernel_smem(
                     &format!("{label} up (grouped wgmma)"),
-                    self.kernels.typed(&format!("moe_up_wg{sfx}"), t)?,
+                    self.kernels.typed("moe_up_wg", t)?,
                     (ceil_div(i, per), max_tiles as u32, 1),
                     128,
                     moe_wg_smem(stages),
@@ -511,7 +512,7 @@ impl Builder<'_> {
                 )?);
                 cmds.push(self.kernel_smem(
                     &format!("{label} down (grouped wgmma)"),
-                    self.kernels.typed(&format!("moe_down_wg{sfx}"), t)?,
+                    self.kernels.typed("moe_down_wg", t)?,
                     (ceil_div(h, 128), max_tiles as u32, 1),
                     128,
                     moe_wg_smem(stages),
