@@ -1,5 +1,7 @@
 // flashrt kernels: Gated DeltaNet recurrence (plan op `GatedDeltaNet`): a token-by-token kernel
-// (decode, verify, small prefill buckets) and a chunked one (prefill buckets of >= 64 rows).
+// (decode, verify, small prefill buckets), a chunked one (prefill buckets of >= 64 rows), and
+// for decode and verify on sm_90 the token kernel with the layer's causal conv before it and
+// gated RMSNorm after it fused in (`gdn_decode_r*`, below the token kernel).
 //
 // Per row r < io.len and value head h (key head kh = h / (Hv / Hk)), with S = state[h]
 // ([dk, dv], f32) and q, k L2-normalised (x / sqrt(sum x^2 + 1e-6)), q scaled by dk^-1/2:
@@ -227,6 +229,270 @@ template <typename T, int RPT> static __device__ __forceinline__ void gdn_impl(c
 FLASHRT_GDN_ENTRY(64, 16)
 FLASHRT_GDN_ENTRY(128, 32)
 FLASHRT_GDN_ENTRY(256, 64)
+
+// ---- gdn_decode_r{1,2,3,4}: small phases, conv + recurrence + gated RMSNorm in one launch ----
+// Decode and verify (<= GDND_ROWS rows, dk <= 128, dv <= 128 a multiple of 32, conv taps <= 4,
+// 16-bit targets, sm_90): the causal conv before the recurrence and the gated RMSNorm after it
+// (ops `CausalConv1d`, `GatedDeltaNet`, `GatedRmsNorm` of one layer) in one launch. grid = Hv,
+// one block per value head with the token kernel's thread layout (dv / 8 warps, 4 row slices
+// per column, the state slice in registers), in clusters of the R = Hv / Hk value heads that
+// share a key head. Every conv channel has one owner, so its state rolls without a race: each
+// block convolves its head's v channels and a 1 / R share of the key head's q and k channels,
+// and the cluster's blocks read each other's q, k through distributed shared memory. The
+// recurrent state and every weight are loaded before the wait for the predecessor (nothing
+// earlier in a step writes them). Each value is computed as the separate kernels compute it:
+// the conv output rounded to T (and stored, as the conv op stores it), the token kernel's
+// recurrence, its output rounded to T (stored), then the gated norm of the head's dv outputs
+// (the sum of squares in another order than the norm kernel's: f32 rounding).
+#define GDND_ROWS 8
+#define GDND_DK 128
+#define GDND_DV 128
+#define GDND_THREADS (GDND_DV / GDN_COLS_PER_WARP * 32)
+
+struct GdnDecodeParams {
+    GdnParams g;            // qkv: the conv's input (pre-conv); out: the recurrence's output
+    const float* conv_w;    // [C, K]
+    const float* conv_b;    // [C] or null
+    void* conv_state;       // [K - 1, C] T, oldest first
+    void* conv_out;         // [rows, ld_conv_out] T: the conv op's output view
+    const void* z;          // [rows, ld_z] T: the norm's gate
+    const float* norm_w;    // [dv] (shared) or [Hv * dv]
+    void* gated;            // [rows, ld_gated] T: the norm's output
+    int ld_conv_out;
+    int ld_z;
+    int ld_gated;
+    int conv_k;
+    int act;
+    int shared_weight;
+    int gate_then_norm;
+    float eps;
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+static __device__ __forceinline__ unsigned gdnd_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+static __device__ __forceinline__ void gdnd_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// f32 at `local` (this block's shared memory address) in the shared memory of cluster block `rank`.
+static __device__ __forceinline__ float gdnd_remote(const float* local, unsigned rank) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(local);
+    unsigned ra;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
+    return v;
+}
+#endif
+
+template <typename T, int R> static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int RPT = GDND_DK / GDN_SLICES;
+    __shared__ float cqk[GDND_ROWS][2 * GDND_DK]; // q then k, after the conv (T-rounded)
+    __shared__ float cv[GDND_ROWS][GDND_DV];
+    __shared__ float zs[GDND_ROWS][GDND_DV], so[GDND_DV];
+    __shared__ float sab[GDND_ROWS][2];
+    __shared__ float red[GDND_THREADS / 32];
+    const GdnParams& p = q.g;
+    const int h = blockIdx.x, kh = h / R;
+    const unsigned rank = gdnd_rank(); // == h % R
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int dk = p.key_dim, dv = p.value_dim;
+    const int slice = lane >> 3;
+    const int j = warp * GDN_COLS_PER_WARP + (lane & 7);
+    const bool col_ok = j < dv;
+    const int C = 2 * p.key_heads * dk + p.value_heads * dv;
+    const int K = q.conv_k, K1 = K - 1;
+    // This thread's conv channel: a v channel of the head, or one of the block's share of the
+    // key head's 2 dk q, k channels (index qi).
+    const int t = threadIdx.x, share = (2 * dk + R - 1) / R;
+    const int qi = t < dv ? -1 : (int)rank * share + (t - dv);
+    const bool conv_ok = t < dv || (t - dv < share && qi < 2 * dk);
+    const int ch = t < dv ? 2 * p.key_heads * dk + h * dv + t
+                 : qi < dk ? kh * dk + qi
+                           : p.key_heads * dk + kh * dk + (qi - dk);
+
+    // ---- before the wait: weights and the recurrent state (nothing earlier writes them)
+    float S[RPT];
+    float* st = p.state + (size_t)h * dk * dv;
+#pragma unroll
+    for (int m = 0; m < RPT; ++m) {
+        const int i = slice + GDN_SLICES * m;
+        S[m] = (col_ok && i < dk) ? st[(size_t)i * dv + j] : 0.0f;
+    }
+    float cw[4], cb = 0.0f;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) cw[u] = (conv_ok && u < K) ? q.conv_w[(size_t)ch * K + u] : 0.0f;
+    if (conv_ok && q.conv_b) cb = q.conv_b[ch];
+    const float nw = t < dv ? q.norm_w[q.shared_weight ? t : (size_t)h * dv + t] : 0.0f;
+    const float qscale = rsqrtf((float)dk);
+    const float neg_a = -expf(p.a_log[h]);
+    const float dt_bias = p.dt_bias[h];
+
+    flashrt::pdl_wait();
+    flashrt::pdl_trigger();
+    const int len = min(flashrt::load_len(p.len), GDND_ROWS);
+    const T* x = static_cast<const T*>(p.qkv);
+    T* cst = static_cast<T*>(q.conv_state);
+
+    // ---- the causal conv of this thread's channel over the rows, its state rolled
+    if (conv_ok) {
+        // A window of the last 4 times (win[3] = the newest), starting with the state's rows.
+        float win[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int s = K1 + m - 4; // state row of time m - 4 (none before the oldest)
+            win[m] = s >= 0 ? flashrt::to_f32(cst[(size_t)s * C + ch]) : 0.0f;
+        }
+        T* co = static_cast<T*>(q.conv_out);
+#pragma unroll 1
+        for (int r = 0; r < len; ++r) {
+#pragma unroll
+            for (int m = 0; m < 3; ++m) win[m] = win[m + 1];
+            win[3] = flashrt::to_f32(x[(size_t)r * p.ld_qkv + ch]);
+            // out[r] = act(bias + sum_j w[j] u[r - K1 + j]), taps in order (as conv_vec, whose
+            // left padding only adds exact zeros first).
+            float acc = cb;
+#pragma unroll
+            for (int u0 = 0; u0 < 4; ++u0)
+                if (u0 < K) acc += cw[u0] * win[4 - K + u0];
+            const T o = flashrt::from_f32<T>(flashrt::apply_act(q.act, acc));
+            co[(size_t)r * q.ld_conv_out + ch] = o;
+            if (t < dv) cv[r][t] = flashrt::to_f32(o);
+            else cqk[r][qi] = flashrt::to_f32(o);
+        }
+        // New state row s = time len - K1 + s = win[4 - K1 + s] (state values where len < K1).
+#pragma unroll
+        for (int s = 0; s < 3; ++s)
+            if (s < K1) cst[(size_t)s * C + ch] = flashrt::from_f32<T>(win[4 - K1 + s]);
+    }
+    // The norm's gate and the recurrence's a, b for every row.
+    for (int i = t; i < len * dv; i += blockDim.x)
+        zs[i / dv][i % dv] = flashrt::to_f32(static_cast<const T*>(q.z)[(size_t)(i / dv) * q.ld_z + (size_t)h * dv + i % dv]);
+    if (t < len) {
+        sab[t][0] = flashrt::to_f32(static_cast<const T*>(p.a)[(size_t)t * p.ld_a + h]);
+        sab[t][1] = flashrt::to_f32(static_cast<const T*>(p.b)[(size_t)t * p.ld_b + h]);
+    }
+    // The other blocks' q, k shares through distributed shared memory; the second barrier
+    // keeps every block's shared memory alive until the others have read it.
+    gdnd_cluster_sync();
+    if (R > 1) {
+        for (int i = t; i < len * 2 * dk; i += blockDim.x) {
+            const int r = i / (2 * dk), c = i % (2 * dk);
+            const unsigned owner = (unsigned)(c / share);
+            if (owner != rank) cqk[r][c] = gdnd_remote(&cqk[r][c], owner);
+        }
+        gdnd_cluster_sync();
+    }
+
+    T* mix = static_cast<T*>(p.out);
+    T* gated = static_cast<T*>(q.gated);
+    for (int r = 0; r < len; ++r) {
+        const float* sq = cqk[r];
+        const float* sk = cqk[r] + dk;
+        // ---- the recurrence (as gdn_impl)
+        float qq = 0.0f, kk = 0.0f, kq = 0.0f;
+#pragma unroll
+        for (int m = 0; m < GDND_DK / 32; ++m) {
+            const int i = lane + 32 * m;
+            if (i < dk) {
+                const float qv = sq[i], kv = sk[i];
+                qq += qv * qv;
+                kk += kv * kv;
+                kq += kv * qv;
+            }
+        }
+        qq = flashrt::warp_sum(qq);
+        kk = flashrt::warp_sum(kk);
+        kq = flashrt::warp_sum(kq);
+        const float inv_q = 1.0f / sqrtf(qq + 1e-6f) * qscale;
+        const float inv_k = 1.0f / sqrtf(kk + 1e-6f);
+        float sk_acc = 0.0f, sq_acc = 0.0f;
+#pragma unroll
+        for (int m = 0; m < RPT; ++m) {
+            const int i = slice + GDN_SLICES * m;
+            if (i < dk) {
+                sk_acc += S[m] * sk[i];
+                sq_acc += S[m] * sq[i];
+            }
+        }
+        sk_acc += __shfl_xor_sync(0xffffffffu, sk_acc, 8);
+        sk_acc += __shfl_xor_sync(0xffffffffu, sk_acc, 16);
+        sq_acc += __shfl_xor_sync(0xffffffffu, sq_acc, 8);
+        sq_acc += __shfl_xor_sync(0xffffffffu, sq_acc, 16);
+        const float v = col_ok ? cv[r][j] : 0.0f;
+        const float beta = flashrt::sigmoidf_(sab[r][1]);
+        const float e = expf(neg_a * flashrt::softplusf_(sab[r][0] + dt_bias));
+        const float d = (v - e * sk_acc * inv_k) * beta;
+        const float o = e * sq_acc * inv_q + d * (kq * inv_k * inv_q);
+        const float dk_scaled = d * inv_k;
+#pragma unroll
+        for (int m = 0; m < RPT; ++m) {
+            const int i = slice + GDN_SLICES * m;
+            if (i < dk) S[m] = e * S[m] + sk[i] * dk_scaled;
+        }
+        if (col_ok && slice == 0) {
+            const T ot = flashrt::from_f32<T>(o);
+            mix[(size_t)r * p.ld_out + (size_t)h * dv + j] = ot;
+            so[j] = flashrt::to_f32(ot);
+        }
+        __syncthreads();
+        // ---- the gated RMSNorm of the head's dv outputs (thread t = column t)
+        float hv = 0.0f, gv = 0.0f;
+        if (t < dv) {
+            const float xv = so[t];
+            const float sz = flashrt::apply_act(flashrt::ACT_SILU, zs[r][t]);
+            if (q.gate_then_norm) {
+                hv = xv * sz;
+                gv = nw;
+            } else {
+                hv = xv;
+                gv = nw * sz;
+            }
+        }
+        const float ss = flashrt::warp_sum(hv * hv);
+        if (lane == 0) red[warp] = ss;
+        __syncthreads();
+        if (t < dv) {
+            float tot = 0.0f;
+            for (int w = 0; w < dv / 32; ++w) tot += red[w];
+            const float inv = 1.0f / sqrtf(tot / (float)dv + q.eps);
+            gated[(size_t)r * q.ld_gated + (size_t)h * dv + t] = flashrt::from_f32<T>(hv * inv * gv);
+        }
+    }
+
+#pragma unroll
+    for (int m = 0; m < RPT; ++m) {
+        const int i = slice + GDN_SLICES * m;
+        if (col_ok && i < dk) st[(size_t)i * dv + j] = S[m];
+    }
+#else
+    __trap(); // sm_90 only; the host never selects it elsewhere
+#endif
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define GDND_CLUSTER(r) __cluster_dims__(r, 1, 1)
+#else
+#define GDND_CLUSTER(r)
+#endif
+#define FLASHRT_GDND_ENTRY(R)                                                                          \
+    extern "C" __global__ void GDND_CLUSTER(R) __launch_bounds__(GDND_THREADS)                        \
+        gdn_decode_r##R##_bf16(const GdnDecodeParams p) {                                              \
+        gdn_decode_impl<__nv_bfloat16, R>(p);                                                          \
+    }                                                                                                  \
+    extern "C" __global__ void GDND_CLUSTER(R) __launch_bounds__(GDND_THREADS)                        \
+        gdn_decode_r##R##_f16(const GdnDecodeParams p) {                                               \
+        gdn_decode_impl<__half, R>(p);                                                                 \
+    }
+
+FLASHRT_GDND_ENTRY(1)
+FLASHRT_GDND_ENTRY(2)
+FLASHRT_GDND_ENTRY(3)
+FLASHRT_GDND_ENTRY(4)
 
 // ---- chunked prefill kernel ----------------------------------------------------------------
 

@@ -265,6 +265,46 @@ fn bf16_tracks_cpu_reference() {
             ),
         ));
     }
+    // The fused Gated DeltaNet decode kernel at 1 and 3 value heads per key head (clusters of
+    // 1 and 3 blocks; the model above has 2).
+    for (heads, what) in [
+        (2, "1 value head per key head"),
+        (6, "3 value heads per key head"),
+    ] {
+        let json = QWEN_LIKE.replace(
+            "\"linear_num_value_heads\": 4",
+            &format!("\"linear_num_value_heads\": {heads}"),
+        );
+        assert_ne!(json, QWEN_LIKE);
+        results.push((
+            "qwen-like".to_string(),
+            bf16_vs_cpu(
+                &format!("qwen-like (random weights, {what})"),
+                &json,
+                None,
+                gpu.clone(),
+            ),
+        ));
+    }
+    // The Gated DeltaNet layers' separate conv, recurrence and norm kernels in small phases
+    // (what runs where the fused clustered kernel does not apply).
+    if let Some(unfused) = cuda_with(
+        "bf16_tracks_cpu_reference (unfused Gated DeltaNet decode)",
+        CudaOptions {
+            gdn_fused: false,
+            ..CudaOptions::default()
+        },
+    ) {
+        results.push((
+            "qwen-like".to_string(),
+            bf16_vs_cpu(
+                "qwen-like (random weights, unfused Gated DeltaNet decode)",
+                QWEN_LIKE,
+                None,
+                unfused,
+            ),
+        ));
+    }
     match fixtures_dir() {
         Some(dir) => {
             for name in FIXTURES {

@@ -99,6 +99,10 @@ const PER_HALF_DTYPE: &[&str] = &[
     "moe_down_mm",
     "moe_up_wg",
     "moe_down_wg",
+    "gdn_decode_r1",
+    "gdn_decode_r2",
+    "gdn_decode_r3",
+    "gdn_decode_r4",
 ];
 
 /// Kernels with a single entry point.

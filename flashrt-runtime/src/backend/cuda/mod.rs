@@ -134,6 +134,11 @@ pub struct CudaOptions {
     /// compute capability 9.0 (default); `false`, or any other device, uses the wmma kernels
     /// of kernels/moe.cu. Default from `FLASHRT_MOE_WGMMA` (`0` = off).
     pub moe_wgmma: bool,
+    /// Run small phases' Gated DeltaNet layers (causal conv, recurrence, gated RMSNorm) as
+    /// one launch per layer (kernels/gated_deltanet.cu `gdn_decode_r*`, thread-block
+    /// clusters) on compute capability 9.0 and later (default); `false` launches the three
+    /// ops' kernels. Default from `FLASHRT_GDN_FUSED` (`0` = off).
+    pub gdn_fused: bool,
 }
 
 impl Default for CudaOptions {
@@ -146,6 +151,7 @@ impl Default for CudaOptions {
             attn_decode: on("FLASHRT_ATTN_DECODE"),
             attn_wgmma: on("FLASHRT_ATTN_WGMMA"),
             moe_wgmma: on("FLASHRT_MOE_WGMMA"),
+            gdn_fused: on("FLASHRT_GDN_FUSED"),
         }
     }
 }
@@ -600,7 +606,10 @@ impl WeightSink for CudaSink {
             .map_err(drv("device attributes"))?
             .max(1) as usize;
         // sm_90a code (wgmma) is in the fatbin for compute capability 9.0 only.
-        let sm90a = sink.ctx.compute_capability().ok() == Some((9, 0));
+        let cc = sink.ctx.compute_capability().ok();
+        let sm90a = cc == Some((9, 0));
+        // Thread-block clusters: compute capability 9.0 and later.
+        let clusters = cc.is_some_and(|(major, _)| major >= 9);
         Ok(Arc::new(CudaModel {
             inner: Arc::new(ModelInner {
                 ctx: sink.ctx,
@@ -615,6 +624,7 @@ impl WeightSink for CudaSink {
                 sms,
                 wgmma: sm90a && sink.options.attn_wgmma,
                 moe_wgmma: sm90a && sink.options.moe_wgmma,
+                gdn_fused: clusters && sink.options.gdn_fused,
             }),
         }))
     }
@@ -635,6 +645,7 @@ struct ModelInner {
     /// Prefill attention through the sm_90a warpgroup-MMA kernel.
     wgmma: bool,
     moe_wgmma: bool,
+    gdn_fused: bool,
 }
 
 /// A model whose weights are on one GPU.
@@ -821,6 +832,7 @@ impl CudaSession {
             attn_decode: model.options.attn_decode,
             wgmma: model.wgmma,
             moe_wgmma: model.moe_wgmma,
+            gdn_fused: model.gdn_fused,
         };
         let mut programs = Vec::new();
         for plan in &model.compiled.plans {

@@ -23,17 +23,170 @@ struct GdnParams {
     value_dim: i32,
 }
 
+/// kernels/gated_deltanet.cu `GdnDecodeParams`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GdnDecodeParams {
+    g: GdnParams,
+    conv_w: u64,
+    conv_b: u64,
+    conv_state: u64,
+    conv_out: u64,
+    z: u64,
+    norm_w: u64,
+    gated: u64,
+    ld_conv_out: i32,
+    ld_z: i32,
+    ld_gated: i32,
+    conv_k: i32,
+    act: i32,
+    shared_weight: i32,
+    gate_then_norm: i32,
+    eps: f32,
+}
+
+/// Mirrors of kernels/gated_deltanet.cu's GDND_* bounds: rows, key and value head widths of
+/// the fused decode kernel, its block size, and the conv taps it holds.
+const GDND_ROWS: usize = 8;
+const GDND_DK: usize = 128;
+const GDND_DV: usize = 128;
+const GDND_THREADS: u32 = (GDND_DV / 8 * 32) as u32;
+const GDND_TAPS: usize = 4;
+
 impl Builder<'_> {
-    /// The launches of an `Op::GatedDeltaNet` over `rows`: the recurrent kernel, or the
-    /// chunked one where it applies (see the variant choice below).
-    pub(super) fn gated_deltanet(
+    /// Small phases (at most 8 rows, 16-bit targets, sm_90): a Gated DeltaNet layer's
+    /// [`Op::CausalConv1d`], [`Op::GatedDeltaNet`] and [`Op::GatedRmsNorm`] (as the lowering
+    /// writes them, each reading the previous one's output) as one launch of
+    /// `gdn_decode_r{R}` (kernels/gated_deltanet.cu), R = value heads per key head. Returns
+    /// the ops consumed, `None` where `ops` does not start with such a sequence the kernel
+    /// takes (they then run one by one).
+    pub(super) fn gdn_small(
         &self,
-        op: &Op,
+        ops: &[Op],
         rows: usize,
-        _shared: Option<usize>,
         label: &str,
         cmds: &mut Vec<Cmd>,
-    ) -> Result<()> {
+    ) -> Result<Option<usize>> {
+        let t = self.target();
+        if !self.gdn_fused || rows > GDND_ROWS || !matches!(t, DType::Bf16 | DType::F16) {
+            return Ok(None);
+        }
+        let [
+            Op::CausalConv1d {
+                x: cx,
+                weight: cw,
+                bias: cb,
+                state: cst,
+                out: cout,
+                act,
+                kernel,
+            },
+            gdn @ Op::GatedDeltaNet {
+                qkv,
+                out: gout,
+                key_heads,
+                value_heads,
+                key_dim,
+                value_dim,
+                ..
+            },
+            Op::GatedRmsNorm {
+                x: nx,
+                gate,
+                weight: nw,
+                shared_weight,
+                out: nout,
+                eps,
+                group,
+                order,
+            },
+            ..,
+        ] = ops
+        else {
+            return Ok(None);
+        };
+        let (hk, hv, dk, dv) = (*key_heads, *value_heads, *key_dim, *value_dim);
+        let r = if hk > 0 && hv % hk == 0 { hv / hk } else { 0 };
+        let share = (2 * dk).div_ceil(r.max(1));
+        let channels = 2 * hk * dk + hv * dv;
+        let fits = qkv == cout
+            && nx == gout
+            && (1..=4).contains(&r)
+            && (1..=GDND_DK).contains(&dk)
+            && dv <= GDND_DV
+            && dv > 0
+            && dv.is_multiple_of(32)
+            && dv + share <= GDND_THREADS as usize
+            && *group == dv
+            && (1..=GDND_TAPS).contains(kernel)
+            && cx.width == channels
+            && cout.width == channels
+            && gout.width == hv * dv
+            && gate.width == hv * dv
+            && nout.width == hv * dv
+            && cx.buf != cout.buf;
+        if !fits {
+            return Ok(None);
+        }
+        let dtypes = [
+            self.view(cx, rows, label, "conv x")?.2,
+            self.view(cout, rows, label, "conv out")?.2,
+            self.view(gate, rows, label, "gate")?.2,
+            self.view(nout, rows, label, "norm out")?.2,
+            self.buf(*cst).dtype,
+        ];
+        if dtypes.iter().any(|&d| d != t)
+            || self.buf(*cw).dtype != DType::F32
+            || self.buf(*nw).dtype != DType::F32
+            || cb.is_some_and(|b| self.buf(b).dtype != DType::F32)
+        {
+            return Ok(None);
+        }
+        self.expect_numel(*cw, channels * kernel, label)?;
+        if let Some(b) = cb {
+            self.expect_numel(*b, channels, label)?;
+        }
+        self.expect_numel(*cst, (kernel - 1) * channels, label)?;
+        self.expect_numel(*nw, if *shared_weight { dv } else { hv * dv }, label)?;
+        // The recurrence's own checks and parameters (its qkv view is the conv's output;
+        // the kernel reads the conv's input instead).
+        let mut g = self.gdn_params(gdn, rows, label)?;
+        let (cxp, ld_cx, _) = self.view(cx, rows, label, "conv x")?;
+        let (cop, ld_co, _) = self.view(cout, rows, label, "conv out")?;
+        let (zp, ld_z, _) = self.view(gate, rows, label, "gate")?;
+        let (np, ld_n, _) = self.view(nout, rows, label, "norm out")?;
+        g.qkv = cxp;
+        g.ld_qkv = ld_cx;
+        let p = GdnDecodeParams {
+            g,
+            conv_w: self.addr(*cw),
+            conv_b: cb.map_or(0, |b| self.addr(b)),
+            conv_state: self.addr(*cst),
+            conv_out: cop,
+            z: zp,
+            norm_w: self.addr(*nw),
+            gated: np,
+            ld_conv_out: ld_co,
+            ld_z,
+            ld_gated: ld_n,
+            conv_k: *kernel as i32,
+            act: act_code(*act),
+            shared_weight: *shared_weight as i32,
+            gate_then_norm: (*order == GateOrder::GateThenNorm) as i32,
+            eps: eps.get() as f32,
+        };
+        cmds.push(self.kernel(
+            &format!("{label} + gated_deltanet + gated_rms_norm"),
+            self.kernels.typed(&format!("gdn_decode_r{r}"), t)?,
+            (hv as u32, 1, 1),
+            GDND_THREADS,
+            &p,
+        ));
+        Ok(Some(3))
+    }
+
+    /// The checked kernel parameters of an `Op::GatedDeltaNet` over `rows`.
+    fn gdn_params(&self, op: &Op, rows: usize, label: &str) -> Result<GdnParams> {
         let Op::GatedDeltaNet {
             qkv,
             a,
@@ -48,11 +201,10 @@ impl Builder<'_> {
             value_dim,
         } = op
         else {
-            unreachable!("gated_deltanet builds only Op::GatedDeltaNet")
+            unreachable!("gdn_params takes only Op::GatedDeltaNet")
         };
         let t = self.target();
-        let io = &self.compiled.io;
-        let len = self.addr(io.len);
+        let len = self.addr(self.compiled.io.len);
         let (qp, ld_qkv, qd) = self.view(qkv, rows, label, "qkv")?;
         let (ap, ld_a, ad) = self.view(a, rows, label, "a")?;
         let (bp, ld_b, bd) = self.view(b, rows, label, "b")?;
@@ -83,6 +235,47 @@ impl Builder<'_> {
         }
         self.expect_dtype(*state, DType::F32, label)?;
         self.expect_numel(*state, value_heads * key_dim * value_dim, label)?;
+        Ok(GdnParams {
+            qkv: qp,
+            a: ap,
+            b: bp,
+            a_log: self.addr(*a_log),
+            dt_bias: self.addr(*dt_bias),
+            state: self.addr(*state),
+            out: op_,
+            len,
+            ld_qkv,
+            ld_a,
+            ld_b,
+            ld_out: ld_o,
+            key_heads: to_i32(*key_heads, "key_heads", label)?,
+            value_heads: to_i32(*value_heads, "value_heads", label)?,
+            key_dim: to_i32(*key_dim, "key_dim", label)?,
+            value_dim: to_i32(*value_dim, "value_dim", label)?,
+        })
+    }
+
+    /// The launches of an `Op::GatedDeltaNet` over `rows`: the recurrent kernel, or the
+    /// chunked one where it applies (see the variant choice below).
+    pub(super) fn gated_deltanet(
+        &self,
+        op: &Op,
+        rows: usize,
+        _shared: Option<usize>,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+    ) -> Result<()> {
+        let Op::GatedDeltaNet {
+            key_dim,
+            value_heads,
+            value_dim,
+            ..
+        } = op
+        else {
+            unreachable!("gated_deltanet builds only Op::GatedDeltaNet")
+        };
+        let t = self.target();
+        let p = self.gdn_params(op, rows, label)?;
         // Two kernels (kernels/gated_deltanet.cu), both continuing from the state
         // left by earlier calls:
         // * buckets of >= 64 rows with key_dim <= 128: the chunked kernel (64-row
@@ -116,24 +309,6 @@ impl Builder<'_> {
                     "{label}: key_dim {key_dim} > 256"
                 )));
             }
-        };
-        let p = GdnParams {
-            qkv: qp,
-            a: ap,
-            b: bp,
-            a_log: self.addr(*a_log),
-            dt_bias: self.addr(*dt_bias),
-            state: self.addr(*state),
-            out: op_,
-            len,
-            ld_qkv,
-            ld_a,
-            ld_b,
-            ld_out: ld_o,
-            key_heads: to_i32(*key_heads, "key_heads", label)?,
-            value_heads: to_i32(*value_heads, "value_heads", label)?,
-            key_dim: to_i32(*key_dim, "key_dim", label)?,
-            value_dim: to_i32(*value_dim, "value_dim", label)?,
         };
         match chunk_dk {
             Some(dk) => {

@@ -15,7 +15,8 @@
 //!
 //! The builders are split by kernel family, as `kernels/*.cu` is: `gemv.rs` (small phases'
 //! matmuls, kernels/gemv.cu), `attention.rs` (kernels/attention*.cu), `conv.rs`
-//! (kernels/conv.cu), `gated_deltanet.rs`, `mamba2.rs` (the recurrences), `moe.rs`
+//! (kernels/conv.cu), `gated_deltanet.rs` (the recurrence, and a small phase's conv +
+//! recurrence + gated norm as one launch), `mamba2.rs`, `moe.rs`
 //! (kernels/moe.cu and moe_wgmma.cu); the op dispatch, the program, cuBLASLt matmuls and the
 //! small families (embedding, norms, elementwise, head split, rope, state rows) are here.
 
@@ -413,6 +414,9 @@ pub struct Builder<'a> {
     pub wgmma: bool,
     /// Prefill MoE grouped GEMMs through kernels/moe_wgmma.cu (sm_90a).
     pub moe_wgmma: bool,
+    /// Small phases' Gated DeltaNet layers (conv, recurrence, gated norm) as one clustered
+    /// launch ([`Builder::gdn_small`], sm_90).
+    pub gdn_fused: bool,
 }
 
 /// kernels/norm.cu: packs per thread and the vector kernels' block bound; blocks of several
@@ -568,15 +572,28 @@ impl Builder<'_> {
         shared: u32,
         p: &T,
     ) -> Result<Cmd> {
-        if shared > 48 * 1024 {
-            func.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )
-            .map_err(|e| Error::Backend {
+        // Static plus dynamic shared memory past 48 KiB needs the opt-in; the limit only ever
+        // grows (programs of several phases set it for the same function, in any order).
+        let attr = |a| {
+            func.get_attribute(a).map_err(|e| Error::Backend {
                 op: label.to_string(),
-                msg: format!("cannot allow {shared} bytes of shared memory: {e:?}"),
-            })?;
+                msg: format!("cannot read a kernel attribute: {e:?}"),
+            })
+        };
+        let fixed = attr(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
+        if fixed as u64 + shared as u64 > 48 * 1024 {
+            let now =
+                attr(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)?;
+            if (shared as i32) > now {
+                func.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared as i32,
+                )
+                .map_err(|e| Error::Backend {
+                    op: label.to_string(),
+                    msg: format!("cannot allow {shared} bytes of shared memory: {e:?}"),
+                })?;
+            }
         }
         let mut cmd = self.kernel(label, func, grid, block, p);
         if let Cmd::Kernel(k) = &mut cmd {
@@ -646,6 +663,10 @@ impl Builder<'_> {
                 }
             }
             if let Some(used) = self.moe_small(&plan.ops[i..], rows, &label, &mut cmds)? {
+                i += used;
+                continue;
+            }
+            if let Some(used) = self.gdn_small(&plan.ops[i..], rows, &label, &mut cmds)? {
                 i += used;
                 continue;
             }
