@@ -95,6 +95,61 @@ struct GdnParams {
 #define GDN_COLS_PER_WARP 8
 #define GDN_SLICES 4
 
+// One token of the recurrence for this thread's column slice (the token kernels' layout:
+// lane = column (lane & 7) x row slice (lane >> 3), rows i = slice + 4 m): q, k (dk floats, as
+// loaded) in shared memory, v of the thread's column, the token's a and b. Updates S in place
+// and returns out[j] = S_new^T q for the column (every lane of the column's 4 slices).
+template <int RPT>
+static __device__ __forceinline__ float gdn_token(float (&S)[RPT], const float* sq, const float* sk, int dk, float v,
+                                                  float av, float bv, float neg_a, float dt_bias, float qscale) {
+    constexpr int DK_MAX = RPT * GDN_SLICES;
+    const int lane = threadIdx.x & 31, slice = lane >> 3;
+    // Norms and k.q: every warp computes them redundantly (no extra barrier).
+    float qq = 0.0f, kk = 0.0f, kq = 0.0f;
+#pragma unroll
+    for (int m = 0; m < (DK_MAX + 31) / 32; ++m) {
+        const int i = lane + 32 * m;
+        if (i < dk) {
+            const float qi = sq[i], ki = sk[i];
+            qq += qi * qi;
+            kk += ki * ki;
+            kq += ki * qi;
+        }
+    }
+    qq = flashrt::warp_sum(qq);
+    kk = flashrt::warp_sum(kk);
+    kq = flashrt::warp_sum(kq);
+    const float inv_q = 1.0f / sqrtf(qq + 1e-6f) * qscale;
+    const float inv_k = 1.0f / sqrtf(kk + 1e-6f);
+
+    // Old-state contractions S^T k and S^T q over this thread's rows, then over slices.
+    float sk_acc = 0.0f, sq_acc = 0.0f;
+#pragma unroll
+    for (int m = 0; m < RPT; ++m) {
+        const int i = slice + GDN_SLICES * m;
+        if (i < dk) {
+            sk_acc += S[m] * sk[i];
+            sq_acc += S[m] * sq[i];
+        }
+    }
+    sk_acc += __shfl_xor_sync(0xffffffffu, sk_acc, 8);
+    sk_acc += __shfl_xor_sync(0xffffffffu, sk_acc, 16);
+    sq_acc += __shfl_xor_sync(0xffffffffu, sq_acc, 8);
+    sq_acc += __shfl_xor_sync(0xffffffffu, sq_acc, 16);
+
+    const float beta = flashrt::sigmoidf_(bv);
+    const float e = expf(neg_a * flashrt::softplusf_(av + dt_bias));
+    const float d = (v - e * sk_acc * inv_k) * beta;
+    const float o = e * sq_acc * inv_q + d * (kq * inv_k * inv_q);
+    const float dk_scaled = d * inv_k; // S[i][j] += (k_i * inv_k) * d
+#pragma unroll
+    for (int m = 0; m < RPT; ++m) {
+        const int i = slice + GDN_SLICES * m;
+        if (i < dk) S[m] = e * S[m] + sk[i] * dk_scaled;
+    }
+    return o;
+}
+
 template <typename T, int RPT> static __device__ __forceinline__ void gdn_impl(const GdnParams& p) {
     constexpr int DK_MAX = RPT * GDN_SLICES;
     __shared__ float sq[2][DK_MAX], sk[2][DK_MAX];
@@ -161,49 +216,7 @@ template <typename T, int RPT> static __device__ __forceinline__ void gdn_impl(c
         __syncthreads(); // token r's q, k are staged in buffer `buf`
         if (r + 1 < len) fetch(r + 1);
 
-        // Norms and k.q: every warp computes them redundantly (no extra barrier).
-        float qq = 0.0f, kk = 0.0f, kq = 0.0f;
-#pragma unroll
-        for (int m = 0; m < (DK_MAX + 31) / 32; ++m) {
-            const int i = lane + 32 * m;
-            if (i < dk) {
-                const float qi = sq[buf][i], ki = sk[buf][i];
-                qq += qi * qi;
-                kk += ki * ki;
-                kq += ki * qi;
-            }
-        }
-        qq = flashrt::warp_sum(qq);
-        kk = flashrt::warp_sum(kk);
-        kq = flashrt::warp_sum(kq);
-        const float inv_q = 1.0f / sqrtf(qq + 1e-6f) * qscale;
-        const float inv_k = 1.0f / sqrtf(kk + 1e-6f);
-
-        // Old-state contractions S^T k and S^T q over this thread's rows, then over slices.
-        float sk_acc = 0.0f, sq_acc = 0.0f;
-#pragma unroll
-        for (int m = 0; m < RPT; ++m) {
-            const int i = slice + GDN_SLICES * m;
-            if (i < dk) {
-                sk_acc += S[m] * sk[buf][i];
-                sq_acc += S[m] * sq[buf][i];
-            }
-        }
-        sk_acc += __shfl_xor_sync(0xffffffffu, sk_acc, 8);
-        sk_acc += __shfl_xor_sync(0xffffffffu, sk_acc, 16);
-        sq_acc += __shfl_xor_sync(0xffffffffu, sq_acc, 8);
-        sq_acc += __shfl_xor_sync(0xffffffffu, sq_acc, 16);
-
-        const float beta = flashrt::sigmoidf_(bv);
-        const float e = expf(neg_a * flashrt::softplusf_(av + dt_bias));
-        const float d = (v - e * sk_acc * inv_k) * beta;
-        const float o = e * sq_acc * inv_q + d * (kq * inv_k * inv_q);
-        const float dk_scaled = d * inv_k; // S[i][j] += (k_i * inv_k) * d
-#pragma unroll
-        for (int m = 0; m < RPT; ++m) {
-            const int i = slice + GDN_SLICES * m;
-            if (i < dk) S[m] = e * S[m] + sk[buf][i] * dk_scaled;
-        }
+        const float o = gdn_token<RPT>(S, sq[buf], sk[buf], dk, v, av, bv, neg_a, dt_bias, qscale);
         if (col_ok && slice == 0) out[(size_t)r * p.ld_out + (size_t)h * dv + j] = flashrt::from_f32<T>(o);
         if (r + 1 < len) stage(buf ^ 1);
     }
@@ -323,9 +336,10 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
         const int i = slice + GDN_SLICES * m;
         S[m] = (col_ok && i < dk) ? st[(size_t)i * dv + j] : 0.0f;
     }
+    // The taps left-padded with zeros to 4 (conv_vec's order: exact zeros first).
     float cw[4], cb = 0.0f;
 #pragma unroll
-    for (int u = 0; u < 4; ++u) cw[u] = (conv_ok && u < K) ? q.conv_w[(size_t)ch * K + u] : 0.0f;
+    for (int u = 0; u < 4; ++u) cw[u] = (conv_ok && u >= 4 - K) ? q.conv_w[(size_t)ch * K + u - (4 - K)] : 0.0f;
     if (conv_ok && q.conv_b) cb = q.conv_b[ch];
     const float nw = t < dv ? q.norm_w[q.shared_weight ? t : (size_t)h * dv + t] : 0.0f;
     const float qscale = rsqrtf((float)dk);
@@ -353,21 +367,26 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
 #pragma unroll
             for (int m = 0; m < 3; ++m) win[m] = win[m + 1];
             win[3] = flashrt::to_f32(x[(size_t)r * p.ld_qkv + ch]);
-            // out[r] = act(bias + sum_j w[j] u[r - K1 + j]), taps in order (as conv_vec, whose
-            // left padding only adds exact zeros first).
+            // out[r] = act(bias + sum_j w[j] u[r - K1 + j]), taps in order, as conv_vec.
             float acc = cb;
 #pragma unroll
-            for (int u0 = 0; u0 < 4; ++u0)
-                if (u0 < K) acc += cw[u0] * win[4 - K + u0];
+            for (int u0 = 0; u0 < 4; ++u0) acc += cw[u0] * win[u0];
             const T o = flashrt::from_f32<T>(flashrt::apply_act(q.act, acc));
             co[(size_t)r * q.ld_conv_out + ch] = o;
             if (t < dv) cv[r][t] = flashrt::to_f32(o);
             else cqk[r][qi] = flashrt::to_f32(o);
         }
         // New state row s = time len - K1 + s = win[4 - K1 + s] (state values where len < K1).
+        // (Shifted left by 3 - K1 first, so that row s is win[1 + s]: static register indices.)
+#pragma unroll
+        for (int d = 0; d < 3; ++d)
+            if (d < 3 - K1) {
+#pragma unroll
+                for (int m = 0; m < 3; ++m) win[m] = win[m + 1];
+            }
 #pragma unroll
         for (int s = 0; s < 3; ++s)
-            if (s < K1) cst[(size_t)s * C + ch] = flashrt::from_f32<T>(win[4 - K1 + s]);
+            if (s < K1) cst[(size_t)s * C + ch] = flashrt::from_f32<T>(win[1 + s]);
     }
     // The norm's gate and the recurrence's a, b for every row.
     for (int i = t; i < len * dv; i += blockDim.x)
@@ -393,47 +412,9 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
     for (int r = 0; r < len; ++r) {
         const float* sq = cqk[r];
         const float* sk = cqk[r] + dk;
-        // ---- the recurrence (as gdn_impl)
-        float qq = 0.0f, kk = 0.0f, kq = 0.0f;
-#pragma unroll
-        for (int m = 0; m < GDND_DK / 32; ++m) {
-            const int i = lane + 32 * m;
-            if (i < dk) {
-                const float qv = sq[i], kv = sk[i];
-                qq += qv * qv;
-                kk += kv * kv;
-                kq += kv * qv;
-            }
-        }
-        qq = flashrt::warp_sum(qq);
-        kk = flashrt::warp_sum(kk);
-        kq = flashrt::warp_sum(kq);
-        const float inv_q = 1.0f / sqrtf(qq + 1e-6f) * qscale;
-        const float inv_k = 1.0f / sqrtf(kk + 1e-6f);
-        float sk_acc = 0.0f, sq_acc = 0.0f;
-#pragma unroll
-        for (int m = 0; m < RPT; ++m) {
-            const int i = slice + GDN_SLICES * m;
-            if (i < dk) {
-                sk_acc += S[m] * sk[i];
-                sq_acc += S[m] * sq[i];
-            }
-        }
-        sk_acc += __shfl_xor_sync(0xffffffffu, sk_acc, 8);
-        sk_acc += __shfl_xor_sync(0xffffffffu, sk_acc, 16);
-        sq_acc += __shfl_xor_sync(0xffffffffu, sq_acc, 8);
-        sq_acc += __shfl_xor_sync(0xffffffffu, sq_acc, 16);
+        // ---- the recurrence (gdn_impl's token step)
         const float v = col_ok ? cv[r][j] : 0.0f;
-        const float beta = flashrt::sigmoidf_(sab[r][1]);
-        const float e = expf(neg_a * flashrt::softplusf_(sab[r][0] + dt_bias));
-        const float d = (v - e * sk_acc * inv_k) * beta;
-        const float o = e * sq_acc * inv_q + d * (kq * inv_k * inv_q);
-        const float dk_scaled = d * inv_k;
-#pragma unroll
-        for (int m = 0; m < RPT; ++m) {
-            const int i = slice + GDN_SLICES * m;
-            if (i < dk) S[m] = e * S[m] + sk[i] * dk_scaled;
-        }
+        const float o = gdn_token<RPT>(S, sq, sk, dk, v, sab[r][0], sab[r][1], neg_a, dt_bias, qscale);
         if (col_ok && slice == 0) {
             const T ot = flashrt::from_f32<T>(o);
             mix[(size_t)r * p.ld_out + (size_t)h * dv + j] = ot;
