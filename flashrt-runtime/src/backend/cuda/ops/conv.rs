@@ -4,30 +4,28 @@ use super::*;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct ConvParams {
-    x: u64,
-    out: u64,
-    weight: u64,
-    bias: u64,
-    state: u64,
-    len: u64,
-    ld_x: i32,
-    ld_out: i32,
-    channels: i32,
-    kernel: i32,
-    act: i32,
+pub(super) struct ConvParams {
+    pub(super) x: u64,
+    pub(super) out: u64,
+    pub(super) weight: u64,
+    pub(super) bias: u64,
+    pub(super) state: u64,
+    pub(super) len: u64,
+    pub(super) ld_x: i32,
+    pub(super) ld_out: i32,
+    pub(super) channels: i32,
+    pub(super) kernel: i32,
+    pub(super) act: i32,
 }
 
 impl Builder<'_> {
-    /// The launch of an `Op::CausalConv1d` over `rows` (state read and written in place).
-    pub(super) fn causal_conv1d(
+    /// The checked kernel parameters of an `Op::CausalConv1d` over `rows`, and its dtype.
+    pub(super) fn conv_params(
         &self,
         op: &Op,
         rows: usize,
-        _shared: Option<usize>,
         label: &str,
-        cmds: &mut Vec<Cmd>,
-    ) -> Result<()> {
+    ) -> Result<(ConvParams, DType)> {
         let Op::CausalConv1d {
             x,
             weight,
@@ -38,11 +36,9 @@ impl Builder<'_> {
             kernel,
         } = op
         else {
-            unreachable!("causal_conv1d builds only Op::CausalConv1d")
+            unreachable!("conv_params takes only Op::CausalConv1d")
         };
-        let io = &self.compiled.io;
-        let len = self.addr(io.len);
-        let r = rows as u32;
+        let len = self.addr(self.compiled.io.len);
         let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
         let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
         let c = x.width;
@@ -81,6 +77,25 @@ impl Builder<'_> {
             kernel: to_i32(*kernel, "kernel", label)?,
             act: act_code(*act),
         };
+        Ok((p, xd))
+    }
+
+    /// The launch of an `Op::CausalConv1d` over `rows` (state read and written in place).
+    pub(super) fn causal_conv1d(
+        &self,
+        op: &Op,
+        rows: usize,
+        _shared: Option<usize>,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+    ) -> Result<()> {
+        let Op::CausalConv1d { x, kernel, .. } = op else {
+            unreachable!("causal_conv1d builds only Op::CausalConv1d")
+        };
+        let (p, xd) = self.conv_params(op, rows, label)?;
+        let r = rows as u32;
+        let c = x.width;
+        let (xp, op_, ld_x, ld_o) = (p.x, p.out, p.ld_x, p.ld_out);
         // kernels/conv.cu `conv_vec` (output and state roll in one launch, 16-byte
         // packs of channels) for kernels up to CONV_KMAX taps when the channel count,
         // both row strides and the x, out and state addresses are whole packs; else

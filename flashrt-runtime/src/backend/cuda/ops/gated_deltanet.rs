@@ -72,14 +72,11 @@ impl Builder<'_> {
             return Ok(None);
         }
         let [
-            Op::CausalConv1d {
+            conv @ Op::CausalConv1d {
                 x: cx,
-                weight: cw,
-                bias: cb,
-                state: cst,
                 out: cout,
-                act,
                 kernel,
+                ..
             },
             gdn @ Op::GatedDeltaNet {
                 qkv,
@@ -90,16 +87,7 @@ impl Builder<'_> {
                 value_dim,
                 ..
             },
-            Op::GatedRmsNorm {
-                x: nx,
-                gate,
-                weight: nw,
-                shared_weight,
-                out: nout,
-                eps,
-                group,
-                order,
-            },
+            norm @ Op::GatedRmsNorm { x: nx, group, .. },
             ..,
         ] = ops
         else {
@@ -108,72 +96,45 @@ impl Builder<'_> {
         let (hk, hv, dk, dv) = (*key_heads, *value_heads, *key_dim, *value_dim);
         let r = if hk > 0 && hv % hk == 0 { hv / hk } else { 0 };
         let share = (2 * dk).div_ceil(r.max(1));
-        let channels = 2 * hk * dk + hv * dv;
+        // What the fused kernel adds to the three ops' own checks (below): its size bounds,
+        // and each op reading the previous one's output.
         let fits = qkv == cout
             && nx == gout
             && (1..=4).contains(&r)
             && (1..=GDND_DK).contains(&dk)
-            && dv <= GDND_DV
-            && dv > 0
+            && (32..=GDND_DV).contains(&dv)
             && dv.is_multiple_of(32)
             && dv + share <= GDND_THREADS as usize
             && *group == dv
             && (1..=GDND_TAPS).contains(kernel)
-            && cx.width == channels
-            && cout.width == channels
-            && gout.width == hv * dv
-            && gate.width == hv * dv
-            && nout.width == hv * dv
-            && cx.buf != cout.buf;
+            && self.buf(cx.buf).dtype == t;
         if !fits {
             return Ok(None);
         }
-        let dtypes = [
-            self.view(cx, rows, label, "conv x")?.2,
-            self.view(cout, rows, label, "conv out")?.2,
-            self.view(gate, rows, label, "gate")?.2,
-            self.view(nout, rows, label, "norm out")?.2,
-            self.buf(*cst).dtype,
-        ];
-        if dtypes.iter().any(|&d| d != t)
-            || self.buf(*cw).dtype != DType::F32
-            || self.buf(*nw).dtype != DType::F32
-            || cb.is_some_and(|b| self.buf(b).dtype != DType::F32)
-        {
-            return Ok(None);
-        }
-        self.expect_numel(*cw, channels * kernel, label)?;
-        if let Some(b) = cb {
-            self.expect_numel(*b, channels, label)?;
-        }
-        self.expect_numel(*cst, (kernel - 1) * channels, label)?;
-        self.expect_numel(*nw, if *shared_weight { dv } else { hv * dv }, label)?;
-        // The recurrence's own checks and parameters (its qkv view is the conv's output;
+        // The three ops' checked parameters (the recurrence's qkv view is the conv's output;
         // the kernel reads the conv's input instead).
+        let (c, _) = self.conv_params(conv, rows, label)?;
         let mut g = self.gdn_params(gdn, rows, label)?;
-        let (cxp, ld_cx, _) = self.view(cx, rows, label, "conv x")?;
-        let (cop, ld_co, _) = self.view(cout, rows, label, "conv out")?;
-        let (zp, ld_z, _) = self.view(gate, rows, label, "gate")?;
-        let (np, ld_n, _) = self.view(nout, rows, label, "norm out")?;
-        g.qkv = cxp;
-        g.ld_qkv = ld_cx;
+        let (n, _) = self.gated_norm_params(norm, rows, label)?;
+        g.qkv = c.x;
+        g.ld_qkv = c.ld_x;
         let p = GdnDecodeParams {
             g,
-            conv_w: self.addr(*cw),
-            conv_b: cb.map_or(0, |b| self.addr(b)),
-            conv_state: self.addr(*cst),
-            conv_out: cop,
-            z: zp,
-            norm_w: self.addr(*nw),
-            gated: np,
-            ld_conv_out: ld_co,
-            ld_z,
-            ld_gated: ld_n,
-            conv_k: *kernel as i32,
-            act: act_code(*act),
-            shared_weight: *shared_weight as i32,
-            gate_then_norm: (*order == GateOrder::GateThenNorm) as i32,
-            eps: eps.get() as f32,
+            conv_w: c.weight,
+            conv_b: c.bias,
+            conv_state: c.state,
+            conv_out: c.out,
+            z: n.gate,
+            norm_w: n.weight,
+            gated: n.out,
+            ld_conv_out: c.ld_out,
+            ld_z: n.ld_gate,
+            ld_gated: n.ld_out,
+            conv_k: c.kernel,
+            act: c.act,
+            shared_weight: n.shared_weight,
+            gate_then_norm: n.gate_then_norm,
+            eps: n.eps,
         };
         cmds.push(self.kernel(
             &format!("{label} + gated_deltanet + gated_rms_norm"),

@@ -742,6 +742,61 @@ impl Builder<'_> {
         Ok(true)
     }
 
+    /// The checked kernel parameters of an `Op::GatedRmsNorm` over `rows`, and its dtype.
+    fn gated_norm_params(
+        &self,
+        op: &Op,
+        rows: usize,
+        label: &str,
+    ) -> Result<(GatedRmsNormParams, DType)> {
+        let Op::GatedRmsNorm {
+            x,
+            gate,
+            weight,
+            shared_weight,
+            out,
+            eps,
+            group,
+            order,
+        } = op
+        else {
+            unreachable!("gated_norm_params takes only Op::GatedRmsNorm")
+        };
+        let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
+        let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
+        let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
+        if xd != gd
+            || xd != od
+            || gate.width != x.width
+            || out.width != x.width
+            || *group == 0
+            || x.width % group != 0
+        {
+            return Err(Error::Config(format!("{label}: x/gate/out/group mismatch")));
+        }
+        self.expect_dtype(*weight, DType::F32, label)?;
+        self.expect_numel(
+            *weight,
+            if *shared_weight { *group } else { x.width },
+            label,
+        )?;
+        let p = GatedRmsNormParams {
+            x: xp,
+            gate: gp,
+            out: op_,
+            weight: self.addr(*weight),
+            len: self.addr(self.compiled.io.len),
+            ld_x,
+            ld_gate: ld_g,
+            ld_out: ld_o,
+            group: to_i32(*group, "group", label)?,
+            shared_weight: *shared_weight as i32,
+            gate_then_norm: (*order == GateOrder::GateThenNorm) as i32,
+            eps: eps.get() as f32,
+        };
+        Ok((p, xd))
+    }
+
     /// The launch of a row norm (`kernel` = `rms_norm` or `gated_rms_norm`, parameters `p`)
     /// over `(rows, width, group)`: the 16-byte-pack kernel `<kernel>_vec` where the group,
     /// every row stride in `lds` and every address in `addrs` are whole packs and the group
@@ -1128,56 +1183,16 @@ impl Builder<'_> {
             op @ Op::Attention { .. } => self.attention(op, rows, shared, label, cmds)?,
             op @ Op::CausalConv1d { .. } => self.causal_conv1d(op, rows, shared, label, cmds)?,
             op @ Op::GatedDeltaNet { .. } => self.gated_deltanet(op, rows, shared, label, cmds)?,
-            Op::GatedRmsNorm {
-                x,
-                gate,
-                weight,
-                shared_weight,
-                out,
-                eps,
-                group,
-                order,
-            } => {
-                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
-                let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
-                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
-                if xd != gd
-                    || xd != od
-                    || gate.width != x.width
-                    || out.width != x.width
-                    || *group == 0
-                    || x.width % group != 0
-                {
-                    return Err(Error::Config(format!("{label}: x/gate/out/group mismatch")));
-                }
-                self.expect_dtype(*weight, DType::F32, label)?;
-                self.expect_numel(
-                    *weight,
-                    if *shared_weight { *group } else { x.width },
-                    label,
-                )?;
-                let p = GatedRmsNormParams {
-                    x: xp,
-                    gate: gp,
-                    out: op_,
-                    weight: self.addr(*weight),
-                    len,
-                    ld_x,
-                    ld_gate: ld_g,
-                    ld_out: ld_o,
-                    group: to_i32(*group, "group", label)?,
-                    shared_weight: *shared_weight as i32,
-                    gate_then_norm: (*order == GateOrder::GateThenNorm) as i32,
-                    eps: eps.get() as f32,
-                };
+            op @ Op::GatedRmsNorm { x, group, .. } => {
+                let (p, xd) = self.gated_norm_params(op, rows, label)?;
                 cmds.push(self.norm_cmd(
                     label,
                     "gated_rms_norm",
                     xd,
                     &p,
                     (rows, x.width, *group),
-                    &[xp, gp, op_, p.weight],
-                    &[ld_x, ld_g, ld_o],
+                    &[p.x, p.gate, p.out, p.weight],
+                    &[p.ld_x, p.ld_gate, p.ld_out],
                 )?);
             }
             Op::StoreLastRow { x, state } => {
