@@ -58,6 +58,17 @@ pub fn ir_to_toml(ir: &ModelIr) -> String {
     );
     let _ = writeln!(out, "tie_embeddings = {}", ir.tied_embeddings);
     let _ = writeln!(out, "weights = {}", string(ir.weights.hf_model_type()));
+    if let Some(q) = &ir.quant {
+        let exclude: Vec<String> = q.exclude.iter().map(|e| string(e)).collect();
+        let _ = writeln!(
+            out,
+            "quantize = {{ format = {}, block = [{}, {}], exclude = [{}] }}",
+            string(q.format.name()),
+            q.block[0],
+            q.block[1],
+            exclude.join(", ")
+        );
+    }
 
     for (name, layer) in &kinds {
         let _ = writeln!(out, "\n[kinds.{}]", key(name));

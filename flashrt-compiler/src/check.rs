@@ -57,6 +57,12 @@ pub fn check(cx: &mut Errors, spec: &ModelSpec) -> Option<ModelIr> {
         return None;
     }
     let ir = build(spec);
+    if let (Some(ir), Some(q)) = (&ir, spec.model.as_ref().and_then(|m| m.quantize.as_ref())) {
+        check_quant_exclude(cx, ir, q);
+        if !cx.is_empty() {
+            return None;
+        }
+    }
     if ir.is_none() {
         // Unreachable when the stages agree; a message beats a panic in a proc macro.
         cx.push(
@@ -384,7 +390,73 @@ fn build(spec: &ModelSpec) -> Option<ModelIr> {
         layers,
         mtp,
         weights: m.weights.as_ref()?.v,
+        quant: match &m.quantize {
+            None => None,
+            Some(q) => Some(build_quant(q)?),
+        },
     })
+}
+
+fn build_quant(q: &QuantSpec) -> Option<QuantIr> {
+    let format = q.format.as_ref()?.v;
+    let [r, c] = &q.block.as_ref()?.v;
+    let block = [r.v as usize, c.v as usize];
+    Some(match &q.exclude.as_ref()?.v {
+        None => QuantIr::with_defaults(format, block),
+        Some(names) => QuantIr {
+            format,
+            block,
+            exclude: names.iter().map(|n| n.v.clone()).collect(),
+        },
+    })
+}
+
+/// Every `quantize.exclude` entry must name a quantizable matrix of the model (a typo would
+/// otherwise quantize what the user meant to keep).
+fn check_quant_exclude(cx: &mut Errors, ir: &ModelIr, q: &QuantSpec) {
+    let Some(Some(names)) = q.exclude.as_ref().map(|e| &e.v) else {
+        return;
+    };
+    let mut all = ir.clone();
+    if let Some(quant) = all.quant.as_mut() {
+        quant.exclude.clear();
+    }
+    let layout = compile(&all, Target { dtype: DType::F32 }).layout;
+    let matrices: Vec<&str> = layout
+        .buffers
+        .iter()
+        .filter(|b| b.quant.is_some())
+        .map(|b| b.name.as_str())
+        .collect();
+    for n in names {
+        let probe = QuantIr {
+            format: QuantFormat::Fp8E4m3,
+            block: [1, 1],
+            exclude: vec![n.v.clone()],
+        };
+        if !matrices.iter().any(|m| probe.excludes(m)) {
+            let mut kinds: Vec<String> = matrices
+                .iter()
+                .map(|m| match m.split_once('.') {
+                    Some((l, rest)) if l == "layers" || l == "mtp" => rest
+                        .split_once('.')
+                        .map_or(rest.to_string(), |(_, r)| r.to_string()),
+                    _ => m.to_string(),
+                })
+                .collect();
+            kinds.sort();
+            kinds.dedup();
+            let list: Vec<&str> = kinds.iter().map(String::as_str).collect();
+            cx.push(
+                n.loc,
+                format!(
+                    "`quantize.exclude` names `{}`, which is no weight matrix of this model{}",
+                    n.v,
+                    hint(&n.v, &list)
+                ),
+            );
+        }
+    }
 }
 
 fn us(f: &F<u64>) -> Option<usize> {

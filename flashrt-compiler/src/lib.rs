@@ -51,6 +51,7 @@
 //! | `norm` | table | required | `{ kind = "rms" (default), eps = number > 0 (required), weight = "plain" (default) \| "one_plus" }`; `one_plus` stores `w` for a scale of `1 + w` |
 //! | `tie_embeddings` | bool | `false` | the LM head reuses the embedding table |
 //! | `weights` | `"qwen3_5_text"` \| `"lfm2"` \| `"nemotron_h"` | required | checkpoint naming convention (the HF `model_type`) |
+//! | `quantize` | table | absent | block-quantized weights: `{ format = "fp8_e4m3" (required), block = [rows, cols] of sizes ([128, 128]), exclude = array of weight names }`. Every linear projection's matrix, the MTP `fc`, the LM head and the routed experts are quantized except those `exclude` names (a layout name such as `layers.3.attn.q_proj`, or a suffix such as `gdn.in_proj_a` for every layer; default `["lm_head", "gdn.in_proj_a", "gdn.in_proj_b", "moe.shared.token_gate"]`, what Qwen's FP8 releases keep in bf16). Each block of a weight has one f32 scale (`W = q * scale`); see `flashrt_ir::QuantIr` |
 //!
 //! **`[kinds.<name>]`**: one table per layer kind; `<name>` is an identifier. A kind has a
 //! `mixer`, an `mlp`, or both (a decoder layer is `x += mixer(norm(x)); x += mlp(norm(x))`).

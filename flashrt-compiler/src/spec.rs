@@ -8,7 +8,7 @@
 //! later stages skip checks that depend on it instead of reporting follow-on errors.
 
 use crate::value::{Entry, Errors, Loc, Table, Value, ValueKind, hint, list};
-use flashrt_ir::{DType, ExpertAct, GateOrder, NormWeight, RouterScore, WeightNaming};
+use flashrt_ir::{DType, ExpertAct, GateOrder, NormWeight, QuantFormat, RouterScore, WeightNaming};
 
 /// The largest size the spec language accepts for any dimension or count (`i32::MAX`:
 /// positions and lengths travel to kernels as `i32`).
@@ -56,6 +56,18 @@ pub struct ModelSection {
     pub norm: Option<NormSpec>,
     pub tie_embeddings: F<bool>,
     pub weights: F<WeightNaming>,
+    /// `None`: no `quantize` key.
+    pub quantize: Option<QuantSpec>,
+}
+
+/// `quantize = { format = "fp8_e4m3", block = [128, 128], exclude = [...] }`
+#[derive(Clone, Debug)]
+pub struct QuantSpec {
+    pub loc: Loc,
+    pub format: F<QuantFormat>,
+    pub block: F<[S<u64>; 2]>,
+    /// `None` (absent): [`flashrt_ir::DEFAULT_QUANT_EXCLUDE`].
+    pub exclude: F<Option<Vec<S<String>>>>,
 }
 
 /// `norm = { kind = "rms", eps, weight }`
@@ -191,6 +203,7 @@ pub const DTYPES: &[(&str, DType)] = &[
     ("bf16", DType::Bf16),
     ("f16", DType::F16),
 ];
+pub const QUANT_FORMATS: &[(&str, QuantFormat)] = &[("fp8_e4m3", QuantFormat::Fp8E4m3)];
 pub const NORM_WEIGHTS: &[(&str, NormWeight)] = &[
     ("plain", NormWeight::Plain),
     ("one_plus", NormWeight::OnePlus),
@@ -502,6 +515,9 @@ fn read_model(cx: &mut Errors, t: &Table, loc: Loc, default_name: Option<&str>) 
             WeightNaming::from_hf_model_type,
         )
     });
+    let quantize = f
+        .entry("quantize")
+        .and_then(|e| table(cx, &e.value).map(|t| read_quantize(cx, t, e.key_loc)));
     f.finish(cx);
     ModelSection {
         loc,
@@ -514,6 +530,62 @@ fn read_model(cx: &mut Errors, t: &Table, loc: Loc, default_name: Option<&str>) 
         norm,
         tie_embeddings,
         weights,
+        quantize,
+    }
+}
+
+fn read_quantize(cx: &mut Errors, t: &Table, loc: Loc) -> QuantSpec {
+    let mut f = Fields::new(cx, t, loc, "`model.quantize`".into());
+    let format = f.req(cx, "format", |cx, v| {
+        choice(
+            cx,
+            v,
+            "quantization format",
+            QUANT_FORMATS,
+            QuantFormat::parse,
+        )
+    });
+    let block = f.opt(
+        cx,
+        "block",
+        [S { v: 128, loc }, S { v: 128, loc }],
+        |cx, v| match &v.kind {
+            ValueKind::Array(items) if items.len() == 2 => {
+                let r = size(cx, &items[0]).map(|x| S {
+                    v: x,
+                    loc: items[0].loc,
+                });
+                let c = size(cx, &items[1]).map(|x| S {
+                    v: x,
+                    loc: items[1].loc,
+                });
+                Some([r?, c?])
+            }
+            _ => {
+                mismatch(cx, v, "an array `[rows, cols]` of two block sizes");
+                None
+            }
+        },
+    );
+    let exclude = f.opt(cx, "exclude", None, |cx, v| match &v.kind {
+        ValueKind::Array(items) => {
+            let out: Vec<Option<S<String>>> = items
+                .iter()
+                .map(|i| string(cx, i).map(|x| S { v: x, loc: i.loc }))
+                .collect();
+            out.into_iter().collect::<Option<Vec<_>>>().map(Some)
+        }
+        _ => {
+            mismatch(cx, v, "an array of weight names");
+            None
+        }
+    });
+    f.finish(cx);
+    QuantSpec {
+        loc,
+        format,
+        block,
+        exclude,
     }
 }
 

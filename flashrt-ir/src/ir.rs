@@ -35,6 +35,10 @@ pub enum DType {
     Bf16,
     F16,
     I32,
+    /// OCP FP8 E4M3 (`float8_e4m3fn`): a block-quantized weight's elements; the value is the
+    /// element times its block's scale ([`QuantIr`]). Only weights hold it.
+    #[serde(rename = "f8_e4m3")]
+    F8E4m3,
 }
 
 impl DType {
@@ -42,6 +46,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::Bf16 | DType::F16 => 2,
+            DType::F8E4m3 => 1,
         }
     }
     pub fn name(self) -> &'static str {
@@ -50,6 +55,7 @@ impl DType {
             DType::Bf16 => "bf16",
             DType::F16 => "f16",
             DType::I32 => "i32",
+            DType::F8E4m3 => "f8_e4m3",
         }
     }
     pub fn parse(s: &str) -> Option<DType> {
@@ -61,6 +67,82 @@ impl DType {
         })
     }
 }
+
+/// The element format of quantized weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuantFormat {
+    /// FP8 E4M3 elements with one f32 scale per block (the fine-grained FP8 format of Qwen's
+    /// and DeepSeek's FP8 checkpoints: `W[i, j] = q[i, j] * scale_inv[i / bo, j / bi]`).
+    Fp8E4m3,
+}
+
+impl QuantFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantFormat::Fp8E4m3 => "fp8_e4m3",
+        }
+    }
+    pub fn parse(s: &str) -> Option<QuantFormat> {
+        match s {
+            "fp8_e4m3" | "fp8" | "f8_e4m3" | "e4m3" => Some(QuantFormat::Fp8E4m3),
+            _ => None,
+        }
+    }
+}
+
+/// Block-scaled weight quantization of a model's matrices.
+///
+/// Every weight matrix of a linear projection, of the MTP head's `fc`, of the LM head and of
+/// the routed experts is quantized unless `exclude` names it; embeddings, norms, convolution
+/// taps, recurrence parameters and MoE routers never are. A matrix `[out, in]` is cut into
+/// blocks of `block = [rows, cols]` (edge blocks hold what is left) and each block has one
+/// scale: `W[i, j] = q[i, j] * s[i / rows, j / cols]`. A stacked weight (the routed experts,
+/// gate and up rows per expert) restarts the block grid at every piece, as the checkpoints
+/// that store one tensor per expert and projection do.
+///
+/// `exclude` holds layout weight names (`layers.3.gdn.in_proj_a`, `lm_head`) or their
+/// suffixes after a `.` (`gdn.in_proj_a` excludes that projection in every layer).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct QuantIr {
+    pub format: QuantFormat,
+    pub block: [usize; 2],
+    pub exclude: Vec<String>,
+}
+
+impl QuantIr {
+    /// What a model description gets when it names only the format: the matrices Qwen's FP8
+    /// releases keep in bf16 stay so (the LM head, the Gated DeltaNet `a` / `b` projections,
+    /// the shared expert's token gate).
+    pub fn with_defaults(format: QuantFormat, block: [usize; 2]) -> QuantIr {
+        QuantIr {
+            format,
+            block,
+            exclude: DEFAULT_QUANT_EXCLUDE
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        }
+    }
+
+    /// Whether the weight buffer `name` (a layout name) is left unquantized.
+    pub fn excludes(&self, name: &str) -> bool {
+        self.exclude.iter().any(|e| {
+            name == e
+                || name
+                    .strip_suffix(e.as_str())
+                    .is_some_and(|rest| rest.ends_with('.'))
+        })
+    }
+}
+
+/// [`QuantIr::with_defaults`]' exclusions.
+pub const DEFAULT_QUANT_EXCLUDE: [&str; 4] = [
+    "lm_head",
+    "gdn.in_proj_a",
+    "gdn.in_proj_b",
+    "moe.shared.token_gate",
+];
 
 /// Whether a stored RMSNorm weight is the scale itself (`w`) or an offset from one (`1 + w`,
 /// "zero-centred", Qwen3.5).
@@ -366,6 +448,9 @@ pub struct ModelIr {
     pub layers: Vec<LayerIr>,
     pub mtp: Option<MtpIr>,
     pub weights: WeightNaming,
+    /// Block-quantized weights (`None`: every weight in `dtype`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quant: Option<QuantIr>,
 }
 
 impl ModelIr {

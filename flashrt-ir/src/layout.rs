@@ -111,6 +111,46 @@ pub struct Buffer {
     /// checkpoints hold) is absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pieces: Option<Pieces>,
+    /// For a block-quantized weight: its scale buffer and block grid (see [`WeightQuant`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quant: Option<WeightQuant>,
+}
+
+/// How a block-quantized weight is stored ([`crate::ir::QuantIr`]).
+///
+/// The weight is a matrix of `rows = numel / cols` rows and `cols` columns (a stacked
+/// `[experts, r, c]` weight is `experts * r` rows), cut into segments of `segment` rows (the
+/// checkpoint's pieces: one per plain matrix, one per expert and projection of a stacked one),
+/// each segment into blocks of `block = [rows, cols]` with the ragged ones at its bottom and
+/// right edges. Block `(b, c)` of segment `g` has the scale at row
+/// `g * ceil(segment / block[0]) + b`, column `c` of `scale`, an f32 `[segments *
+/// ceil(segment / block[0]), ceil(cols / block[1])]` weight buffer filled from the
+/// checkpoint's `weight_scale_inv` tensors (or computed when the weight is quantized while it
+/// loads). A weight of dtype `f8_e4m3` holds the quantized elements `q` and its value is
+/// `q * scale`; a weight of another dtype holds that value (dequantized when it loads: the
+/// CPU reference in f32, exactly).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WeightQuant {
+    pub scale: BufferId,
+    pub block: [usize; 2],
+    pub segment: usize,
+    pub cols: usize,
+}
+
+impl WeightQuant {
+    /// Scale rows per segment.
+    pub fn block_rows(&self) -> usize {
+        self.segment.div_ceil(self.block[0])
+    }
+    /// Scale columns.
+    pub fn block_cols(&self) -> usize {
+        self.cols.div_ceil(self.block[1])
+    }
+    /// The scale index of element `(row, col)` of the weight.
+    pub fn scale_index(&self, row: usize, col: usize) -> usize {
+        let srow = (row / self.segment) * self.block_rows() + (row % self.segment) / self.block[0];
+        srow * self.block_cols() + col / self.block[1]
+    }
 }
 
 /// Checkpoint tensors that, laid end to end, fill one weight buffer.
@@ -257,8 +297,14 @@ impl LayoutBuilder {
             state,
             source,
             pieces: None,
+            quant: None,
         });
         id
+    }
+
+    /// Mark weight `id` as block-quantized (see [`Buffer::quant`]).
+    pub fn set_quant(&mut self, id: BufferId, quant: WeightQuant) {
+        self.buffers[id.index()].quant = Some(quant);
     }
 
     /// Give weight `id` its per-piece checkpoint names (see [`Buffer::pieces`]).

@@ -32,6 +32,8 @@ pub mod lower;
 pub mod plan;
 
 pub use ir::*;
-pub use layout::{ALIGN, Arena, Buffer, BufferId, KERNEL_VERSION, Layout, Role, StateKind, Target};
+pub use layout::{
+    ALIGN, Arena, Buffer, BufferId, KERNEL_VERSION, Layout, Role, StateKind, Target, WeightQuant,
+};
 pub use lower::{Compiled, IoIds, compile};
 pub use plan::{Act, Op, Phase, Plan, View};

@@ -230,6 +230,74 @@ impl<'a> Lower<'a> {
             .push(name, Role::Weight, dtype, shape, layer, None, Some(source))
     }
 
+    /// A matrix weight that the model's quantization may cover: `[rows.., cols]` loaded from
+    /// `source` (or from `pieces` end to end, each `segment` rows), block-quantized unless the
+    /// model has no [`QuantIr`] or its `exclude` names `name`. A quantized matrix is stored as
+    /// FP8 on reduced-precision targets when `fp8` (the ops that read it have FP8 kernels),
+    /// else in the target dtype, dequantized while it loads; its scale buffer follows it.
+    fn matrix(
+        &mut self,
+        name: String,
+        shape: Vec<usize>,
+        layer: Option<usize>,
+        source: String,
+        pieces: Option<Pieces>,
+        segment: usize,
+        fp8: bool,
+    ) -> BufferId {
+        let quant = self
+            .ir
+            .quant
+            .as_ref()
+            .filter(|q| !q.excludes(&name))
+            .cloned();
+        let Some(q) = quant else {
+            let id = self.weight(name, shape, layer, source);
+            if let Some(p) = pieces {
+                self.b.set_pieces(id, p);
+            }
+            return id;
+        };
+        let dtype = match (q.format, self.target.dtype) {
+            (_, DType::F32) => DType::F32,
+            (QuantFormat::Fp8E4m3, _) if fp8 => DType::F8E4m3,
+            (_, d) => d,
+        };
+        let cols = *shape.last().expect("a matrix has columns");
+        let rows = shape.iter().product::<usize>() / cols;
+        let scale_name = format!("{name}.scale");
+        let scale_src = format!("{source}_scale_inv");
+        let w = self
+            .b
+            .push(name, Role::Weight, dtype, shape, layer, None, Some(source));
+        let wq = WeightQuant {
+            scale: BufferId(0),
+            block: q.block,
+            segment,
+            cols,
+        };
+        let scale_rows = (rows / segment) * wq.block_rows();
+        let scale = self.b.push(
+            scale_name,
+            Role::Weight,
+            DType::F32,
+            vec![scale_rows, wq.block_cols()],
+            layer,
+            None,
+            Some(scale_src),
+        );
+        if let Some(p) = pieces {
+            let scale_pieces = Pieces {
+                names: p.names.iter().map(|n| format!("{n}_scale_inv")).collect(),
+                shape: vec![p.shape[0].div_ceil(q.block[0]), wq.block_cols()],
+            };
+            self.b.set_pieces(w, p);
+            self.b.set_pieces(scale, scale_pieces);
+        }
+        self.b.set_quant(w, WeightQuant { scale, ..wq });
+        w
+    }
+
     /// Small per-channel parameters (norm scales, A_log, dt_bias, D, biases) stay f32.
     fn param(
         &mut self,
@@ -304,11 +372,14 @@ impl<'a> Lower<'a> {
         let head = if ir.tied_embeddings {
             embed
         } else {
-            self.weight(
+            self.matrix(
                 "lm_head".into(),
                 vec![ir.vocab, ir.hidden],
                 None,
                 "lm_head.weight".into(),
+                None,
+                ir.vocab,
+                true,
             )
         };
         (embed, head)
@@ -439,11 +510,14 @@ impl<'a> Lower<'a> {
             eps,
             group: h,
         });
-        let fc = self.weight(
+        let fc = self.matrix(
             "mtp.fc".into(),
             vec![h, 2 * h],
             None,
             "mtp.fc.weight".into(),
+            None,
+            h,
+            true,
         );
         let x = self.scratch("x", h);
         ops.push(Op::Linear {
@@ -542,11 +616,14 @@ impl<'a> Lower<'a> {
         ops: &mut Vec<Op>,
         accumulate: bool,
     ) {
-        let w = self.weight(
+        let w = self.matrix(
             format!("{}.{name}", self.lname(i)),
             vec![out.width, xin.width],
             Some(i),
             self.hf(i, &format!("{src}.weight")),
+            None,
+            out.width,
+            true,
         );
         let bias = bias.then(|| {
             let s = self.hf(i, &format!("{src}.bias"));
@@ -1114,12 +1191,6 @@ impl Lower<'_> {
             self.param(format!("{lname}.moe.expert_bias"), vec![e], Some(i), src)
         });
         let rows = m.act.up_rows();
-        let up = self.weight(
-            format!("{lname}.moe.up"),
-            vec![e, rows * m.intermediate, h],
-            Some(i),
-            self.hf(i, &format!("{blk}.{}", n.fused_up)),
-        );
         let up_names = (0..e)
             .flat_map(|j| {
                 n.expert_up
@@ -1128,28 +1199,34 @@ impl Lower<'_> {
             })
             .map(|rest| self.hf(i, &rest))
             .collect();
-        self.b.set_pieces(
-            up,
-            Pieces {
+        // The experts have no FP8 kernels yet: a quantized checkpoint's experts are
+        // dequantized to the target dtype while they load.
+        let up = self.matrix(
+            format!("{lname}.moe.up"),
+            vec![e, rows * m.intermediate, h],
+            Some(i),
+            self.hf(i, &format!("{blk}.{}", n.fused_up)),
+            Some(Pieces {
                 names: up_names,
                 shape: vec![m.intermediate, h],
-            },
-        );
-        let down = self.weight(
-            format!("{lname}.moe.down"),
-            vec![e, h, m.intermediate],
-            Some(i),
-            self.hf(i, &format!("{blk}.experts.down_proj")),
+            }),
+            m.intermediate,
+            false,
         );
         let down_names = (0..e)
             .map(|j| self.hf(i, &format!("{blk}.experts.{j}.{}.weight", n.expert_down)))
             .collect();
-        self.b.set_pieces(
-            down,
-            Pieces {
+        let down = self.matrix(
+            format!("{lname}.moe.down"),
+            vec![e, h, m.intermediate],
+            Some(i),
+            self.hf(i, &format!("{blk}.experts.down_proj")),
+            Some(Pieces {
                 names: down_names,
                 shape: vec![h, m.intermediate],
-            },
+            }),
+            h,
+            false,
         );
         let k = m.route.top_k;
         // hidden [k, inter] + y [k, hidden] + ids, weights [k] + router logits [experts] (4-byte

@@ -360,6 +360,8 @@ fn dtype_code(d: DType) -> u8 {
         DType::Bf16 => 1,
         DType::F16 => 2,
         DType::I32 => 3,
+        // State regions are never FP8; the code exists so the mapping is total.
+        DType::F8E4m3 => 4,
     }
 }
 
@@ -967,6 +969,7 @@ pub fn first_non_finite(dtype: DType, bytes: &[u8]) -> Option<usize> {
             .chunks_exact(2)
             .position(|c| u16::from_le_bytes(c.try_into().expect("2")) & 0x7c00 == 0x7c00),
         DType::I32 => None,
+        DType::F8E4m3 => bytes.iter().position(|b| b & 0x7f == 0x7f),
     }
 }
 

@@ -69,6 +69,8 @@ impl Init {
 /// and embeddings N(0, 0.02); norm scales near 1 (near 0 for `1 + w` norms); conv kernels
 /// U(±1/√K); decay rates `A_log = log U(1, 16)`; `dt_bias` = softplus⁻¹ of dt ∈ [1e-3, 0.1];
 /// Mamba2 `D` near 1; biases 0. Each buffer draws from its own stream (seed, buffer index).
+/// A quantized weight gets values like any other (a backend quantizes them as it loads them)
+/// and its scale buffer none.
 pub fn random_weights(compiled: &Compiled, seed: u64) -> HostWeights {
     let inits = weight_inits(compiled);
     let tensors = compiled
@@ -160,10 +162,19 @@ pub fn weight_inits(compiled: &Compiled) -> Vec<Option<Init>> {
             }
         }
     }
+    // A quantized weight's scales are computed from its values when it loads.
+    let scales: Vec<flashrt_ir::BufferId> = layout
+        .buffers
+        .iter()
+        .filter_map(|b| b.quant.map(|q| q.scale))
+        .collect();
     layout
         .buffers
         .iter()
-        .map(|b| (b.role == Role::Weight).then(|| init[b.id.index()].unwrap_or(small)))
+        .map(|b| {
+            (b.role == Role::Weight && !scales.contains(&b.id))
+                .then(|| init[b.id.index()].unwrap_or(small))
+        })
         .collect()
 }
 

@@ -14,7 +14,8 @@
 //! * [`loader`]: Hugging Face safetensors checkpoints streamed into a backend's
 //!   [`WeightSink`] (memory-mapped, in their stored dtype, hashed into the weights digest a
 //!   model's fingerprint covers), with one error listing every mismatch; [`init`]:
-//!   deterministic random weights.
+//!   deterministic random weights; [`quant`]: the FP8 E4M3 codec and the block quantizer
+//!   (the reference rule every backend reproduces bit for bit).
 //! * [`safetensors`]: safetensors files through the format's crate, mapped, every file
 //!   treated as untrusted.
 //! * [`reference`]: checks a runtime against a folder of transformers reference outputs.
@@ -42,6 +43,7 @@ pub mod error;
 pub mod host_state;
 pub mod init;
 pub mod loader;
+pub mod quant;
 pub mod reference;
 pub mod safetensors;
 pub mod sampling;

@@ -390,7 +390,28 @@ impl Checkpoint {
         let mut misshaped = Vec::new();
         let mut bad_dtype = Vec::new();
         let mut matched = Vec::new();
-        for b in layout.buffers.iter().filter(|b| b.role == Role::Weight) {
+        // Scale buffers after the weights: a weight stored in FP8 needs its scales from the
+        // checkpoint, one stored as floats gets them computed when it is quantized.
+        let scale_of: BTreeMap<BufferId, &flashrt_ir::Buffer> = layout
+            .buffers
+            .iter()
+            .filter_map(|b| b.quant.map(|q| (q.scale, b)))
+            .collect();
+        let mut weights: Vec<&flashrt_ir::Buffer> = layout
+            .buffers
+            .iter()
+            .filter(|b| b.role == Role::Weight)
+            .collect();
+        weights.sort_by_key(|b| scale_of.contains_key(&b.id));
+        // Per quantized weight: whether its tensors are FP8 codes.
+        let mut stored_fp8: BTreeMap<BufferId, bool> = BTreeMap::new();
+        for b in weights {
+            if let Some(w) = scale_of.get(&b.id)
+                && stored_fp8.get(&w.id) != Some(&true)
+            {
+                // Floats (quantized while loading) or missing (reported with the weight).
+                continue;
+            }
             let Some(source) = &b.source else {
                 missing.push(format!(
                     "{} (layout buffer without a checkpoint name)",
@@ -459,6 +480,19 @@ impl Checkpoint {
                     bad_dtype.push(format!("{name}: {}", info.dtype.name()));
                     continue;
                 };
+                let fp8 = dtype == SourceDtype::F8E4m3;
+                if fp8 && b.quant.is_none() {
+                    bad_dtype.push(format!(
+                        "{name}: F8_E4M3, but the model does not quantize `{}` (a checkpoint \
+                         with FP8 weights needs its quantization_config, or `quantize` in a \
+                         TOML model)",
+                        b.name
+                    ));
+                    continue;
+                }
+                if b.quant.is_some() {
+                    *stored_fp8.entry(b.id).or_insert(fp8) &= fp8;
+                }
                 matched.push(Matched {
                     buffer: b.id,
                     name: name.clone(),
@@ -641,10 +675,15 @@ impl Checkpoint {
 /// the values themselves). It makes no model.
 struct Collect {
     tensors: Vec<Option<Vec<f32>>>,
+    /// Buffers that received FP8 codes (their values need their scales).
+    codes: BTreeSet<BufferId>,
 }
 
 impl WeightSink for Collect {
     fn put(&mut self, id: BufferId, first: usize, dtype: SourceDtype, bytes: &[u8]) -> Result<()> {
+        if dtype == SourceDtype::F8E4m3 {
+            self.codes.insert(id);
+        }
         let t = self.tensors[id.index()]
             .as_mut()
             .ok_or_else(|| Error::Checkpoint(format!("buffer {} is not a weight", id.0)))?;
@@ -667,7 +706,8 @@ impl WeightSink for Collect {
 
 /// Every weight buffer of `compiled` from the checkpoint in `dir`, as f32 on the host, with
 /// the weights digest. For tests and tools: a model loads through [`Checkpoint::load`] into
-/// its backend's sink instead.
+/// its backend's sink instead. A quantized weight stored in FP8 comes back as its exact values
+/// (`q * scale`), one stored as floats as those floats; scale buffers come back as `None`.
 pub fn load_hf_weights(compiled: &Compiled, dir: &Path) -> Result<crate::backend::HostWeights> {
     let ckpt = Checkpoint::open(dir)?;
     let mut sink = Collect {
@@ -677,8 +717,18 @@ pub fn load_hf_weights(compiled: &Compiled, dir: &Path) -> Result<crate::backend
             .iter()
             .map(|b| (b.role == Role::Weight).then(|| vec![0f32; b.numel()]))
             .collect(),
+        codes: BTreeSet::new(),
     };
     ckpt.load(compiled, &mut sink, &mut Silent)?;
+    for b in &compiled.layout.buffers {
+        let Some(q) = b.quant else { continue };
+        let scales = sink.tensors[q.scale.index()].take().unwrap_or_default();
+        if sink.codes.contains(&b.id)
+            && let Some(values) = sink.tensors[b.id.index()].as_mut()
+        {
+            crate::quant::apply_scales(values, &q, &scales);
+        }
+    }
     Ok(crate::backend::HostWeights {
         tensors: sink.tensors,
     })

@@ -31,7 +31,9 @@ pub enum Dtype {
     I8,
     U8,
     Bool,
-    /// A dtype this reader does not convert (fp8 variants, ...); usable only if unused.
+    /// OCP FP8 E4M3 (`float8_e4m3fn`): the elements of block-quantized weights.
+    F8E4m3,
+    /// A dtype this reader does not convert (other fp8 variants, ...); usable only if unused.
     Other(String),
 }
 
@@ -48,6 +50,7 @@ impl Dtype {
             "I8" => Dtype::I8,
             "U8" => Dtype::U8,
             "BOOL" => Dtype::Bool,
+            "F8_E4M3" => Dtype::F8E4m3,
             other => Dtype::Other(other.to_string()),
         }
     }
@@ -63,6 +66,7 @@ impl Dtype {
             Dtype::I8 => "I8",
             Dtype::U8 => "U8",
             Dtype::Bool => "BOOL",
+            Dtype::F8E4m3 => "F8_E4M3",
             Dtype::Other(s) => s,
         }
     }
@@ -72,7 +76,7 @@ impl Dtype {
             Dtype::F64 | Dtype::I64 => 8,
             Dtype::F32 | Dtype::I32 => 4,
             Dtype::F16 | Dtype::Bf16 | Dtype::I16 => 2,
-            Dtype::I8 | Dtype::U8 | Dtype::Bool => 1,
+            Dtype::I8 | Dtype::U8 | Dtype::Bool | Dtype::F8E4m3 => 1,
             Dtype::Other(_) => return None,
         })
     }
@@ -84,6 +88,7 @@ impl Dtype {
             Dtype::F32 => S::F32,
             Dtype::F16 => S::F16,
             Dtype::Bf16 => S::Bf16,
+            Dtype::F8E4m3 => S::F8E4m3,
             _ => return None,
         })
     }
@@ -100,6 +105,7 @@ impl Dtype {
             Dtype::I8 => D::I8,
             Dtype::U8 => D::U8,
             Dtype::Bool => D::BOOL,
+            Dtype::F8E4m3 => D::F8_E4M3,
             Dtype::Other(_) => return None,
         })
     }

@@ -31,6 +31,7 @@ use std::fmt;
 mod lfm2;
 mod moe;
 mod nemotron_h;
+mod quant;
 mod qwen35;
 
 use lfm2::lfm2;
@@ -118,7 +119,7 @@ pub fn ir_from_hf_config(json: &str, opts: &HfOptions) -> Result<ModelIr> {
         parent: None,
     };
     let model_type = top.str("model_type")?.to_string();
-    match model_type.as_str() {
+    let mut ir = match model_type.as_str() {
         "qwen3_next" => Err(HfError::Unsupported(
             "model_type `qwen3_next` (fused in_proj_qkvz projections and MoE blocks are not implemented; \
              qwen3_5_text / qwen3_5 are)"
@@ -146,7 +147,9 @@ pub fn ir_from_hf_config(json: &str, opts: &HfOptions) -> Result<ModelIr> {
         "lfm2" | "lfm2_moe" => lfm2(&top, &model_type, opts),
         "nemotron_h" => nemotron_h(&top, opts),
         other => Err(HfError::UnknownModelType(other.to_string())),
-    }
+    }?;
+    ir.quant = quant::quantization(root, &ir)?;
+    Ok(ir)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -413,6 +416,7 @@ fn finish(
         layers,
         mtp,
         weights,
+        quant: None,
     }
 }
 

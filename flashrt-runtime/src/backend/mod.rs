@@ -27,7 +27,7 @@ pub mod cuda;
 pub mod cuda;
 
 /// Host-side weights in layout order: one f32 vector per weight buffer (`None` for non-weight
-/// buffers). A convenience for tests and generated weights; checkpoints stream through a
+/// buffers and the scale buffers of quantized weights, whose vectors hold their values). A convenience for tests and generated weights; checkpoints stream through a
 /// [`WeightSink`] instead and never exist on the host as a whole.
 pub struct HostWeights {
     pub tensors: Vec<Option<Vec<f32>>>,
@@ -40,6 +40,9 @@ pub enum SourceDtype {
     F32,
     F16,
     Bf16,
+    /// FP8 E4M3 codes of a block-quantized weight (the value is the code times its block's
+    /// scale, which arrives separately).
+    F8E4m3,
 }
 
 impl SourceDtype {
@@ -49,6 +52,7 @@ impl SourceDtype {
             SourceDtype::F64 => 8,
             SourceDtype::F32 => 4,
             SourceDtype::F16 | SourceDtype::Bf16 => 2,
+            SourceDtype::F8E4m3 => 1,
         }
     }
     pub fn name(self) -> &'static str {
@@ -57,6 +61,7 @@ impl SourceDtype {
             SourceDtype::F32 => "F32",
             SourceDtype::F16 => "F16",
             SourceDtype::Bf16 => "BF16",
+            SourceDtype::F8E4m3 => "F8_E4M3",
         }
     }
     /// The same element type in the layout's terms, where it has one (F64 has none).
@@ -66,9 +71,11 @@ impl SourceDtype {
             SourceDtype::F32 => Some(DType::F32),
             SourceDtype::F16 => Some(DType::F16),
             SourceDtype::Bf16 => Some(DType::Bf16),
+            SourceDtype::F8E4m3 => Some(DType::F8E4m3),
         }
     }
-    /// Element `i` of `bytes` as f32 (f64 rounds to nearest, like `as f32`).
+    /// Element `i` of `bytes` as f32 (f64 rounds to nearest, like `as f32`; an FP8 code as its
+    /// exact value, unscaled).
     pub fn to_f32(self, bytes: &[u8], out: &mut [f32]) {
         match self {
             SourceDtype::F64 => {
@@ -89,6 +96,11 @@ impl SourceDtype {
             SourceDtype::Bf16 => {
                 for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
                     *o = half::bf16::from_le_bytes(c.try_into().expect("2 bytes")).to_f32();
+                }
+            }
+            SourceDtype::F8E4m3 => {
+                for (o, &b) in out.iter_mut().zip(bytes) {
+                    *o = crate::quant::e4m3_to_f32(b);
                 }
             }
         }
@@ -115,11 +127,39 @@ pub trait WeightSink {
 
 /// The bookkeeping every [`WeightSink`] does: which buffers are weights, where they live, and
 /// how many elements each has received, so a bad `put` and a missing weight are clear errors.
+///
+/// For block-quantized weights ([`flashrt_ir::WeightQuant`]) it also records how the
+/// elements arrived — as FP8 codes (their scales arrive as the scale buffer's elements) or as
+/// floats (to be quantized by [`crate::quant`]'s rule, the scales computed) — and tells the
+/// sink at the end what is left to do ([`WeightFill::quant_jobs`]).
 pub struct WeightFill {
     /// Per layout buffer: role, byte offset in its arena, elements, dtype, name.
     buffers: Vec<(Role, usize, usize, DType, String)>,
     filled: Vec<usize>,
     weight_bytes: usize,
+    /// Per buffer: its quantization, when it is a quantized weight.
+    quant: Vec<Option<flashrt_ir::WeightQuant>>,
+    /// Per buffer: the weight whose scales it holds, when it is a scale buffer.
+    scale_of: Vec<Option<BufferId>>,
+    /// Per quantized weight: FP8 codes arrived (`Some(true)`), floats (`Some(false)`).
+    codes: Vec<Option<bool>>,
+}
+
+/// What a sink does for a quantized weight once every piece has arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantJob {
+    /// FP8 codes (and their scales) arrived for a weight the layout holds as values (f32 on
+    /// the CPU, bf16 for ops without FP8 kernels): multiply each code's value by its scale.
+    Dequantize {
+        weight: BufferId,
+        quant: flashrt_ir::WeightQuant,
+    },
+    /// Floats arrived: quantize them by the reference rule, computing the scales; an FP8
+    /// weight keeps the codes, a value weight the dequantized values.
+    Quantize {
+        weight: BufferId,
+        quant: flashrt_ir::WeightQuant,
+    },
 }
 
 /// Where a checked `put` goes.
@@ -134,6 +174,14 @@ pub struct PutTarget {
 impl WeightFill {
     pub fn new(compiled: &Compiled) -> WeightFill {
         let l = &compiled.layout;
+        let mut scale_of = vec![None; l.buffers.len()];
+        for b in &l.buffers {
+            if let Some(q) = &b.quant
+                && let Some(s) = scale_of.get_mut(q.scale.index())
+            {
+                *s = Some(b.id);
+            }
+        }
         WeightFill {
             buffers: l
                 .buffers
@@ -142,7 +190,49 @@ impl WeightFill {
                 .collect(),
             filled: vec![0; l.buffers.len()],
             weight_bytes: l.arena_bytes(Role::Weight),
+            quant: l.buffers.iter().map(|b| b.quant).collect(),
+            scale_of,
+            codes: vec![None; l.buffers.len()],
         }
+    }
+
+    /// The quantization of weight `id`, if it is a quantized weight.
+    pub fn quant(&self, id: BufferId) -> Option<flashrt_ir::WeightQuant> {
+        self.quant.get(id.index()).copied().flatten()
+    }
+
+    /// Whether buffer `id` holds another weight's scales.
+    pub fn is_scale(&self, id: BufferId) -> bool {
+        self.scale_of.get(id.index()).is_some_and(|s| s.is_some())
+    }
+
+    /// What is left to do for every quantized weight (see [`QuantJob`]); errors for a weight
+    /// whose pieces arrived partly as codes and partly as floats, or codes without scales.
+    pub fn quant_jobs(&self) -> Result<Vec<QuantJob>> {
+        let mut jobs = Vec::new();
+        for (i, q) in self.quant.iter().enumerate() {
+            let Some(quant) = *q else { continue };
+            let weight = BufferId(i as u32);
+            let name = &self.buffers[i].4;
+            match self.codes[i] {
+                // Nothing arrived: `finish` reports the missing weight.
+                None => {}
+                Some(true) => {
+                    if self.buffers[i].3 != DType::F8E4m3 {
+                        jobs.push(QuantJob::Dequantize { weight, quant });
+                    }
+                }
+                Some(false) => {
+                    if self.filled[quant.scale.index()] != 0 {
+                        return Err(crate::error::Error::Checkpoint(format!(
+                            "weight `{name}` arrived unquantized but its scales were given too"
+                        )));
+                    }
+                    jobs.push(QuantJob::Quantize { weight, quant });
+                }
+            }
+        }
+        Ok(jobs)
     }
 
     /// Check a `put` of `bytes` as elements `first..` of buffer `id` and count it.
@@ -158,6 +248,28 @@ impl WeightFill {
             return Err(bad(format!("no buffer with id {}", id.0)));
         };
         let count = bytes / dtype.size();
+        let quantized = self.quant[id.index()].is_some();
+        if dtype == SourceDtype::F8E4m3 && !quantized {
+            return Err(bad(format!(
+                "`{name}` is given as FP8 codes but the model does not quantize it (its \
+                 `quantize.exclude` names it, or the model has no `quantize` section)"
+            )));
+        }
+        if quantized {
+            let codes = dtype == SourceDtype::F8E4m3;
+            match self.codes[id.index()] {
+                Some(c) if c != codes => {
+                    return Err(bad(format!(
+                        "pieces of `{name}` arrive partly as FP8 codes and partly as floats"
+                    )));
+                }
+                _ => self.codes[id.index()] = Some(codes),
+            }
+        } else if *to == DType::F8E4m3 {
+            return Err(bad(format!(
+                "FP8 buffer `{name}` is not a quantized weight"
+            )));
+        }
         if *role != Role::Weight || first + count > *numel || !bytes.is_multiple_of(dtype.size()) {
             return Err(bad(format!(
                 "elements {first}..{} of `{name}` ({} bytes of {}; {numel} elements, role {})",
@@ -205,7 +317,8 @@ impl WeightFill {
     }
 }
 
-/// Put every buffer of `weights` into `sink` (as f32).
+/// Put every buffer of `weights` into `sink` (as f32). A quantized weight's host tensor is its
+/// values (the sink quantizes them); its scale buffer's tensor, if any, is not used.
 pub fn put_host_weights(
     compiled: &Compiled,
     weights: &HostWeights,
@@ -219,7 +332,16 @@ pub fn put_host_weights(
             layout.buffers.len()
         )));
     }
+    let scales: std::collections::BTreeSet<BufferId> = layout
+        .buffers
+        .iter()
+        .filter_map(|b| b.quant.map(|q| q.scale))
+        .collect();
     for (b, t) in layout.buffers.iter().zip(&weights.tensors) {
+        if scales.contains(&b.id) {
+            // Host weights hold a quantized weight's values; the sink quantizes them.
+            continue;
+        }
         match (b.role, t) {
             (Role::Weight, Some(t)) if t.len() == b.numel() => {
                 let bytes: Vec<u8> = t.iter().flat_map(|x| x.to_le_bytes()).collect();

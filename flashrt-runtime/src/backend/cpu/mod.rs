@@ -35,7 +35,8 @@
 mod ops;
 
 use super::{
-    Backend, DeviceModel, DeviceSession, RegionSet, SavedState, SourceDtype, WeightFill, WeightSink,
+    Backend, DeviceModel, DeviceSession, QuantJob, RegionSet, SavedState, SourceDtype, WeightFill,
+    WeightSink,
 };
 use crate::error::{Error, Result};
 use flashrt_ir::{BufferId, Compiled, DType, ModelIr, Op, Phase, Plan, Role, Target, View};
@@ -130,7 +131,29 @@ impl WeightSink for CpuSink {
         Ok(())
     }
 
-    fn finish(self: Box<Self>, compiled: Arc<Compiled>) -> Result<Arc<dyn DeviceModel>> {
+    fn finish(mut self: Box<Self>, compiled: Arc<Compiled>) -> Result<Arc<dyn DeviceModel>> {
+        // Quantized weights end as their exact f32 values (`q * scale`).
+        let layout = &compiled.layout;
+        for job in self.fill.quant_jobs()? {
+            let (QuantJob::Dequantize { weight, quant } | QuantJob::Quantize { weight, quant }) =
+                job;
+            let w = layout.buffer(weight);
+            let sb = layout.buffer(quant.scale);
+            let (wo, so) = (w.offset / 4, sb.offset / 4);
+            let mut scales = self.weights[so..so + sb.numel()].to_vec();
+            let values = &mut self.weights[wo..wo + w.numel()];
+            if let QuantJob::Quantize { .. } = job {
+                let mut codes = vec![0u8; values.len()];
+                crate::quant::quantize(values, &quant, &mut codes, &mut scales);
+                for (v, &c) in values.iter_mut().zip(&codes) {
+                    *v = crate::quant::e4m3_to_f32(c);
+                }
+                self.weights[so..so + sb.numel()].copy_from_slice(&scales);
+                self.fill.mark_full(quant.scale);
+            }
+            let values = &mut self.weights[wo..wo + w.numel()];
+            crate::quant::apply_scales(values, &quant, &scales);
+        }
         self.fill.finish(&compiled)?;
         Ok(Arc::new(CpuModel {
             inner: Arc::new(ModelData::new(compiled, self.weights, self.threads)?),
