@@ -20,6 +20,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace flashrt {
@@ -36,6 +37,17 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
     return __float2bfloat16_rn(v);
 }
 template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+// FP8 E4M3 (OCP `e4m3fn`): a code's exact value, and the code nearest to a value (ties to
+// even, saturating at +-448).
+static __device__ __forceinline__ float e4m3_value(uint8_t code) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, __NV_E4M3);
+    return __half2float(*reinterpret_cast<const __half*>(&h));
+}
+static __device__ __forceinline__ uint8_t e4m3_code(float v) {
+    return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+static __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // ---- activations (must match flashrt_ir::plan::Act) ------------------------------------
 

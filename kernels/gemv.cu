@@ -29,7 +29,13 @@
 // Traffic: n * k * 2 bytes of weights (the step's floor), R * k input elements per warp from
 // L1/L2, R * n outputs. Requires k % 8 == 0, 16-byte aligned weight and input rows (the host
 // checks and falls back to cuBLASLt otherwise).
+//
+// FP8 weights (`gemv8_*`, W8A16): E4M3 codes with one f32 scale per [qbr, qbc] block; a
+// 16-byte chunk is 16 codes, converted in registers, their products with the input summed in
+// f32 and scaled by the row's block scale; n * k bytes of weights plus the scales. Requires
+// k % 16 == 0 and qbc % 16 == 0.
 #include "common.cuh"
+#include <cuda_fp8.h>
 
 #define GEMV_WARPS 8
 #define GEMV_MATS 4
@@ -37,10 +43,12 @@
 struct GemvMat {
     const void* w;
     void* out;
+    // FP8 weights (`gemv8_*`): the f32 block scales, `scale_ld` per block row.
+    const float* scale;
     int n;
     int ld_out;
     int blocks;
-    int pad_;
+    int scale_ld;
 };
 
 struct GemvParams {
@@ -67,6 +75,9 @@ struct GemvParams {
     void* norm_out;
     int ld_norm_out;
     float eps;
+    // FP8 weights: rows and columns of a scale block (`qbc` a multiple of 16).
+    int qbr;
+    int qbc;
     GemvMat m[GEMV_MATS];
 };
 
@@ -78,8 +89,28 @@ static __device__ __forceinline__ uint4 load_stream(const void* p) {
     return v;
 }
 
-template <typename T, int R, int GEMV_FEATS, bool NORM> static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
+// FP8 E4M3 weights (`FP8`): 16 codes per 16-byte chunk, each row's codes times its block's
+// scale. A chunk's 16 products are summed in f32 and the sum scaled once (block columns are
+// multiples of 16, so a chunk never straddles two blocks), then added to the accumulator.
+// Codes 8h .. 8h + 7 of a 16-byte chunk as f32 (exact).
+static __device__ __forceinline__ void unpack_e4m3x8(uint4 u, int h, float (&f)[8]) {
+    const uint32_t w[2] = {h ? u.z : u.x, h ? u.w : u.y};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] & 0xffffu), __NV_E4M3);
+        const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[i] >> 16), __NV_E4M3);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+        f[4 * i] = a.x, f[4 * i + 1] = a.y, f[4 * i + 2] = b.x, f[4 * i + 3] = b.y;
+    }
+}
+
+template <typename T, int R, int GEMV_FEATS, bool NORM, bool FP8 = false>
+static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
     constexpr int WARPS = GEMV_WARPS;
+    // Bytes per weight element; a 16-byte chunk holds CH of them.
+    constexpr int WSIZE = FP8 ? 1 : (int)sizeof(T);
+    constexpr int CH = 16 / WSIZE;
     __shared__ float red[WARPS][R][GEMV_FEATS];
     // Which matrix this block works on, and its block index within it.
     int b = blockIdx.x, mi = 0;
@@ -88,13 +119,14 @@ template <typename T, int R, int GEMV_FEATS, bool NORM> static __device__ __forc
         ++mi;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int k = p.k, chunks = k >> 3;
+    const int k = p.k, chunks = k >> 3, wchunks = k / CH;
 
     // The GEMV_FEATS weight rows of this block: features j0 .. j0 + GEMV_FEATS - 1 of matrix
     // mi, or in glu mode gate rows j0 .. j0 + HALF - 1 (slots 0 .. HALF - 1) and the up rows
-    // with the same indices (slots HALF ..).
+    // with the same indices (slots HALF ..). `sr`: each row's scales (FP8).
     constexpr int HALF = GEMV_FEATS / 2;
-    const T* wr[GEMV_FEATS];
+    const char* wr[GEMV_FEATS];
+    const float* sr[GEMV_FEATS];
     bool ok[GEMV_FEATS];
     int j0;
     if (p.glu) {
@@ -102,15 +134,19 @@ template <typename T, int R, int GEMV_FEATS, bool NORM> static __device__ __forc
 #pragma unroll
         for (int i = 0; i < GEMV_FEATS; ++i) {
             const int j = j0 + (i % HALF);
+            const GemvMat& m = p.m[i / HALF];
             ok[i] = j < p.m[0].n;
-            wr[i] = static_cast<const T*>(p.m[i / HALF].w) + (size_t)(ok[i] ? j : 0) * k;
+            wr[i] = static_cast<const char*>(m.w) + (size_t)(ok[i] ? j : 0) * k * WSIZE;
+            sr[i] = FP8 ? m.scale + (size_t)((ok[i] ? j : 0) / p.qbr) * m.scale_ld : nullptr;
         }
     } else {
         j0 = b * GEMV_FEATS;
+        const GemvMat& m = p.m[mi];
 #pragma unroll
         for (int i = 0; i < GEMV_FEATS; ++i) {
-            ok[i] = j0 + i < p.m[mi].n;
-            wr[i] = static_cast<const T*>(p.m[mi].w) + (size_t)(ok[i] ? j0 + i : 0) * k;
+            ok[i] = j0 + i < m.n;
+            wr[i] = static_cast<const char*>(m.w) + (size_t)(ok[i] ? j0 + i : 0) * k * WSIZE;
+            sr[i] = FP8 ? m.scale + (size_t)((ok[i] ? j0 + i : 0) / p.qbr) * m.scale_ld : nullptr;
         }
     }
     const T* x = static_cast<const T*>(p.x);
@@ -190,20 +226,47 @@ template <typename T, int R, int GEMV_FEATS, bool NORM> static __device__ __forc
 
     // Thread t takes chunks t, t + blockDim, ...: every 16-byte weight chunk is loaded once,
     // and each input chunk serves all GEMV_FEATS rows.
-    for (int c = threadIdx.x; c < chunks; c += WARPS * 32) {
+    for (int c = threadIdx.x; c < wchunks; c += WARPS * 32) {
         uint4 wv[GEMV_FEATS];
 #pragma unroll
-        for (int i = 0; i < GEMV_FEATS; ++i) wv[i] = ok[i] ? load_stream(wr[i] + (size_t)c * 8) : make_uint4(0, 0, 0, 0);
+        for (int i = 0; i < GEMV_FEATS; ++i) wv[i] = ok[i] ? load_stream(wr[i] + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+        if constexpr (FP8) {
+            float s[GEMV_FEATS];
+            const int sc = c * CH / p.qbc;
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float xf[8];
-            load_x(r, c, xf);
+            for (int i = 0; i < GEMV_FEATS; ++i) s[i] = ok[i] ? __ldg(sr[i] + sc) : 0.0f;
 #pragma unroll
-            for (int i = 0; i < GEMV_FEATS; ++i) {
-                float wf[8];
-                flashrt::unpack16<T>(wv[i], wf);
+            for (int r = 0; r < R; ++r) {
+                float d[GEMV_FEATS];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[r][i] = fmaf(xf[e], wf[e], acc[r][i]);
+                for (int i = 0; i < GEMV_FEATS; ++i) d[i] = 0.0f;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float xf[8];
+                    load_x(r, 2 * c + h, xf);
+#pragma unroll
+                    for (int i = 0; i < GEMV_FEATS; ++i) {
+                        float wf[8];
+                        unpack_e4m3x8(wv[i], h, wf);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) d[i] = fmaf(xf[e], wf[e], d[i]);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < GEMV_FEATS; ++i) acc[r][i] = fmaf(s[i], d[i], acc[r][i]);
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float xf[8];
+                load_x(r, c, xf);
+#pragma unroll
+                for (int i = 0; i < GEMV_FEATS; ++i) {
+                    float wf[8];
+                    flashrt::unpack16<T>(wv[i], wf);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[r][i] = fmaf(xf[e], wf[e], acc[r][i]);
+                }
             }
         }
     }
@@ -262,29 +325,41 @@ template <typename T, int R, int GEMV_FEATS, bool NORM> static __device__ __forc
 // many resident blocks; more rows need more registers.
 #define GEMV_MINB_OF(R) ((R) == 1 ? 4 : (R) == 2 ? 2 : 1)
 
-// `gemv_r<R>`: plain; `gemv_norm_r<R>`: with the fused RMSNorm prologue (`p.norm` = 1).
-#define FLASHRT_GEMV_ENTRY_T(NAME, R, FEATS, NORM, MINB)                                                  \
+// FP8 weights keep a scale pointer per feature and convert codes in registers: 8 features
+// for one row, 4 for more, and a register budget that holds them without spilling.
+#define GEMV8_FEATS_OF(R) ((R) == 1 ? 8 : 4)
+#define GEMV8_MINB_OF(R) ((R) == 1 ? 3 : 1)
+
+// `gemv_r<R>`: plain; `gemv_norm_r<R>`: with the fused RMSNorm prologue (`p.norm` = 1);
+// `gemv8_*`: the same over FP8 E4M3 weights with block scales (activations bf16/f16).
+#define FLASHRT_GEMV_ENTRY_T(NAME, R, FEATS, NORM, MINB, FP8)                                             \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##_bf16(const GemvParams p) {   \
         flashrt::pdl_wait();                                                                             \
         flashrt::pdl_trigger();                                                                          \
-        gemv_impl<__nv_bfloat16, R, FEATS, NORM>(p);                                                    \
+        gemv_impl<__nv_bfloat16, R, FEATS, NORM, FP8>(p);                                               \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##_f16(const GemvParams p) {    \
         flashrt::pdl_wait();                                                                             \
         flashrt::pdl_trigger();                                                                          \
-        gemv_impl<__half, R, FEATS, NORM>(p);                                                           \
+        gemv_impl<__half, R, FEATS, NORM, FP8>(p);                                                      \
     }
 #define FLASHRT_GEMV_ENTRY(R)                                                                            \
-    FLASHRT_GEMV_ENTRY_T(gemv_r##R, R, GEMV_FEATS_OF(R), false, GEMV_MINB_OF(R))                         \
-    FLASHRT_GEMV_ENTRY_T(gemv_norm_r##R, R, GEMV_FEATS_OF(R), true, GEMV_MINB_OF(R))
+    FLASHRT_GEMV_ENTRY_T(gemv_r##R, R, GEMV_FEATS_OF(R), false, GEMV_MINB_OF(R), false)                  \
+    FLASHRT_GEMV_ENTRY_T(gemv_norm_r##R, R, GEMV_FEATS_OF(R), true, GEMV_MINB_OF(R), false)              \
+    FLASHRT_GEMV_ENTRY_T(gemv8_r##R, R, GEMV8_FEATS_OF(R), false, GEMV8_MINB_OF(R), true)                \
+    FLASHRT_GEMV_ENTRY_T(gemv8_norm_r##R, R, GEMV8_FEATS_OF(R), true, GEMV8_MINB_OF(R), true)
 
 // One row with fewer features per block (`gemv_r1f<F>`): more, smaller blocks for matrices
 // with few rows (5120 outputs make 640 blocks of 8, 1.2 waves of resident blocks on an H200;
 // 2560 blocks of 2 balance to within a few percent). Same arithmetic per output.
-FLASHRT_GEMV_ENTRY_T(gemv_r1f4, 1, 4, false, 4)
-FLASHRT_GEMV_ENTRY_T(gemv_norm_r1f4, 1, 4, true, 4)
-FLASHRT_GEMV_ENTRY_T(gemv_r1f2, 1, 2, false, 4)
-FLASHRT_GEMV_ENTRY_T(gemv_norm_r1f2, 1, 2, true, 4)
+FLASHRT_GEMV_ENTRY_T(gemv_r1f4, 1, 4, false, 4, false)
+FLASHRT_GEMV_ENTRY_T(gemv_norm_r1f4, 1, 4, true, 4, false)
+FLASHRT_GEMV_ENTRY_T(gemv_r1f2, 1, 2, false, 4, false)
+FLASHRT_GEMV_ENTRY_T(gemv_norm_r1f2, 1, 2, true, 4, false)
+FLASHRT_GEMV_ENTRY_T(gemv8_r1f4, 1, 4, false, 3, true)
+FLASHRT_GEMV_ENTRY_T(gemv8_norm_r1f4, 1, 4, true, 3, true)
+FLASHRT_GEMV_ENTRY_T(gemv8_r1f2, 1, 2, false, 3, true)
+FLASHRT_GEMV_ENTRY_T(gemv8_norm_r1f2, 1, 2, true, 3, true)
 
 FLASHRT_GEMV_ENTRY(1)
 FLASHRT_GEMV_ENTRY(2)

@@ -57,8 +57,9 @@ template <typename T> static __device__ __forceinline__ void init_random_impl(co
 FLASHRT_ENTRY(init_random, InitParams, 256)
 
 // Checkpoint tensors stored in another float type than the model's: elements [0, n) of `in`
-// (src_kind 0: f32, 1: f16, 2: bf16, 3: f64) converted to T at `out` (through f32, rounding
-// to nearest even; f64 rounds to f32 first, as the host loader does). One read and one write
+// (src_kind 0: f32, 1: f16, 2: bf16, 3: f64, 4: FP8 E4M3 codes, their exact unscaled values)
+// converted to T at `out` (through f32, rounding to nearest even; f64 rounds to f32 first, as
+// the host loader does). One read and one write
 // per element: a staging piece of 32 MiB converts in a few microseconds.
 struct ConvertParams {
     void* out;
@@ -77,6 +78,7 @@ template <typename T> static __device__ __forceinline__ void convert_impl(const 
         case 0: v = static_cast<const float*>(p.in)[i]; break;
         case 1: v = __half2float(static_cast<const __half*>(p.in)[i]); break;
         case 2: v = __bfloat162float(static_cast<const __nv_bfloat16*>(p.in)[i]); break;
+        case 4: v = flashrt::e4m3_value(static_cast<const uint8_t*>(p.in)[i]); break;
         default: v = (float)static_cast<const double*>(p.in)[i];
         }
         out[i] = flashrt::from_f32<T>(v);

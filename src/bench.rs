@@ -51,20 +51,32 @@ pub struct LengthResult {
 /// head_dim per query-key pair, n(n+1)/2 pairs per layer). Recurrent scans, convolutions and
 /// norms are left out (a few percent; none is a matmul).
 pub fn prefill_flops(compiled: &crate::ir::Compiled, n: usize) -> f64 {
+    let (fp8, other) = prefill_flops_split(compiled, n);
+    fp8 + other
+}
+
+/// [`prefill_flops`] split into the FLOPs of matmuls over FP8 weights (which run on the FP8
+/// tensor cores) and the rest.
+pub fn prefill_flops_split(compiled: &crate::ir::Compiled, n: usize) -> (f64, f64) {
     let Some(plan) = compiled.plan(crate::ir::Phase::Decode) else {
-        return 0.0;
+        return (0.0, 0.0);
     };
     let layout = &compiled.layout;
     let logits = compiled.io.logits;
     let (mut per_token, mut once, mut per_pair) = (0.0, 0.0, 0.0);
+    let mut fp8 = 0.0;
     for op in &plan.ops {
         match op {
             crate::ir::Op::Linear { w, out, .. } => {
-                let f = 2.0 * layout.buffer(*w).numel() as f64;
+                let b = layout.buffer(*w);
+                let f = 2.0 * b.numel() as f64;
                 if out.buf == logits {
                     once += f;
                 } else {
                     per_token += f;
+                    if b.dtype == crate::ir::DType::F8E4m3 {
+                        fp8 += f * n as f64;
+                    }
                 }
             }
             crate::ir::Op::Attention {
@@ -88,7 +100,8 @@ pub fn prefill_flops(compiled: &crate::ir::Compiled, n: usize) -> f64 {
         }
     }
     let n = n as f64;
-    per_token * n + once + per_pair * n * (n + 1.0) / 2.0
+    let total = per_token * n + once + per_pair * n * (n + 1.0) / 2.0;
+    (fp8, total - fp8)
 }
 
 /// Weight bytes one decode step reads: every weight its plan touches, once, except that the
@@ -131,6 +144,10 @@ pub fn decode_weight_bytes(compiled: &crate::ir::Compiled) -> usize {
                     let b = layout.buffer(id);
                     if b.role == Role::Weight {
                         note(id, b.bytes);
+                        // A quantized weight's scales are read with it.
+                        if let Some(q) = b.quant {
+                            note(q.scale, layout.buffer(q.scale).bytes);
+                        }
                     }
                 }
             }
@@ -152,6 +169,9 @@ pub struct BenchReport {
     /// Measured dense matmul rate in the model's dtype (8192^3), TFLOP/s; 0 where the backend
     /// has no probe.
     pub matmul_tflops: f64,
+    /// Measured block-scaled FP8 matmul rate (8192^3), TFLOP/s, for models with FP8 weights
+    /// (their matmuls' share of the prefill floor is at this rate); 0 otherwise.
+    pub fp8_matmul_tflops: f64,
     pub load_ms: f64,
     pub lengths: Vec<LengthResult>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -345,6 +365,32 @@ pub fn run(model: &Model, load_ms: f64, opts: &BenchOptions) -> Result<BenchRepo
             layout.target.dtype.name()
         ));
     }
+    // Models with FP8 weights: the block-scaled FP8 matmul rate, the floor of those matmuls.
+    let has_fp8 = layout
+        .buffers
+        .iter()
+        .any(|b| b.dtype == crate::ir::DType::F8E4m3);
+    let matmul_fp8 = if has_fp8 {
+        backend
+            .matmul_flops(crate::ir::DType::F8E4m3)
+            .unwrap_or(0.0)
+    } else {
+        0.0
+    };
+    if matmul_fp8 > 0.0 {
+        progress(&format!(
+            "FP8 matmul rate {:.0} TFLOP/s (e4m3, 128x128 block scales, 8192^3)",
+            matmul_fp8 / 1e12
+        ));
+    }
+    let prefill_floor = |n: usize| {
+        let (f8, other) = prefill_flops_split(model.compiled(), n);
+        match (matmul > 0.0, matmul_fp8 > 0.0) {
+            (true, true) => (f8 / matmul_fp8 + other / matmul) * 1e3,
+            (true, false) => (f8 + other) / matmul * 1e3,
+            _ => 0.0,
+        }
+    };
 
     let mut session = model.session().map_err(err)?;
     // Time to *first token*: only the last position's logits cross to the host.
@@ -446,11 +492,7 @@ pub fn run(model: &Model, load_ms: f64, opts: &BenchOptions) -> Result<BenchRepo
             restored_speedup: 0.0,
             decode_step_ms: median(steps),
             prefill_flops: prefill_flops(model.compiled(), n),
-            prefill_floor_ms: if matmul > 0.0 {
-                prefill_flops(model.compiled(), n) / matmul * 1e3
-            } else {
-                0.0
-            },
+            prefill_floor_ms: prefill_floor(n),
         };
         let r = LengthResult {
             restored_speedup: r.cold_ttft_ms / r.restored_ttft_ms,
@@ -495,6 +537,7 @@ pub fn run(model: &Model, load_ms: f64, opts: &BenchOptions) -> Result<BenchRepo
         copy_bandwidth_gb_s: copy_bw / 1e9,
         decode_floor_ms,
         matmul_tflops: matmul / 1e12,
+        fp8_matmul_tflops: matmul_fp8 / 1e12,
         load_ms,
         lengths: results,
         profiles,
@@ -518,7 +561,13 @@ pub fn render(r: &BenchReport) -> String {
         r.copy_bandwidth_gb_s,
         r.decode_floor_ms
     );
-    if r.matmul_tflops > 0.0 {
+    if r.matmul_tflops > 0.0 && r.fp8_matmul_tflops > 0.0 {
+        let _ = writeln!(
+            s,
+            "matmul rate {:.0} TFLOP/s, FP8 {:.0} TFLOP/s; prefill floor = the prompt's matmul FLOPs at those rates (FP8 weights' at the FP8 one)",
+            r.matmul_tflops, r.fp8_matmul_tflops
+        );
+    } else if r.matmul_tflops > 0.0 {
         let _ = writeln!(
             s,
             "matmul rate {:.0} TFLOP/s; prefill floor = the prompt's matmul FLOPs at that rate",

@@ -94,6 +94,10 @@ pub struct CheckArgs {
     /// Backend (default: the best available)
     #[arg(long, value_enum)]
     pub backend: Option<BackendKind>,
+    /// Compute dtype (default: the config's; `f32` checks a bf16 or FP8 checkpoint on a GPU at
+    /// the reference's tolerances)
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -179,16 +183,32 @@ pub fn compile_report(c: &Compiled, ops: bool) -> String {
         l.target.dtype.name(),
         l.fingerprint
     );
+    if let Some(q) = &c.ir.quant {
+        let n = l.buffers.iter().filter(|b| b.quant.is_some()).count();
+        let _ = writeln!(
+            s,
+            "quantized weights: {n} matrices, {} with {}x{} blocks (one f32 scale each); kept: {}",
+            q.format.name(),
+            q.block[0],
+            q.block[1],
+            if q.exclude.is_empty() {
+                "none".to_string()
+            } else {
+                q.exclude.join(", ")
+            }
+        );
+    }
     let _ = writeln!(s, "\nlayout ({} buffers)", l.buffers.len());
+    let dw = l.buffers.iter().map(|b| b.dtype.name().len()).max().unwrap_or(5).max(5);
     let _ = writeln!(
         s,
-        "  {:<40} {:<8} {:<5} {:<24} {:>12}",
+        "  {:<40} {:<8} {:<dw$} {:<24} {:>12}",
         "buffer", "role", "dtype", "shape", "bytes"
     );
     for b in &l.buffers {
         let _ = writeln!(
             s,
-            "  {:<40} {:<8} {:<5} {:<24} {:>12}",
+            "  {:<40} {:<8} {:<dw$} {:<24} {:>12}",
             b.name,
             b.role.name(),
             b.dtype.name(),
@@ -278,7 +298,18 @@ pub fn compile_report(c: &Compiled, ops: bool) -> String {
 /// `flashrt check-reference <DIR>`: exit 0 when every check passes, 1 otherwise.
 pub fn check_reference(a: &CheckArgs) -> Result<ExitCode, String> {
     let backend = backend(a.backend)?;
-    let report = crate::runtime::check_reference(&a.dir, backend)
+    let dtype = match &a.dtype {
+        None => None,
+        Some(d) => Some(
+            crate::ir::DType::parse(d)
+                .ok_or_else(|| format!("unknown dtype `{d}` (f32, bf16, f16)"))?,
+        ),
+    };
+    let opts = crate::runtime::ReferenceOptions {
+        dtype,
+        ..Default::default()
+    };
+    let report = crate::runtime::check_reference_with(&a.dir, backend, &opts)
         .map_err(|e| format!("{}: {e}", a.dir.display()))?;
     println!("{report}");
     Ok(if report.passed() {

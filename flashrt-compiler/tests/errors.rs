@@ -409,3 +409,55 @@ stack = { pattern = [e] },
         )],
     );
 }
+
+const QUANT_BASE: &str = r#"[model]
+name = "q"
+vocab = 64
+hidden = 32
+dtype = "bf16"
+max_seq = 64
+prefill_buckets = [16]
+norm = { kind = "rms", eps = 1e-6 }
+weights = "qwen3_5_text"
+QUANTIZE
+
+[kinds.attn]
+mixer = { kind = "attention", q_heads = 2, kv_heads = 1, head_dim = 16, rope = { theta = 1e4 } }
+mlp = { kind = "swiglu", intermediate = 64 }
+
+[stack]
+pattern = ["attn"]
+"#;
+
+#[test]
+fn quantize_key_errors_are_all_reported() {
+    let src = QUANT_BASE.replace(
+        "QUANTIZE",
+        r#"quantize = { format = "fp4", block = [128, 0], exclud = ["lm_head"] }"#,
+    );
+    assert_errors(
+        &toml_errors(&src),
+        &[
+            (10, 23, "unknown quantization format `fp4`"),
+            (10, 48, "expected a positive integer, found 0"),
+            (10, 52, "unknown key `exclud`"),
+        ],
+    );
+}
+
+#[test]
+fn quantize_exclude_names_must_exist() {
+    let src = QUANT_BASE.replace(
+        "QUANTIZE",
+        r#"quantize = { format = "fp8_e4m3", exclude = ["lm_head", "mlp.down_prj", "layers.7.attn.q_proj"] }"#,
+    );
+    let got = toml_errors(&src);
+    assert_errors(
+        &got,
+        &[
+            (10, 59, "names `mlp.down_prj`, which is no weight matrix"),
+            (10, 75, "names `layers.7.attn.q_proj`"),
+        ],
+    );
+    assert!(got[0].2.contains("did you mean `mlp.down_proj`"), "{got:?}");
+}

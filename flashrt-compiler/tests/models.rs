@@ -220,6 +220,7 @@ fn tiny_models_match_the_hf_fixtures() {
             max_seq: Some(4096),
             prefill_buckets: Some(vec![16, 64]),
             dtype: Some(DType::F32),
+            ..HfOptions::default()
         };
         let imported =
             ir_from_hf_config(&config, &opts).unwrap_or_else(|e| panic!("{fixture}: {e}"));
@@ -329,6 +330,7 @@ fn qwen36_35b_a3b_is_the_released_config() {
         max_seq: Some(ir.max_seq),
         prefill_buckets: Some(ir.prefill_buckets.clone()),
         dtype: None,
+        ..HfOptions::default()
     };
     let imported = ir_from_hf_config(QWEN36_35B_A3B_CONFIG, &opts).unwrap();
     // Same model; the importer's kind names (`gated_deltanet_moe`, ...) differ from the
@@ -419,4 +421,58 @@ fn moe_tiny_model_details_from_the_fixture_readmes() {
             gated: false
         })
     );
+}
+
+/// `quantize` in TOML: the IR, the layout (FP8 matrices with one f32 scale buffer each on a
+/// bf16 target, f32 values on the CPU's), the excluded matrices, and the round trip.
+#[test]
+fn quantized_models_lower_to_fp8_weights_with_scales() {
+    let src = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/qwen36-27b.toml"),
+    )
+    .unwrap()
+    .replace(
+        "weights = \"qwen3_5_text\"",
+        "weights = \"qwen3_5_text\"\nquantize = { format = \"fp8_e4m3\" }",
+    );
+    let ir = flashrt_compiler::model_from_toml(&src, "q.toml").unwrap();
+    let q = ir.quant.clone().expect("quantized");
+    assert_eq!(q.block, [128, 128]);
+    assert_eq!(
+        q.exclude,
+        ["lm_head", "gdn.in_proj_a", "gdn.in_proj_b", "moe.shared.token_gate"]
+    );
+    let bf16 = compile(&ir, Target { dtype: DType::Bf16 });
+    let l = &bf16.layout;
+    let w = l.find("layers.0.mlp.down_proj").unwrap();
+    assert_eq!(w.dtype, DType::F8E4m3);
+    assert_eq!(w.bytes, 5120 * 17408);
+    let s = l.buffer(w.quant.unwrap().scale);
+    assert_eq!(s.name, "layers.0.mlp.down_proj.scale");
+    assert_eq!((s.dtype, s.shape.clone()), (DType::F32, vec![40, 136]));
+    assert_eq!(
+        s.source.as_deref(),
+        Some("model.layers.0.mlp.down_proj.weight_scale_inv")
+    );
+    for kept in ["lm_head", "embed", "layers.0.gdn.in_proj_a", "layers.0.gdn.in_proj_b"] {
+        let b = l.find(kept).unwrap();
+        assert_eq!((b.dtype, b.quant), (DType::Bf16, None), "{kept}");
+    }
+    assert_eq!(l.find("mtp.fc").unwrap().dtype, DType::F8E4m3);
+    // About half the weight bytes of the bf16 model.
+    let plain = compile(
+        &flashrt_compiler::model_from_toml(&src.replace("quantize = { format = \"fp8_e4m3\" }", ""), "p.toml").unwrap(),
+        Target { dtype: DType::Bf16 },
+    );
+    let ratio = l.arena_bytes(Role::Weight) as f64 / plain.layout.arena_bytes(Role::Weight) as f64;
+    assert!((0.5..0.58).contains(&ratio), "{ratio}");
+    assert_ne!(l.fingerprint, plain.layout.fingerprint);
+    // The CPU's layout holds the values in f32, with the same scale buffers.
+    let f32 = compile(&ir, Target { dtype: DType::F32 });
+    let w = f32.layout.find("layers.0.mlp.down_proj").unwrap();
+    assert_eq!(w.dtype, DType::F32);
+    assert!(w.quant.is_some());
+    // The canonical TOML round-trips it.
+    let again = flashrt_compiler::model_from_toml(&flashrt_compiler::ir_to_toml(&ir), "rt.toml").unwrap();
+    assert_eq!(again, ir);
 }

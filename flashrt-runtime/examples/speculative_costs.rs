@@ -99,6 +99,7 @@ fn main() {
         max_seq: Some(max_seq),
         prefill_buckets: Some(buckets.clone()),
         dtype: Some(DType::Bf16),
+        ..HfOptions::default()
     };
     let ir = ir_from_hf_config(json, &opts).expect("config");
     let backend: Arc<dyn Backend> = if std::env::var("FLASHRT_BACKEND").as_deref() == Ok("cuda") {

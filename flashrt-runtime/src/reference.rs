@@ -118,6 +118,9 @@ pub struct ReferenceOptions {
     /// Prefill buckets to compile with (default: the importer's `[16, 64]`); small buckets
     /// make the prompt span several chunks and plans.
     pub prefill_buckets: Option<Vec<usize>>,
+    /// The model dtype (default: the config's). The tolerances are those of an f32 forward:
+    /// checkpoints stored in bf16 or FP8 are checked in f32 on a GPU with `Some(F32)`.
+    pub dtype: Option<flashrt_ir::DType>,
 }
 
 /// Run the reference scenario of `dir` on `backend` with the default tolerances.
@@ -278,6 +281,7 @@ pub fn check_reference_with(
     let hf = HfOptions {
         max_seq: Some(needed.next_multiple_of(64)),
         prefill_buckets: opts.prefill_buckets.clone(),
+        dtype: opts.dtype,
         ..HfOptions::default()
     };
     let model = Model::load_hf_dir(backend, dir, &hf)?;

@@ -67,6 +67,7 @@ fn ir_of(json: &str, dtype: DType, buckets: &[usize], max_seq: usize) -> ModelIr
         max_seq: Some(max_seq),
         prefill_buckets: Some(buckets.to_vec()),
         dtype: Some(dtype),
+        ..HfOptions::default()
     };
     ir_from_hf_config(json, &opts).unwrap_or_else(|e| panic!("config: {e}"))
 }

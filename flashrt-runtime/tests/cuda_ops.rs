@@ -128,6 +128,123 @@ fn linear() {
     }
 }
 
+/// FP8 weights (block-scaled E4M3) against the CPU's exact dequantized values, on every path:
+/// `gemv8` in small phases (W8A16: only bf16 activation rounding differs, the bf16
+/// tolerance), FP8 prefill chunks on the FP8 tensor cores (W8A8: activations quantized per
+/// row and 128 columns — see `W8A8_TOL`), and the dequantized-copy fallback (other block
+/// shapes, `fp8_gemm` off; the bf16 tolerance). On an f32 GPU the weights are dequantized
+/// when they load, by the device's quantizer: equal to the CPU's at the f32 tolerance.
+#[test]
+fn fp8_linear() {
+    let Some(gpu) = cuda("fp8_linear") else {
+        return;
+    };
+    let no_w8a8 = cuda_with(
+        "fp8_linear (dequantized prefill)",
+        CudaOptions {
+            fp8_gemm: false,
+            ..CudaOptions::default()
+        },
+    );
+    // (bucket, k, n, block, accumulate)
+    let cases = [
+        // gemv8: 128 x 128 blocks, a ragged last block row, accumulate.
+        (3, 512, 300, [128, 128], true),
+        (8, 256, 130, [128, 128], false),
+        // gemv8 with the fixtures' 32 x 32 blocks, ragged both ways.
+        (5, 96, 50, [32, 32], false),
+        // k % 16 != 0: small phases take the dequantized copy too.
+        (3, 40, 64, [32, 32], true),
+        // Prefill chunks: W8A8 (128 x 128, k a multiple of 512, rows of 4).
+        (64, 512, 384, [128, 128], false),
+        (64, 1024, 256, [128, 128], true),
+        // Prefill chunks the tensor cores do not take: the dequantized copy.
+        (50, 96, 70, [32, 32], false),
+    ];
+    for (bucket, k, n, block, accumulate) in cases {
+        let name = format!("fp8 linear {k}->{n} block {block:?} acc={accumulate}");
+        let mut case = OpCase::new(&name, bucket, k + n, n);
+        let w8a8 = bucket > 8 && block == [128, 128];
+        if w8a8 {
+            case.tol = Some(W8A8_TOL);
+        }
+        let build = |b: &mut OpBuilder| {
+            let w = b.weight_fp8("w", &[n, k], 1.7 / (k as f32).sqrt(), block);
+            let out = if accumulate {
+                b.input(k, n)
+            } else {
+                b.output(0, n)
+            };
+            b.op(Op::Linear {
+                x: b.input(0, k),
+                w,
+                bias: None,
+                out,
+                accumulate,
+            });
+            if accumulate {
+                b.op(Op::Unary {
+                    x: out,
+                    act: Act::Identity,
+                    out: b.output(0, n),
+                });
+            }
+        };
+        for dtype in DTYPES {
+            case.check(&gpu, dtype, build);
+        }
+        if let (true, Some(g)) = (w8a8, &no_w8a8) {
+            case.tol = None;
+            case.check(g, DType::Bf16, build);
+        }
+    }
+    // A layer's FP8 projections after an RmsNorm, and an FP8 MLP's gate, up and product, in
+    // small phases: one gemv8 launch each.
+    {
+        let (k, n) = (256, 96);
+        OpCase::new("fp8 gemv rms_norm + glu", 3, k, k + 3 * n).check(&gpu, DType::Bf16, |b| {
+            let v = b.rng.vec(k, -1.0, 1.0);
+            let nw = b.param("norm_w", v);
+            let hn = b.output(0, k);
+            b.op(Op::RmsNorm {
+                x: b.input(0, k),
+                weight: Some(nw),
+                weight_kind: NormWeight::OnePlus,
+                out: hn,
+                eps: F64(1e-6),
+                group: k,
+            });
+            let wg = b.weight_fp8("gate", &[n, k], 1.7 / (k as f32).sqrt(), [128, 128]);
+            let wu = b.weight_fp8("up", &[n, k], 1.7 / (k as f32).sqrt(), [128, 128]);
+            for (w, col) in [(wg, k), (wu, k + n)] {
+                b.op(Op::Linear {
+                    x: hn,
+                    w,
+                    bias: None,
+                    out: b.output(col, n),
+                    accumulate: false,
+                });
+            }
+            b.op(Op::Mul {
+                gate: b.output(k, n),
+                act: Act::Silu,
+                x: b.output(k + n, n),
+                out: b.output(k + 2 * n, n),
+            });
+        });
+    }
+}
+
+/// W8A8 prefill against the CPU's W8A16: the activations' E4M3 rounding (3 mantissa bits,
+/// relative error up to 2^-4 per element, about 2^-4 / sqrt(3) rms) moves a `k`-term dot
+/// product of O(1) terms by about 1/28 of its own spread (for these cases' unit-variance
+/// inputs: sigma about 0.02, worst of ~25k outputs about 0.09); a wrong scale layout or code
+/// conversion moves it by the whole spread (about 0.6). So 0.12 + 5 %.
+const W8A8_TOL: Tol = Tol {
+    atol: 0.12,
+    rtol: 0.05,
+};
+
 /// Small phases run consecutive `Linear`s on one input as one `gemv` launch (with a leading
 /// RmsNorm fused in), and an MLP's gate, up and `Mul` as one fused launch: all must equal the
 /// separate ops (decode steps and 3/5-row chunks; every output — the normalised rows, gate,

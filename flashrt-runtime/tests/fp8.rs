@@ -46,7 +46,10 @@ fn block_of(dir: &std::path::Path) -> [usize; 2] {
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let b = &cfg["quantization_config"]["weight_block_size"];
-    [b[0].as_u64().unwrap() as usize, b[1].as_u64().unwrap() as usize]
+    [
+        b[0].as_u64().unwrap() as usize,
+        b[1].as_u64().unwrap() as usize,
+    ]
 }
 
 /// The bf16 -> FP8 rule reproduces, byte for byte, every code and scale the fixtures' writer
@@ -157,7 +160,10 @@ fn fp8_checkpoint_without_its_quantization_config_is_refused() {
     std::fs::write(&path, cfg.to_string()).unwrap();
     let e = check_reference(&dir, cpu()).unwrap_err().to_string();
     assert!(e.contains("unsupported dtypes (25)"), "{e}");
-    assert!(e.contains("F8_E4M3, but the model does not quantize"), "{e}");
+    assert!(
+        e.contains("F8_E4M3, but the model does not quantize"),
+        "{e}"
+    );
     // The scales have nowhere to go either.
     assert!(e.contains("unexpected tensors (25)"), "{e}");
 }

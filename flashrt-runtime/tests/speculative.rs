@@ -37,6 +37,7 @@ fn ir(max_seq: usize) -> ModelIr {
         max_seq: Some(max_seq),
         prefill_buckets: Some(vec![4, 16]),
         dtype: Some(DType::F32),
+        ..HfOptions::default()
     };
     ir_from_hf_config(QWEN_MTP, &opts).unwrap()
 }

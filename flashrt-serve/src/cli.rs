@@ -9,8 +9,8 @@
 
 use crate::text::{GenerationDefaults, Text};
 use crate::{ServeConfig, Server};
-use flashrt_runtime::ir::DType;
 use flashrt_runtime::ir::hf::HfOptions;
+use flashrt_runtime::ir::{DType, QuantIr};
 use flashrt_runtime::{Backend, Model, WeightSource};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -98,15 +98,35 @@ pub struct ModelArgs {
     /// A tokenizer.json to use instead of the checkpoint's (its folder's chat template too)
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
+    /// Quantize the weights while they load: `fp8` (E4M3, 128 x 128 blocks, the bf16
+    /// matrices of Qwen's FP8 releases kept in bf16). A checkpoint that is already quantized
+    /// keeps its own format
+    #[arg(long, value_parser = parse_quantize, value_name = "FORMAT")]
+    pub quantize: Option<QuantIr>,
+}
+
+fn parse_quantize(s: &str) -> Result<QuantIr, String> {
+    match flashrt_runtime::ir::QuantFormat::parse(s) {
+        Some(f) => Ok(QuantIr::with_defaults(f, [128, 128])),
+        None => Err(format!("unknown quantization `{s}` (fp8)")),
+    }
 }
 
 /// The model a command line names.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ModelSource {
-    /// A TOML description with random weights.
-    TomlRandom { toml: PathBuf, seed: u64 },
+    /// A TOML description with random weights (`quantize`: overrides the TOML's).
+    TomlRandom {
+        toml: PathBuf,
+        seed: u64,
+        quantize: Option<QuantIr>,
+    },
     /// A TOML description with weights from a Hugging Face checkpoint folder.
-    TomlCheckpoint { toml: PathBuf, dir: PathBuf },
+    TomlCheckpoint {
+        toml: PathBuf,
+        dir: PathBuf,
+        quantize: Option<QuantIr>,
+    },
     /// A Hugging Face checkpoint folder (`config.json` + safetensors).
     Checkpoint { dir: PathBuf, opts: HfOptions },
 }
@@ -130,6 +150,7 @@ impl ModelArgs {
             max_seq: self.max_seq,
             prefill_buckets: self.buckets.clone(),
             dtype: self.dtype,
+            quantize: self.quantize.clone(),
             ..HfOptions::default()
         };
         let is_dir = |p: &Path| p.is_dir();
@@ -163,10 +184,12 @@ impl ModelArgs {
                     (Some(d), false) => Ok(ModelSource::TomlCheckpoint {
                         toml: m.clone(),
                         dir: d.clone(),
+                        quantize: self.quantize.clone(),
                     }),
                     (None, true) => Ok(ModelSource::TomlRandom {
                         toml: m.clone(),
                         seed: self.seed,
+                        quantize: self.quantize.clone(),
                     }),
                     (Some(_), true) => {
                         Err("--checkpoint and --random-weights exclude each other".into())
@@ -258,18 +281,31 @@ pub fn open(args: &ModelArgs) -> Result<Loaded, String> {
 
 /// Load the model a source names.
 pub fn load_model(src: &ModelSource, backend: Arc<dyn Backend>) -> Result<Model, String> {
-    let from_toml = |p: &Path| -> Result<flashrt_runtime::ir::ModelIr, String> {
-        let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
-        flashrt_compiler::model_from_toml(&text, &p.display().to_string())
-            .map_err(|d| d.to_string())
-    };
+    let from_toml =
+        |p: &Path, quantize: &Option<QuantIr>| -> Result<flashrt_runtime::ir::ModelIr, String> {
+            let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+            let mut ir = flashrt_compiler::model_from_toml(&text, &p.display().to_string())
+                .map_err(|d| d.to_string())?;
+            if quantize.is_some() {
+                ir.quant = quantize.clone();
+            }
+            Ok(ir)
+        };
     match src {
-        ModelSource::TomlRandom { toml, seed } => {
-            let ir = from_toml(toml)?;
+        ModelSource::TomlRandom {
+            toml,
+            seed,
+            quantize,
+        } => {
+            let ir = from_toml(toml, quantize)?;
             Model::from_ir(backend, &ir, WeightSource::Random(*seed)).map_err(|e| e.to_string())
         }
-        ModelSource::TomlCheckpoint { toml, dir } => {
-            let ir = from_toml(toml)?;
+        ModelSource::TomlCheckpoint {
+            toml,
+            dir,
+            quantize,
+        } => {
+            let ir = from_toml(toml, quantize)?;
             Model::load_ir_dir(backend, ir, dir).map_err(|e| e.to_string())
         }
         ModelSource::Checkpoint { dir, opts } => {

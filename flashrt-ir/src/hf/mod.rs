@@ -52,6 +52,9 @@ pub struct HfOptions {
     pub prefill_buckets: Option<Vec<usize>>,
     /// Default: the config's `dtype` / `torch_dtype` (bf16 when neither is present).
     pub dtype: Option<DType>,
+    /// Quantize the weights while they load (`--quantize fp8`). A checkpoint whose config has
+    /// a `quantization_config` is already quantized and keeps its own.
+    pub quantize: Option<QuantIr>,
 }
 
 /// `max_seq` when a config has no `max_position_embeddings`.
@@ -148,7 +151,7 @@ pub fn ir_from_hf_config(json: &str, opts: &HfOptions) -> Result<ModelIr> {
         "nemotron_h" => nemotron_h(&top, opts),
         other => Err(HfError::UnknownModelType(other.to_string())),
     }?;
-    ir.quant = quant::quantization(root, &ir)?;
+    ir.quant = quant::quantization(root, &ir)?.or_else(|| opts.quantize.clone());
     Ok(ir)
 }
 
@@ -678,6 +681,7 @@ mod tests {
             max_seq: Some(40),
             prefill_buckets: Some(vec![64, 8, 32]),
             dtype: Some(DType::Bf16),
+            ..HfOptions::default()
         };
         let ir = ir_from_hf_config(&fixture("lfm2-public"), &opts).unwrap();
         assert_eq!(ir.name, "tiny");
@@ -821,5 +825,90 @@ mod tests {
         let base =
             ir_from_hf_config(&fixture("nemotronhmoe-public"), &HfOptions::default()).unwrap();
         assert_eq!(p.layers, base.layers);
+    }
+
+    /// `quantization_config` (fine-grained FP8): the block, and `modules_to_not_convert` as
+    /// flashrt weight names — suffixes where every layer keeps the matrix.
+    #[test]
+    fn fp8_quantization_configs() {
+        let ir = ir_from_hf_config(&fixture("qwen35fp8-public"), &HfOptions::default()).unwrap();
+        let q = ir.quant.expect("quantized");
+        assert_eq!((q.format, q.block), (QuantFormat::Fp8E4m3, [32, 32]));
+        let mut ex = q.exclude.clone();
+        ex.sort();
+        assert_eq!(ex, ["gdn.in_proj_a", "gdn.in_proj_b", "lm_head"]);
+        let ir = ir_from_hf_config(&fixture("qwen35moefp8-public"), &HfOptions::default()).unwrap();
+        let mut ex = ir.quant.unwrap().exclude;
+        ex.sort();
+        assert_eq!(
+            ex,
+            ["gdn.in_proj_a", "gdn.in_proj_b", "lm_head", "moe.shared.token_gate"]
+        );
+        // The multimodal releases' `model.language_model.` names, and one layer's projection.
+        let mut c: Value = serde_json::from_str(&fixture("qwen35fp8-public")).unwrap();
+        let list = c["quantization_config"]["modules_to_not_convert"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| {
+                Value::String(
+                    v.as_str()
+                        .unwrap()
+                        .replace("model.layers.", "model.language_model.layers."),
+                )
+            })
+            .chain([Value::String("model.language_model.layers.3.self_attn.o_proj".into())])
+            .collect();
+        c["quantization_config"]["modules_to_not_convert"] = Value::Array(list);
+        let ir = ir_from_hf_config(&c.to_string(), &HfOptions::default()).unwrap();
+        assert!(ir.quant.unwrap().exclude.contains(&"layers.3.attn.o_proj".to_string()));
+        // Without a list, transformers keeps the LM head only; without a block, 128 x 128.
+        let mut c: Value = serde_json::from_str(&fixture("qwen35fp8-public")).unwrap();
+        let qc = c["quantization_config"].as_object_mut().unwrap();
+        qc.remove("modules_to_not_convert");
+        qc.remove("weight_block_size");
+        let q = ir_from_hf_config(&c.to_string(), &HfOptions::default())
+            .unwrap()
+            .quant
+            .unwrap();
+        assert_eq!((q.block, q.exclude), ([128, 128], vec!["lm_head".to_string()]));
+        // `--quantize` applies to an unquantized checkpoint only.
+        let opts = HfOptions {
+            quantize: Some(QuantIr::with_defaults(QuantFormat::Fp8E4m3, [128, 128])),
+            ..HfOptions::default()
+        };
+        let ir = ir_from_hf_config(&fixture("qwen35-public"), &opts).unwrap();
+        assert_eq!(ir.quant.unwrap().block, [128, 128]);
+        let ir = ir_from_hf_config(&fixture("qwen35fp8-public"), &opts).unwrap();
+        assert_eq!(ir.quant.unwrap().block, [32, 32]);
+    }
+
+    #[test]
+    fn unsupported_quantization_is_named() {
+        let edit = |f: &dyn Fn(&mut Value)| {
+            let mut c: Value = serde_json::from_str(&fixture("qwen35fp8-public")).unwrap();
+            f(&mut c);
+            ir_from_hf_config(&c.to_string(), &HfOptions::default())
+                .unwrap_err()
+                .to_string()
+        };
+        let e = edit(&|c| c["quantization_config"]["quant_method"] = "awq".into());
+        assert!(e.contains("quant_method `awq`"), "{e}");
+        let e = edit(&|c| c["quantization_config"]["activation_scheme"] = "static".into());
+        assert!(e.contains("activation_scheme `static`"), "{e}");
+        let e = edit(&|c| c["quantization_config"]["weight_block_size"] = Value::Null);
+        assert!(e.contains("weight_block_size null"), "{e}");
+        let e = edit(&|c| c["quantization_config"]["weight_block_size"] = serde_json::json!([0, 128]));
+        assert!(e.contains("weight_block_size"), "{e}");
+        // One expert's projections kept in bf16: a stacked weight is quantized whole.
+        let mut c: Value = serde_json::from_str(&fixture("qwen35moefp8-public")).unwrap();
+        c["quantization_config"]["modules_to_not_convert"]
+            .as_array_mut()
+            .unwrap()
+            .push("model.layers.1.mlp.experts.3.up_proj".into());
+        let e = ir_from_hf_config(&c.to_string(), &HfOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("keeps 1 of the 16") && e.contains("layers.1.moe.up"), "{e}");
     }
 }

@@ -217,11 +217,10 @@ impl WeightFill {
             match self.codes[i] {
                 // Nothing arrived: `finish` reports the missing weight.
                 None => {}
-                Some(true) => {
-                    if self.buffers[i].3 != DType::F8E4m3 {
-                        jobs.push(QuantJob::Dequantize { weight, quant });
-                    }
+                Some(true) if self.buffers[i].3 != DType::F8E4m3 => {
+                    jobs.push(QuantJob::Dequantize { weight, quant });
                 }
+                Some(true) => {}
                 Some(false) => {
                     if self.filled[quant.scale.index()] != 0 {
                         return Err(crate::error::Error::Checkpoint(format!(
@@ -312,8 +311,25 @@ impl WeightFill {
     }
 
     /// Mark buffer `id` complete (weights generated in place).
+    /// (A quantized weight generated in place counts as arrived as floats.)
     pub fn mark_full(&mut self, id: BufferId) {
         self.filled[id.index()] = self.buffers[id.index()].2;
+        if self.quant[id.index()].is_some() && self.codes[id.index()].is_none() {
+            self.codes[id.index()] = Some(false);
+        }
+    }
+
+    /// Byte offset of buffer `id` in its arena, its elements and its dtype.
+    pub fn place(&self, id: BufferId) -> (usize, usize, DType) {
+        let b = &self.buffers[id.index()];
+        (b.1, b.2, b.3)
+    }
+
+    /// Whether every element of buffer `id` has arrived.
+    pub fn complete(&self, id: BufferId) -> bool {
+        self.filled
+            .get(id.index())
+            .is_some_and(|&f| f == self.buffers[id.index()].2)
     }
 }
 

@@ -224,6 +224,10 @@ pub fn decode(bytes: &[u8], dtype: DType) -> Vec<f32> {
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32)
             .collect(),
+        DType::F8E4m3 => bytes
+            .iter()
+            .map(|&b| flashrt_runtime::quant::e4m3_to_f32(b))
+            .collect(),
     }
 }
 
@@ -375,6 +379,7 @@ impl OpBuilder {
             state,
             source: None,
             pieces: None,
+            quant: None,
         });
         self.data.push(data);
         id
@@ -430,6 +435,42 @@ impl OpBuilder {
             None,
             Some(v),
         )
+    }
+
+    /// A block-quantized weight matrix `[n, k]` (values uniform in ±scale, quantized by the
+    /// reference rule when they load: FP8 codes + scales on a bf16/f16 GPU, their exact
+    /// values on the CPU and on an f32 GPU).
+    pub fn weight_fp8(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        scale: f32,
+        block: [usize; 2],
+    ) -> BufferId {
+        let (n, k) = (shape[0], shape[1]);
+        let v = self.rng.vec(n * k, -scale, scale);
+        let dtype = if self.target == DType::F32 {
+            DType::F32
+        } else {
+            DType::F8E4m3
+        };
+        let w = self.push(name, Role::Weight, dtype, shape.to_vec(), None, Some(v));
+        let q = flashrt_runtime::ir::WeightQuant {
+            scale: BufferId(0),
+            block,
+            segment: n,
+            cols: k,
+        };
+        let s = self.push(
+            &format!("{name}.scale"),
+            Role::Weight,
+            DType::F32,
+            vec![q.block_rows(), q.block_cols()],
+            None,
+            None,
+        );
+        self.buffers[w.index()].quant = Some(flashrt_runtime::ir::WeightQuant { scale: s, ..q });
+        w
     }
 
     /// A small f32 parameter with the given values.
@@ -513,6 +554,7 @@ impl OpBuilder {
             layers: Vec::new(),
             mtp: None,
             weights: WeightNaming::Qwen35,
+            quant: None,
         };
         let plans = vec![
             Plan {
@@ -555,6 +597,9 @@ pub struct OpCase {
     pub out_width: usize,
     pub steps: Vec<usize>,
     pub seed: u64,
+    /// The bf16 tolerance, where the case's arithmetic differs from the reference by more
+    /// than rounding (FP8 activations).
+    pub tol: Option<Tol>,
 }
 
 impl OpCase {
@@ -567,6 +612,7 @@ impl OpCase {
             out_width,
             steps: default_steps(bucket),
             seed: 0x5eed ^ (in_width as u64) << 20 ^ (out_width as u64) << 8 ^ bucket as u64,
+            tol: None,
         }
     }
 
@@ -605,7 +651,10 @@ impl OpCase {
             .new_session()
             .unwrap_or_else(|e| panic!("{}: GPU session: {e}", self.name));
         let vocab = c_gpu.ir.vocab;
-        let tol = tol_for(dtype);
+        let tol = match (dtype, self.tol) {
+            (DType::F32, _) | (_, None) => tol_for(dtype),
+            (_, Some(t)) => t,
+        };
         let mut rng = Rng::new(self.seed ^ 0x70c5);
         let mut pos = 0;
         for (si, &len) in self.steps.iter().enumerate() {

@@ -36,6 +36,7 @@ fn cuda_type(d: DType) -> Result<sys::cudaDataType> {
         DType::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
         DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
         DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
+        DType::F8E4m3 => sys::cudaDataType_t::CUDA_R_8F_E4M3,
         DType::I32 => return Err(Error::Unsupported("linear: i32 matrices".into())),
     })
 }
@@ -78,6 +79,20 @@ pub struct GemmShape {
     pub tf32: bool,
 }
 
+/// An FP8 W8A8 matmul (`E4M3 x E4M3`, f32 accumulation): the weight `[n, k]` with one f32
+/// scale per 128 x 128 block (`BLK128x128_32F`, scales `[n / 128][k / 128]` row-major), the
+/// chunk's activations `[rows, k]` (ld `k`) with one per row and 128 columns (`VEC128_32F`,
+/// scales `[k / 128][rows]`), the output `[rows, n]` (ld `ld_out`) in `out_dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fp8GemmShape {
+    pub out_dtype: DType,
+    pub n: u64,
+    pub k: u64,
+    pub rows: u64,
+    pub ld_out: i64,
+    pub align_out: u32,
+}
+
 /// A ready-to-run matmul: descriptors plus the chosen algorithm. Immutable after creation, so
 /// one is shared by every session and graph with the same shape.
 pub struct LtGemm {
@@ -107,10 +122,18 @@ impl Drop for LtGemm {
     }
 }
 
-/// The model's cuBLASLt handle and a cache of matmuls by shape.
+/// The model's cuBLASLt handle and a cache of matmuls by shape (FP8 matmuls also by their
+/// scale pointers, which their descriptors hold, and their algorithms by shape).
 pub struct Blas {
     handle: sys::cublasLtHandle_t,
     cache: Mutex<HashMap<GemmShape, Arc<LtGemm>>>,
+    fp8: Mutex<Fp8Cache>,
+}
+
+#[derive(Default)]
+struct Fp8Cache {
+    gemms: HashMap<(Fp8GemmShape, u64, u64), Arc<LtGemm>>,
+    algos: HashMap<Fp8GemmShape, sys::cublasLtMatmulAlgo_t>,
 }
 
 // SAFETY: a cuBLASLt handle carries no per-call mutable state (stream and workspace are
@@ -122,6 +145,7 @@ unsafe impl Sync for Blas {}
 impl Drop for Blas {
     fn drop(&mut self) {
         self.cache.lock().map(|mut c| c.clear()).ok();
+        self.fp8.lock().map(|mut c| c.gemms.clear()).ok();
         // SAFETY: the handle was created in `Blas::new` and is destroyed once, after every
         // cached matmul (which do not reference the handle) is gone.
         let _ = unsafe { lt::destroy_handle(self.handle) };
@@ -134,6 +158,7 @@ impl Blas {
         Ok(Self {
             handle,
             cache: Mutex::new(HashMap::new()),
+            fp8: Mutex::new(Fp8Cache::default()),
         })
     }
 
@@ -199,6 +224,129 @@ impl Blas {
         g.c = lt::create_matrix_layout(out_t, s.n, s.rows, s.ld_out)
             .map_err(|e| lt_err("layout C/D (output)", e))?;
 
+        g.algo = self.heuristic(&g, [s.align_w, s.align_x, s.align_out], || {
+            format!(
+                "no algorithm for {}x{} -> {} rows ({} in, {} out, ld {}/{})",
+                s.k,
+                s.n,
+                s.rows,
+                s.in_dtype.name(),
+                s.out_dtype.name(),
+                s.ld_x,
+                s.ld_out
+            )
+        })?;
+        Ok(g)
+    }
+
+    /// The FP8 matmul for `shape` whose weight scales are at `w_scale` and activation scales
+    /// at `x_scale` (device addresses; see [`Fp8GemmShape`]), created on first request.
+    pub fn gemm_fp8(&self, shape: Fp8GemmShape, w_scale: u64, x_scale: u64) -> Result<Arc<LtGemm>> {
+        let mut cache = self.fp8.lock().map_err(|_| Error::Backend {
+            op: "linear (cuBLASLt)".into(),
+            msg: "matmul cache poisoned".into(),
+        })?;
+        if let Some(g) = cache.gemms.get(&(shape, w_scale, x_scale)) {
+            return Ok(g.clone());
+        }
+        let s = shape;
+        let out_t = cuda_type(s.out_dtype)?;
+        let fp8 = sys::cudaDataType_t::CUDA_R_8F_E4M3;
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType_t::CUDA_R_32F,
+        )
+        .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
+        let mut g = LtGemm {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            c: std::ptr::null_mut(),
+            // SAFETY: as in `create`: overwritten before any use.
+            algo: unsafe { std::mem::zeroed() },
+        };
+        type A = sys::cublasLtMatmulDescAttributes_t;
+        let a_mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+        let b_mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+        let set = |attr: A, v: *const c_void, n: usize, what: &str| {
+            // SAFETY: `g.desc` is live; `v` points at `n` readable bytes of the attribute's type.
+            unsafe { lt::set_matmul_desc_attribute(g.desc, attr, v, n) }
+                .map_err(|e| lt_err(what, e))
+        };
+        let (ta, tb): (i32, i32) = (1, 0);
+        set(
+            A::CUBLASLT_MATMUL_DESC_TRANSA,
+            &ta as *const i32 as _,
+            4,
+            "TRANSA",
+        )?;
+        set(
+            A::CUBLASLT_MATMUL_DESC_TRANSB,
+            &tb as *const i32 as _,
+            4,
+            "TRANSB",
+        )?;
+        let (am, bm) = (a_mode as i32, b_mode as i32);
+        set(
+            A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+            &am as *const i32 as _,
+            4,
+            "A scale mode",
+        )?;
+        set(
+            A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+            &bm as *const i32 as _,
+            4,
+            "B scale mode",
+        )?;
+        set(
+            A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+            &w_scale as *const u64 as _,
+            8,
+            "A scale pointer",
+        )?;
+        set(
+            A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+            &x_scale as *const u64 as _,
+            8,
+            "B scale pointer",
+        )?;
+        g.a = lt::create_matrix_layout(fp8, s.k, s.n, s.k as i64)
+            .map_err(|e| lt_err("layout A (fp8 weight)", e))?;
+        g.b = lt::create_matrix_layout(fp8, s.k, s.rows, s.k as i64)
+            .map_err(|e| lt_err("layout B (fp8 input)", e))?;
+        g.c = lt::create_matrix_layout(out_t, s.n, s.rows, s.ld_out)
+            .map_err(|e| lt_err("layout C/D (output)", e))?;
+        g.algo = match cache.algos.get(&s) {
+            Some(a) => *a,
+            None => {
+                let a = self.heuristic(&g, [16, 16, s.align_out], || {
+                    format!(
+                        "no FP8 block-scaled algorithm for {}x{} -> {} rows ({} out, ld {})",
+                        s.k,
+                        s.n,
+                        s.rows,
+                        s.out_dtype.name(),
+                        s.ld_out
+                    )
+                })?;
+                cache.algos.insert(s, a);
+                a
+            }
+        };
+        let g = Arc::new(g);
+        cache.gemms.insert((s, w_scale, x_scale), g.clone());
+        Ok(g)
+    }
+
+    /// cuBLASLt's first heuristic algorithm for `g` under the workspace, reduction and
+    /// alignment (`[a, b, c/d]` bytes) preferences every matmul here uses.
+    fn heuristic(
+        &self,
+        g: &LtGemm,
+        aligns: [u32; 3],
+        what: impl Fn() -> String,
+    ) -> Result<sys::cublasLtMatmulAlgo_t> {
         let pref =
             lt::create_matmul_pref().map_err(|e| lt_err("cublasLtMatmulPreferenceCreate", e))?;
         let ws: u64 = WORKSPACE_BYTES as u64;
@@ -223,10 +371,10 @@ impl Blas {
                 4,
             )?;
             let aligns = [
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, s.align_w),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, s.align_x),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, s.align_out),
-                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, s.align_out),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, aligns[0]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, aligns[1]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, aligns[2]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, aligns[2]),
             ];
             for (attr, v) in aligns {
                 set_pref(attr, &v as *const u32 as *const c_void, 4)?;
@@ -236,21 +384,7 @@ impl Blas {
         })();
         // SAFETY: `pref` was created above and is not used after this point.
         let _ = unsafe { lt::destroy_matmul_pref(pref) };
-        let heuristic = heuristic.map_err(|e| {
-            lt_err(
-                &format!(
-                    "no algorithm for {}x{} -> {} rows ({} in, {} out, ld {}/{})",
-                    s.k,
-                    s.n,
-                    s.rows,
-                    s.in_dtype.name(),
-                    s.out_dtype.name(),
-                    s.ld_x,
-                    s.ld_out
-                ),
-                e,
-            )
-        })?;
+        let heuristic = heuristic.map_err(|e| lt_err(&what(), e))?;
         if heuristic.workspaceSize > WORKSPACE_BYTES {
             return Err(Error::Backend {
                 op: "linear (cuBLASLt)".into(),
@@ -260,8 +394,7 @@ impl Blas {
                 ),
             });
         }
-        g.algo = heuristic.algo;
-        Ok(g)
+        Ok(heuristic.algo)
     }
 
     /// Enqueue `out = x · wᵀ (+ out if accumulate)` on `stream`.

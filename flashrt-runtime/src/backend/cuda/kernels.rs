@@ -64,6 +64,8 @@ const PER_DTYPE: &[&str] = &[
     "moe_combine",
     "moe_tiles",
     "moe_down_small",
+    "fp8_quantize",
+    "fp8_dequant",
 ];
 
 /// Kernels whose entry points are `<name>_<dtype>` for the 16-bit dtypes only (tensor-core
@@ -95,6 +97,27 @@ const PER_HALF_DTYPE: &[&str] = &[
     "gemv_norm_r1f4",
     "gemv_r1f2",
     "gemv_norm_r1f2",
+    "gemv8_r1",
+    "gemv8_r2",
+    "gemv8_r3",
+    "gemv8_r4",
+    "gemv8_r5",
+    "gemv8_r6",
+    "gemv8_r7",
+    "gemv8_r8",
+    "gemv8_norm_r1",
+    "gemv8_norm_r2",
+    "gemv8_norm_r3",
+    "gemv8_norm_r4",
+    "gemv8_norm_r5",
+    "gemv8_norm_r6",
+    "gemv8_norm_r7",
+    "gemv8_norm_r8",
+    "gemv8_r1f4",
+    "gemv8_norm_r1f4",
+    "gemv8_r1f2",
+    "gemv8_norm_r1f2",
+    "fp8_act_quant",
     "moe_up_mm",
     "moe_down_mm",
     "moe_up_wg",
@@ -132,7 +155,7 @@ pub fn dtype_suffix(d: DType) -> Option<&'static str> {
         DType::Bf16 => Some("bf16"),
         DType::F16 => Some("f16"),
         DType::F32 => Some("f32"),
-        DType::I32 => None,
+        DType::I32 | DType::F8E4m3 => None,
     }
 }
 

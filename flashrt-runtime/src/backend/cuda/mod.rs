@@ -70,7 +70,7 @@ pub mod kernels;
 pub mod ops;
 
 use super::{
-    Backend, DeviceModel, DeviceSession, RegionSet, SavedState, SourceDtype, StepLogits,
+    Backend, DeviceModel, DeviceSession, QuantJob, RegionSet, SavedState, SourceDtype, StepLogits,
     WeightFill, WeightSink,
 };
 use crate::error::{Error, Result};
@@ -139,6 +139,11 @@ pub struct CudaOptions {
     /// clusters) on compute capability 9.0 and later (default); `false` launches the three
     /// ops' kernels. Default from `FLASHRT_GDN_FUSED` (`0` = off).
     pub gdn_fused: bool,
+    /// Run prefill matmuls over FP8 weights on the FP8 tensor cores (activations quantized
+    /// per row and 128 columns, cuBLASLt block scaling) on compute capability 9.x (default);
+    /// `false`, or any other device, multiplies a dequantized bf16 copy of the weight.
+    /// Default from `FLASHRT_FP8_GEMM` (`0` = off).
+    pub fp8_gemm: bool,
 }
 
 impl Default for CudaOptions {
@@ -152,6 +157,7 @@ impl Default for CudaOptions {
             attn_wgmma: on("FLASHRT_ATTN_WGMMA"),
             moe_wgmma: on("FLASHRT_MOE_WGMMA"),
             gdn_fused: on("FLASHRT_GDN_FUSED"),
+            fp8_gemm: on("FLASHRT_FP8_GEMM"),
         }
     }
 }
@@ -316,22 +322,42 @@ impl CudaBackend {
         let bytes = n * n * dtype.size();
         let w = alloc_zeroed(&stream, bytes, "matmul probe weight")?;
         let x = alloc_zeroed(&stream, bytes, "matmul probe input")?;
-        let out = alloc_zeroed(&stream, bytes, "matmul probe output")?;
+        let out = alloc_zeroed(&stream, n * n * dtype.size().max(2), "matmul probe output")?;
         let ws = alloc_zeroed(&stream, gemm::WORKSPACE_BYTES, "matmul probe workspace")?;
         let blas = Blas::new()?;
-        let g = blas.gemm(GemmShape {
-            in_dtype: dtype,
-            out_dtype: dtype,
-            n: n as u64,
-            k: n as u64,
-            rows: n as u64,
-            ld_x: n as i64,
-            ld_out: n as i64,
-            align_w: 256,
-            align_x: 256,
-            align_out: 256,
-            tf32: false,
-        })?;
+        // FP8: the block-scaled W8A8 matmul of FP8 weights' prefill (bf16 out), its scales
+        // (zeros, like the operands) in their own buffers.
+        let scales = alloc_zeroed(&stream, 4 * n * n.div_ceil(128), "matmul probe scales")?;
+        let g = if dtype == DType::F8E4m3 {
+            let w_scale = dptr(&scales);
+            let x_scale = w_scale + 4 * (n.div_ceil(128) * n.div_ceil(128)) as u64;
+            blas.gemm_fp8(
+                gemm::Fp8GemmShape {
+                    out_dtype: DType::Bf16,
+                    n: n as u64,
+                    k: n as u64,
+                    rows: n as u64,
+                    ld_out: n as i64,
+                    align_out: 256,
+                },
+                w_scale,
+                x_scale,
+            )?
+        } else {
+            blas.gemm(GemmShape {
+                in_dtype: dtype,
+                out_dtype: dtype,
+                n: n as u64,
+                k: n as u64,
+                rows: n as u64,
+                ld_x: n as i64,
+                ld_out: n as i64,
+                align_w: 256,
+                align_x: 256,
+                align_out: 256,
+                tf32: false,
+            })?
+        };
         let event = || {
             self.ctx
                 .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
@@ -409,6 +435,11 @@ pub struct CudaSink {
     fill: WeightFill,
     slots: Vec<Slot>,
     next: usize,
+    /// FP8 weights arriving as floats: a bf16 copy each until every piece is in and the
+    /// copy is quantized into the arena (`fp8_quantize`).
+    temps: std::collections::HashMap<BufferId, CudaSlice<u8>>,
+    /// Quantized weights already quantized that way.
+    quantized: std::collections::HashSet<BufferId>,
 }
 
 impl CudaSink {
@@ -443,7 +474,86 @@ impl CudaSink {
             fill: WeightFill::new(compiled),
             slots: Vec::new(),
             next: 0,
+            temps: Default::default(),
+            quantized: Default::default(),
         })
+    }
+
+    /// Launch `<kernel>_<dtype>` with one by-value parameter struct on the sink's stream.
+    fn launch<P: Copy>(
+        &self,
+        kernel: &str,
+        dtype: DType,
+        grid: (u32, u32, u32),
+        p: &P,
+        what: &str,
+    ) -> Result<()> {
+        let func = self.kernels.typed(kernel, dtype)?;
+        let mut args = [p as *const P as *mut std::ffi::c_void];
+        // SAFETY: every kernel launched here takes exactly one by-value parameter struct of
+        // type P (repr(C), mirrored in kernels/*.cu); the addresses inside point into the live
+        // weight arena or this sink's staging and temporary buffers, used only by this stream;
+        // `p` outlives the call, which copies the parameters.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                func.cu_function(),
+                grid,
+                (256, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut args,
+            )
+        }
+        .map_err(drv(what))
+    }
+
+    /// Quantize weight `id` by the reference rule (kernels/fp8.cu `fp8_quantize`): from its
+    /// bf16 copy `src` into the arena's codes when the buffer is FP8, else in place (its
+    /// values become the dequantized ones). Computes and marks its scales.
+    fn quantize(&mut self, id: BufferId, src: Option<u64>) -> Result<()> {
+        let q = self.fill.quant(id).ok_or_else(|| {
+            Error::Config(format!(
+                "`{}` is not a quantized weight",
+                self.fill.name(id)
+            ))
+        })?;
+        let (off, numel, dtype) = self.fill.place(id);
+        let (soff, ..) = self.fill.place(q.scale);
+        let at = self.base + off as u64;
+        let (kernel_dtype, p) = match src {
+            Some(src) => (
+                DType::Bf16,
+                ops::Fp8QuantizeParams {
+                    src,
+                    codes: at,
+                    values: 0,
+                    scales: self.base + soff as u64,
+                    g: ops::Fp8GridParams::of(&q, numel)?,
+                },
+            ),
+            None => (
+                dtype,
+                ops::Fp8QuantizeParams {
+                    src: at,
+                    codes: 0,
+                    values: at,
+                    scales: self.base + soff as u64,
+                    g: ops::Fp8GridParams::of(&q, numel)?,
+                },
+            ),
+        };
+        let blocks = (numel / q.cols / q.segment * q.block_rows()) as u32;
+        let name = self.fill.name(id).to_string();
+        self.launch(
+            "fp8_quantize",
+            kernel_dtype,
+            (blocks, q.block_cols() as u32, 1),
+            &p,
+            &format!("quantize weight `{name}`"),
+        )?;
+        self.fill.mark_full(q.scale);
+        self.quantized.insert(id);
+        Ok(())
     }
 
     /// Generate [`crate::init::random_weights`] in place (no host staging).
@@ -459,8 +569,19 @@ impl CudaSink {
                 continue;
             };
             let (kind, a, bb) = init.params();
+            // An FP8 weight's values are generated in bf16 and quantized from there (the
+            // values every backend quantizes: `quant::quantize` rounds to bf16 first).
+            let temp = if b.dtype == DType::F8E4m3 {
+                Some(alloc_zeroed(
+                    &self.stream,
+                    2 * b.numel(),
+                    "FP8 weight staging",
+                )?)
+            } else {
+                None
+            };
             let p = InitParams {
-                out: self.base + b.offset as u64,
+                out: temp.as_ref().map_or(self.base + b.offset as u64, dptr),
                 n: b.numel() as u64,
                 seed,
                 buffer: b.id.0,
@@ -468,7 +589,8 @@ impl CudaSink {
                 a,
                 b: bb,
             };
-            let func = self.kernels.typed("init_random", b.dtype)?;
+            let gen_dtype = if temp.is_some() { DType::Bf16 } else { b.dtype };
+            let func = self.kernels.typed("init_random", gen_dtype)?;
             let grid = (b.numel().div_ceil(256).clamp(1, 8192) as u32, 1, 1);
             let mut args = [&p as *const InitParams as *mut std::ffi::c_void];
             // SAFETY: `init_random_<dtype>` takes one by-value `InitParams` (same repr(C)
@@ -487,6 +609,9 @@ impl CudaSink {
             }
             .map_err(drv(&format!("init weight `{}`", b.name)))?;
             self.fill.mark_full(b.id);
+            if let Some(temp) = temp {
+                self.quantize(b.id, Some(dptr(&temp)))?;
+            }
         }
         Ok(())
     }
@@ -518,16 +643,27 @@ impl CudaSink {
 impl WeightSink for CudaSink {
     fn put(&mut self, id: BufferId, first: usize, dtype: SourceDtype, bytes: &[u8]) -> Result<()> {
         let target = self.fill.put(id, first, dtype, bytes.len())?;
-        let to = target.dtype;
         let name = self.fill.name(id).to_string();
-        if to == DType::I32 {
+        if target.dtype == DType::I32 {
             return Err(Error::Unsupported(format!("weight `{name}` of dtype i32")));
         }
+        // Floats for an FP8 weight go to its bf16 copy, quantized once the last piece is in.
+        let staged = target.dtype == DType::F8E4m3 && dtype != SourceDtype::F8E4m3;
+        let (to, base) = if staged {
+            if !self.temps.contains_key(&id) {
+                let (_, numel, _) = self.fill.place(id);
+                let t = alloc_zeroed(&self.stream, 2 * numel, "FP8 weight staging")?;
+                self.temps.insert(id, t);
+            }
+            (DType::Bf16, dptr(&self.temps[&id]) + 2 * first as u64)
+        } else {
+            (target.dtype, self.base + target.offset as u64)
+        };
         let same = dtype.layout_dtype() == Some(to);
         let per = STAGING_BYTES / dtype.size();
         for (k, chunk) in bytes.chunks(per * dtype.size()).enumerate() {
             let count = chunk.len() / dtype.size();
-            let dst = self.base + (target.offset + k * per * to.size()) as u64;
+            let dst = base + (k * per * to.size()) as u64;
             let i = self.slot()?;
             let stream = self.stream.cu_stream();
             let slot = &mut self.slots[i];
@@ -565,6 +701,7 @@ impl WeightSink for CudaSink {
                         SourceDtype::F16 => 1,
                         SourceDtype::Bf16 => 2,
                         SourceDtype::F64 => 3,
+                        SourceDtype::F8E4m3 => 4,
                     },
                     pad: 0,
                 };
@@ -590,13 +727,48 @@ impl WeightSink for CudaSink {
                 .record(&self.stream)
                 .map_err(drv("weight upload"))?;
         }
+        if staged && self.fill.complete(id) {
+            let temp = self.temps.remove(&id).expect("staged above");
+            self.quantize(id, Some(dptr(&temp)))?;
+            // Freed in stream order, after the quantization that reads it.
+            drop(temp);
+        }
         Ok(())
     }
 
     fn finish(self: Box<Self>, compiled: Arc<Compiled>) -> Result<Arc<dyn DeviceModel>> {
-        let sink = *self;
+        let mut sink = *self;
         sink.ctx.bind_to_thread().map_err(drv("bind context"))?;
+        // Quantized weights held as values: scale the codes that arrived, quantize the floats.
+        for job in sink.fill.quant_jobs()? {
+            match job {
+                QuantJob::Dequantize { weight, quant } => {
+                    let (off, numel, dtype) = sink.fill.place(weight);
+                    let (soff, ..) = sink.fill.place(quant.scale);
+                    let p = ops::Fp8DequantParams {
+                        codes: 0,
+                        values: sink.base + off as u64,
+                        scales: sink.base + soff as u64,
+                        g: ops::Fp8GridParams::of(&quant, numel)?,
+                    };
+                    let name = sink.fill.name(weight).to_string();
+                    sink.launch(
+                        "fp8_dequant",
+                        dtype,
+                        (numel.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
+                        &p,
+                        &format!("dequantize weight `{name}`"),
+                    )?;
+                }
+                QuantJob::Quantize { weight, .. } => {
+                    if !sink.quantized.contains(&weight) && sink.fill.complete(weight) {
+                        sink.quantize(weight, None)?;
+                    }
+                }
+            }
+        }
         sink.stream.synchronize().map_err(drv("weight upload"))?;
+        sink.temps.clear();
         sink.fill.finish(&compiled)?;
         let sms = sink
             .ctx
@@ -625,6 +797,7 @@ impl WeightSink for CudaSink {
                 wgmma: sm90a && sink.options.attn_wgmma,
                 moe_wgmma: sm90a && sink.options.moe_wgmma,
                 gdn_fused: clusters && sink.options.gdn_fused,
+                fp8_gemm: cc.is_some_and(|(major, _)| major == 9) && sink.options.fp8_gemm,
             }),
         }))
     }
@@ -646,6 +819,7 @@ struct ModelInner {
     wgmma: bool,
     moe_wgmma: bool,
     gdn_fused: bool,
+    fp8_gemm: bool,
 }
 
 /// A model whose weights are on one GPU.
@@ -687,6 +861,8 @@ pub struct CudaSession {
     _scratch: CudaSlice<u8>,
     _io: CudaSlice<u8>,
     workspace: CudaSlice<u8>,
+    /// FP8 matmuls' activations, scales and dequantized weights (ops::fp8_scratch_needs).
+    _fp8: [CudaSlice<u8>; 3],
     _staging_dev: CudaSlice<u8>,
     staging_host: PinnedHostSlice<i32>,
     /// Recorded after each staging copy; the pinned record is rewritten only after it.
@@ -790,6 +966,20 @@ impl CudaSession {
         let scratch = alloc_zeroed(&stream, layout.arena_bytes(Role::Scratch), "scratch arena")?;
         let io = alloc_zeroed(&stream, layout.arena_bytes(Role::Io), "io arena")?;
         let workspace = alloc_zeroed(&stream, gemm::WORKSPACE_BYTES, "cuBLASLt workspace")?;
+        let (act_b, scale_b, deq_b) = ops::fp8_scratch_needs(&model.compiled, model.fp8_gemm, model.options.gemv);
+        let fp8_bufs = [
+            alloc_zeroed(&stream, act_b, "FP8 activations")?,
+            alloc_zeroed(&stream, scale_b, "FP8 activation scales")?,
+            alloc_zeroed(&stream, deq_b, "FP8 dequantized weight")?,
+        ];
+        let fp8 = ops::Fp8Scratch {
+            act: dptr(&fp8_bufs[0]),
+            act_bytes: act_b,
+            scales: dptr(&fp8_bufs[1]),
+            scale_bytes: scale_b,
+            dequant: dptr(&fp8_bufs[2]),
+            dequant_bytes: deq_b,
+        };
         let record = 2 + layout.max_rows;
         let staging_dev = alloc_zeroed(&stream, 4 * record, "input staging")?;
         // SAFETY: the pinned record is fully written (header and tokens) before any copy reads
@@ -833,6 +1023,8 @@ impl CudaSession {
             wgmma: model.wgmma,
             moe_wgmma: model.moe_wgmma,
             gdn_fused: model.gdn_fused,
+            fp8_gemm: model.fp8_gemm,
+            fp8,
         };
         let mut programs = Vec::new();
         for plan in &model.compiled.plans {
@@ -854,6 +1046,7 @@ impl CudaSession {
             _scratch: scratch,
             _io: io,
             workspace,
+            _fp8: fp8_bufs,
             _staging_dev: staging_dev,
             staging_host,
             staging_free,

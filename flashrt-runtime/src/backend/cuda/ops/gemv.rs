@@ -9,9 +9,35 @@ pub(super) const MAX_GEMV: usize = 4;
 pub(super) const GEMV_WARPS: usize = 8;
 
 /// Output features per `gemv` block at `rows` rows (in `glu` mode half as many gate/up
-/// pairs): `GEMV_FEATS_OF` in kernels/gemv.cu.
-pub(super) fn gemv_feats(rows: usize) -> usize {
-    if rows <= 2 { 8 } else { 4 }
+/// pairs): `GEMV_FEATS_OF` (16-bit weights) and `GEMV8_FEATS_OF` (FP8) in kernels/gemv.cu.
+pub(super) fn gemv_feats(rows: usize, fp8: bool) -> usize {
+    match (fp8, rows) {
+        (false, 0..=2) | (true, 1) => 8,
+        _ => 4,
+    }
+}
+
+/// How a `gemv` launch reads its weights: the target dtype, or FP8 codes with block scales of
+/// `[rows, cols]` (the same for every matrix of the launch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum GemvWeights {
+    Plain,
+    Fp8 { block: [usize; 2] },
+}
+
+/// One matrix as a `gemv` operand: (x address, ld_x, weight, out address, ld_out, out is f32,
+/// weight format, scale address, scale row stride).
+#[derive(Clone, Copy)]
+pub(super) struct GemvOperands {
+    pub(super) x: u64,
+    pub(super) ld_x: i32,
+    pub(super) w: u64,
+    pub(super) out: u64,
+    pub(super) ld_out: i32,
+    pub(super) out_f32: bool,
+    pub(super) weights: GemvWeights,
+    pub(super) scale: u64,
+    pub(super) scale_ld: i32,
 }
 
 /// A RmsNorm fused into a `gemv` launch ([`Builder::gemv_norm`]).
@@ -31,10 +57,11 @@ pub(super) struct GemvNorm {
 pub(super) struct GemvMat {
     pub(super) w: u64,
     pub(super) out: u64,
+    pub(super) scale: u64,
     pub(super) n: i32,
     pub(super) ld_out: i32,
     pub(super) blocks: i32,
-    pub(super) pad: i32,
+    pub(super) scale_ld: i32,
 }
 
 #[repr(C)]
@@ -59,18 +86,26 @@ pub(super) struct GemvParams {
     pub(super) norm_out: u64,
     pub(super) ld_norm_out: i32,
     pub(super) eps: f32,
+    pub(super) qbr: i32,
+    pub(super) qbc: i32,
     pub(super) m: [GemvMat; MAX_GEMV],
+}
+
+impl GemvWeights {
+    /// The kernel name prefix (`gemv` / `gemv8`) and the scale block (`qbr`, `qbc`).
+    pub(super) fn kernel(self) -> (&'static str, i32, i32) {
+        match self {
+            GemvWeights::Plain => ("gemv", 1, 1),
+            GemvWeights::Fp8 { block } => ("gemv8", block[0] as i32, block[1] as i32),
+        }
+    }
 }
 
 impl Builder<'_> {
     /// A `Linear` that [`Builder::gemv`] can run: no bias, 16-bit target, `k % 8 == 0`,
-    /// 16-byte aligned rows. Returns (x address, ld_x, weight address, out address, ld_out,
-    /// out is f32), or `None` to leave the op to cuBLASLt (which also reports bad views).
-    pub(super) fn gemv_operands(
-        &self,
-        op: &Op,
-        shape_rows: usize,
-    ) -> Option<(u64, i32, u64, u64, i32, bool)> {
+    /// 16-byte aligned rows; FP8 weights with `k` and the block's columns multiples of 16.
+    /// `None` leaves the op to the matmul path (which also reports bad views).
+    pub(super) fn gemv_operands(&self, op: &Op, shape_rows: usize) -> Option<GemvOperands> {
         let Op::Linear {
             x,
             w,
@@ -86,15 +121,36 @@ impl Builder<'_> {
         let (op_, ld_o, od) = self.view(out, shape_rows, "", "").ok()?;
         let wb = self.buf(*w);
         let wp = self.addr(*w);
+        let (weights, scale, scale_ld) = match (wb.dtype, wb.quant) {
+            (d, _) if d == t => (GemvWeights::Plain, 0, 0),
+            (DType::F8E4m3, Some(q)) if super::fp8::gemv8_shape(&q, out.width, x.width) => {
+                let s = self.addr(q.scale);
+                (
+                    GemvWeights::Fp8 { block: q.block },
+                    s,
+                    i32::try_from(q.block_cols()).ok()?,
+                )
+            }
+            _ => return None,
+        };
         let fits = xd == t
-            && wb.dtype == t
             && (od == t || od == DType::F32)
             && wb.shape == [out.width, x.width]
             && x.width % 8 == 0
             && ld_x % 8 == 0
             && xp % 16 == 0
             && wp.is_multiple_of(16);
-        fits.then_some((xp, ld_x, wp, op_, ld_o, od == DType::F32))
+        fits.then_some(GemvOperands {
+            x: xp,
+            ld_x,
+            w: wp,
+            out: op_,
+            ld_out: ld_o,
+            out_f32: od == DType::F32,
+            weights,
+            scale,
+            scale_ld,
+        })
     }
 
     /// Small phases (at most 8 shape rows, bf16/f16): the `Linear`s at the head of `ops` as
@@ -127,7 +183,8 @@ impl Builder<'_> {
         else {
             return Ok(None);
         };
-        // The group: consecutive non-accumulating Linears on the same input and output dtype.
+        // The group: consecutive non-accumulating Linears on the same input and output dtype,
+        // with weights of one format.
         let mut group = vec![(&ops[0], first)];
         if !acc0 {
             for op in ops.iter().skip(1).take(MAX_GEMV - 1) {
@@ -139,7 +196,9 @@ impl Builder<'_> {
                             ..
                         },
                         Some(o),
-                    ) if x == x0 && o.5 == first.5 => group.push((op, o)),
+                    ) if x == x0 && o.out_f32 == first.out_f32 && o.weights == first.weights => {
+                        group.push((op, o))
+                    }
                     _ => break,
                 }
             }
@@ -161,7 +220,8 @@ impl Builder<'_> {
             ) => {
                 let (g, _) = out_view(group[0].0);
                 let (u, _) = out_view(group[1].0);
-                (*gate == g && *mx == u && g.width == u.width && !first.5).then_some((*act, *out))
+                (*gate == g && *mx == u && g.width == u.width && !first.out_f32)
+                    .then_some((*act, *out))
             }
             _ => None,
         };
@@ -171,26 +231,29 @@ impl Builder<'_> {
         // Features per block: the rows' default, or for one row fewer when the default leaves
         // the last wave of resident blocks mostly empty (see `gemv_r1f<F>`).
         let widths: Vec<usize> = group.iter().map(|(op, _)| out_view(op).0.width).collect();
+        let (prefix, qbr, qbc) = first.weights.kernel();
         let (feats, suffix) = self.gemv_shape(
             shape_rows,
             &widths[..if glu.is_some() { 1 } else { widths.len() }],
             glu.is_some(),
             norm.is_some(),
+            first.weights,
         )?;
         let per_block = if glu.is_some() { feats / 2 } else { feats };
         let mut mats = [GemvMat::default(); MAX_GEMV];
         let mut total_blocks = 0u32;
         let mut names = Vec::new();
-        for (slot, (op, (_, _, wp, op_, ld_o, _))) in mats.iter_mut().zip(&group) {
+        for (slot, (op, o)) in mats.iter_mut().zip(&group) {
             let (out, w) = out_view(op);
             let blocks = ceil_div(out.width, per_block);
             *slot = GemvMat {
-                w: *wp,
-                out: *op_,
+                w: o.w,
+                out: o.out,
+                scale: o.scale,
                 n: to_i32(out.width, "n", label)?,
-                ld_out: *ld_o,
+                ld_out: o.ld_out,
                 blocks: blocks as i32,
-                pad: 0,
+                scale_ld: o.scale_ld,
             };
             total_blocks += blocks;
             names.push(self.buf(w).name.clone());
@@ -208,8 +271,7 @@ impl Builder<'_> {
             }
             None => (0, 0, 0),
         };
-        let (xp, ld_x, ..) = first;
-        let (xp, ld_x) = norm.map_or((xp, ld_x), |n| (n.x, n.ld_x));
+        let (xp, ld_x) = norm.map_or((first.x, first.ld_x), |n| (n.x, n.ld_x));
         let n = norm.unwrap_or_default();
         let p = GemvParams {
             x: xp,
@@ -217,7 +279,7 @@ impl Builder<'_> {
             k: to_i32(x0.width, "k", label)?,
             nmats: group.len() as i32,
             accumulate: *acc0 as i32,
-            out_f32: first.5 as i32,
+            out_f32: first.out_f32 as i32,
             glu: glu.is_some() as i32,
             act,
             pad: 0,
@@ -231,12 +293,14 @@ impl Builder<'_> {
             norm_out: n.out,
             ld_norm_out: n.ld_out,
             eps: n.eps,
+            qbr,
+            qbc,
             m: mats,
         };
         let kernel = if norm.is_some() {
-            format!("gemv_norm_r{shape_rows}{suffix}")
+            format!("{prefix}_norm_r{shape_rows}{suffix}")
         } else {
-            format!("gemv_r{shape_rows}{suffix}")
+            format!("{prefix}_r{shape_rows}{suffix}")
         };
         let label = format!(
             "{label} {}`{}`{}",
@@ -266,14 +330,17 @@ impl Builder<'_> {
         widths: &[usize],
         glu: bool,
         norm: bool,
+        weights: GemvWeights,
     ) -> Result<(usize, &'static str)> {
+        let fp8 = weights != GemvWeights::Plain;
         if rows != 1 {
-            return Ok((gemv_feats(rows), ""));
+            return Ok((gemv_feats(rows, fp8), ""));
         }
         let t = self.target();
+        let prefix = weights.kernel().0;
         let mut best = (0.0, 8, "");
         for (feats, suffix) in [(8, ""), (4, "f4"), (2, "f2")] {
-            let name = format!("gemv_{}r1{suffix}", if norm { "norm_" } else { "" });
+            let name = format!("{prefix}_{}r1{suffix}", if norm { "norm_" } else { "" });
             let func = self.kernels.typed(&name, t)?;
             let per_block = if glu { feats / 2 } else { feats };
             let blocks: usize = widths.iter().map(|w| w.div_ceil(per_block)).sum();

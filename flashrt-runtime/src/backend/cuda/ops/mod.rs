@@ -31,10 +31,12 @@ use flashrt_ir::{
 
 mod attention;
 mod conv;
+mod fp8;
 mod gated_deltanet;
 mod gemv;
 mod mamba2;
 mod moe;
+pub use fp8::{Fp8DequantParams, Fp8GridParams, Fp8QuantizeParams, Fp8Scratch, fp8_scratch_needs};
 use gemv::*;
 use moe::MoeOp;
 
@@ -417,6 +419,11 @@ pub struct Builder<'a> {
     /// Small phases' Gated DeltaNet layers (conv, recurrence, gated norm) as one clustered
     /// launch ([`Builder::gdn_small`], sm_90).
     pub gdn_fused: bool,
+    /// FP8 weights' prefill matmuls on the FP8 tensor cores (W8A8, cuBLASLt block scaling;
+    /// compute capability 9.x), else through a dequantized copy (fp8.rs).
+    pub fp8_gemm: bool,
+    /// The session's FP8 scratch ([`fp8_scratch_needs`]).
+    pub fp8: Fp8Scratch,
 }
 
 /// kernels/norm.cu: packs per thread and the vector kernels' block bound; blocks of several
@@ -695,28 +702,28 @@ impl Builder<'_> {
         if !matches!(t, DType::Bf16 | DType::F16) {
             return Ok(false);
         }
-        let (Some((xp, ld_x, wp, op_, ld_o, f32_out)), Op::Linear { x, out, w, .. }) =
-            (self.gemv_operands(op, rows), op)
-        else {
+        let (Some(o), Op::Linear { x, out, w, .. }) = (self.gemv_operands(op, rows), op) else {
             return Ok(false);
         };
-        let blocks = ceil_div(out.width, gemv_feats(1));
+        let (prefix, qbr, qbc) = o.weights.kernel();
+        let blocks = ceil_div(out.width, gemv_feats(1, o.weights != GemvWeights::Plain));
         let mut m = [GemvMat::default(); MAX_GEMV];
         m[0] = GemvMat {
-            w: wp,
-            out: op_,
+            w: o.w,
+            out: o.out,
+            scale: o.scale,
             n: to_i32(out.width, "n", label)?,
-            ld_out: ld_o,
+            ld_out: o.ld_out,
             blocks: blocks as i32,
-            pad: 0,
+            scale_ld: o.scale_ld,
         };
         let p = GemvParams {
-            x: xp,
-            ld_x,
+            x: o.x,
+            ld_x: o.ld_x,
             k: to_i32(x.width, "k", label)?,
             nmats: 1,
             accumulate: 0,
-            out_f32: f32_out as i32,
+            out_f32: o.out_f32 as i32,
             glu: 0,
             act: 0,
             pad: 0,
@@ -730,11 +737,13 @@ impl Builder<'_> {
             norm_out: 0,
             ld_norm_out: 0,
             eps: 0.0,
+            qbr,
+            qbc,
             m,
         };
         cmds.push(self.kernel(
             &format!("{label} `{}` (last row)", self.buf(*w).name),
-            self.kernels.typed("gemv_r1", t)?,
+            self.kernels.typed(&format!("{prefix}_r1"), t)?,
             (blocks, 1, 1),
             32 * GEMV_WARPS as u32,
             &p,
@@ -954,7 +963,10 @@ impl Builder<'_> {
             } => {
                 let (xp, ld_x, xd) = self.view(x, shape_rows, label, "x")?;
                 let (op_, ld_o, od) = self.view(out, shape_rows, label, "out")?;
-                self.expect_dtype(*w, t, label)?;
+                let fp8 = self.buf(*w).dtype == DType::F8E4m3;
+                if !fp8 {
+                    self.expect_dtype(*w, t, label)?;
+                }
                 if xd != t || (od != t && od != DType::F32) {
                     return Err(Error::Unsupported(format!(
                         "{label}: linear with input {} and output {} on a {} target",
@@ -970,35 +982,47 @@ impl Builder<'_> {
                         wb.name, wb.shape, out.width, x.width
                     )));
                 }
-                let wp = self.addr(*w);
-                let shape = GemmShape {
-                    in_dtype: t,
-                    out_dtype: od,
-                    n: out.width as u64,
-                    k: x.width as u64,
-                    rows: shape_rows as u64,
-                    ld_x: ld_x as i64,
-                    ld_out: ld_o as i64,
-                    align_w: gemm::alignment(wp),
-                    align_x: gemm::alignment(xp),
-                    align_out: gemm::alignment(op_),
-                    tf32: false,
-                };
-                let g = self.blas.gemm(shape).map_err(|e| match e {
-                    Error::Backend { msg, .. } => Error::Backend {
-                        op: format!("{label} `{}`", wb.name),
-                        msg,
-                    },
-                    e => e,
-                })?;
-                cmds.push(Cmd::Gemm(GemmCmd {
-                    label: format!("{label} `{}`", wb.name),
-                    gemm: g,
-                    w: wp,
-                    x: xp,
-                    out: op_,
-                    accumulate: *accumulate,
-                }));
+                if fp8 {
+                    self.linear_fp8(
+                        *w,
+                        (xp, ld_x),
+                        (op_, ld_o, od),
+                        (shape_rows, x.width, out.width),
+                        *accumulate,
+                        label,
+                        cmds,
+                    )?;
+                } else {
+                    let wp = self.addr(*w);
+                    let shape = GemmShape {
+                        in_dtype: t,
+                        out_dtype: od,
+                        n: out.width as u64,
+                        k: x.width as u64,
+                        rows: shape_rows as u64,
+                        ld_x: ld_x as i64,
+                        ld_out: ld_o as i64,
+                        align_w: gemm::alignment(wp),
+                        align_x: gemm::alignment(xp),
+                        align_out: gemm::alignment(op_),
+                        tf32: false,
+                    };
+                    let g = self.blas.gemm(shape).map_err(|e| match e {
+                        Error::Backend { msg, .. } => Error::Backend {
+                            op: format!("{label} `{}`", wb.name),
+                            msg,
+                        },
+                        e => e,
+                    })?;
+                    cmds.push(Cmd::Gemm(GemmCmd {
+                        label: format!("{label} `{}`", wb.name),
+                        gemm: g,
+                        w: wp,
+                        x: xp,
+                        out: op_,
+                        accumulate: *accumulate,
+                    }));
+                }
                 if let Some(b) = bias {
                     self.expect_dtype(*b, DType::F32, label)?;
                     self.expect_numel(*b, out.width, label)?;
