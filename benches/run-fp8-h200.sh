@@ -14,7 +14,8 @@
 # Usage (repository root on the GPU machine; binaries built here: `cargo build --release
 # --features cuda`, `bash scripts/gpu-check.sh --collect`, `cp target/release/flashrt .gpu/`):
 #   bash benches/run-fp8-h200.sh [OUT_DIR]
-# Environment: LENGTHS (default 2048,16384), TESTS=0 skips step 1, BF16=0 skips the bf16 bench.
+# Environment: LENGTHS (default 2048,16384), TESTS=0 skips step 1, BF16=0 / FP8=0 skip a bench,
+# OPS_TESTS filters cuda_ops (default: its FP8, gemv and linear cases).
 set -uo pipefail
 
 OUT="${1:-${OUT:-benches/results/latest-fp8}}"
@@ -32,7 +33,7 @@ export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
   "$ROOT/.gpu/bin/cuda_fp8" --test-threads=1 --nocapture >"$OUT/cuda_fp8.log" 2>&1 || status=1
-  "$ROOT/.gpu/bin/cuda_ops" --test-threads=1 --nocapture fp8_linear gemv_groups_and_glu linear \
+  "$ROOT/.gpu/bin/cuda_ops" --test-threads=1 --nocapture ${OPS_TESTS:-fp8 gemv_groups_and_glu linear} \
     >"$OUT/cuda_ops.log" 2>&1 || status=1
   grep -E '^test |test result|rel err|panicked' "$OUT/cuda_fp8.log" "$OUT/cuda_ops.log" | tail -40
 fi
@@ -42,7 +43,9 @@ if [ "${BF16:-1}" != 0 ]; then
     --lengths "$LENGTHS" --json "$OUT/bench-27b-bf16.json" >"$OUT/bench-27b-bf16.log" 2>&1 || status=1
   tail -6 "$OUT/bench-27b-bf16.log"
 fi
-"$BIN" bench "$ROOT/models/qwen36-27b.toml" --random-weights --backend cuda --quantize fp8 \
-  --lengths "$LENGTHS" --profile --json "$OUT/bench-27b-fp8.json" >"$OUT/bench-27b-fp8.log" 2>&1 || status=1
-grep -v '^\[bench\]' "$OUT/bench-27b-fp8.log" | head -60
+if [ "${FP8:-1}" != 0 ]; then
+  "$BIN" bench "$ROOT/models/qwen36-27b.toml" --random-weights --backend cuda --quantize fp8 \
+    --lengths "$LENGTHS" --profile --json "$OUT/bench-27b-fp8.json" >"$OUT/bench-27b-fp8.log" 2>&1 || status=1
+  grep -v '^\[bench\]' "$OUT/bench-27b-fp8.log" | head -60
+fi
 exit $status

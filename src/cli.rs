@@ -199,7 +199,13 @@ pub fn compile_report(c: &Compiled, ops: bool) -> String {
         );
     }
     let _ = writeln!(s, "\nlayout ({} buffers)", l.buffers.len());
-    let dw = l.buffers.iter().map(|b| b.dtype.name().len()).max().unwrap_or(5).max(5);
+    let dw = l
+        .buffers
+        .iter()
+        .map(|b| b.dtype.name().len())
+        .max()
+        .unwrap_or(5)
+        .max(5);
     let _ = writeln!(
         s,
         "  {:<40} {:<8} {:<dw$} {:<24} {:>12}",

@@ -412,7 +412,8 @@ fn build_quant(q: &QuantSpec) -> Option<QuantIr> {
 }
 
 /// Every `quantize.exclude` entry must name a quantizable matrix of the model (a typo would
-/// otherwise quantize what the user meant to keep).
+/// otherwise quantize what the user meant to keep), but for the default names
+/// ([`DEFAULT_QUANT_EXCLUDE`]), which canonical TOML writes out for every model.
 fn check_quant_exclude(cx: &mut Errors, ir: &ModelIr, q: &QuantSpec) {
     let Some(Some(names)) = q.exclude.as_ref().map(|e| &e.v) else {
         return;
@@ -429,6 +430,10 @@ fn check_quant_exclude(cx: &mut Errors, ir: &ModelIr, q: &QuantSpec) {
         .map(|b| b.name.as_str())
         .collect();
     for n in names {
+        // The default names apply to whichever model has those matrices.
+        if DEFAULT_QUANT_EXCLUDE.contains(&n.v.as_str()) {
+            continue;
+        }
         let probe = QuantIr {
             format: QuantFormat::Fp8E4m3,
             block: [1, 1],

@@ -439,8 +439,8 @@ fn quantize_key_errors_are_all_reported() {
         &toml_errors(&src),
         &[
             (10, 23, "unknown quantization format `fp4`"),
-            (10, 48, "expected a positive integer, found 0"),
-            (10, 52, "unknown key `exclud`"),
+            (10, 44, "expected a positive integer, found 0"),
+            (10, 48, "unknown key `exclud`"),
         ],
     );
 }
@@ -455,8 +455,8 @@ fn quantize_exclude_names_must_exist() {
     assert_errors(
         &got,
         &[
-            (10, 59, "names `mlp.down_prj`, which is no weight matrix"),
-            (10, 75, "names `layers.7.attn.q_proj`"),
+            (10, 57, "names `mlp.down_prj`, which is no weight matrix"),
+            (10, 73, "names `layers.7.attn.q_proj`"),
         ],
     );
     assert!(got[0].2.contains("did you mean `mlp.down_proj`"), "{got:?}");

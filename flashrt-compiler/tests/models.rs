@@ -440,7 +440,12 @@ fn quantized_models_lower_to_fp8_weights_with_scales() {
     assert_eq!(q.block, [128, 128]);
     assert_eq!(
         q.exclude,
-        ["lm_head", "gdn.in_proj_a", "gdn.in_proj_b", "moe.shared.token_gate"]
+        [
+            "lm_head",
+            "gdn.in_proj_a",
+            "gdn.in_proj_b",
+            "moe.shared.token_gate"
+        ]
     );
     let bf16 = compile(&ir, Target { dtype: DType::Bf16 });
     let l = &bf16.layout;
@@ -454,14 +459,23 @@ fn quantized_models_lower_to_fp8_weights_with_scales() {
         s.source.as_deref(),
         Some("model.layers.0.mlp.down_proj.weight_scale_inv")
     );
-    for kept in ["lm_head", "embed", "layers.0.gdn.in_proj_a", "layers.0.gdn.in_proj_b"] {
+    for kept in [
+        "lm_head",
+        "embed",
+        "layers.0.gdn.in_proj_a",
+        "layers.0.gdn.in_proj_b",
+    ] {
         let b = l.find(kept).unwrap();
         assert_eq!((b.dtype, b.quant), (DType::Bf16, None), "{kept}");
     }
     assert_eq!(l.find("mtp.fc").unwrap().dtype, DType::F8E4m3);
     // About half the weight bytes of the bf16 model.
     let plain = compile(
-        &flashrt_compiler::model_from_toml(&src.replace("quantize = { format = \"fp8_e4m3\" }", ""), "p.toml").unwrap(),
+        &flashrt_compiler::model_from_toml(
+            &src.replace("quantize = { format = \"fp8_e4m3\" }", ""),
+            "p.toml",
+        )
+        .unwrap(),
         Target { dtype: DType::Bf16 },
     );
     let ratio = l.arena_bytes(Role::Weight) as f64 / plain.layout.arena_bytes(Role::Weight) as f64;
@@ -473,6 +487,7 @@ fn quantized_models_lower_to_fp8_weights_with_scales() {
     assert_eq!(w.dtype, DType::F32);
     assert!(w.quant.is_some());
     // The canonical TOML round-trips it.
-    let again = flashrt_compiler::model_from_toml(&flashrt_compiler::ir_to_toml(&ir), "rt.toml").unwrap();
+    let again =
+        flashrt_compiler::model_from_toml(&flashrt_compiler::ir_to_toml(&ir), "rt.toml").unwrap();
     assert_eq!(again, ir);
 }

@@ -235,6 +235,63 @@ fn fp8_linear() {
     }
 }
 
+/// The shared expert of an FP8 MoE block as the lowering writes it (FP8 gate and up, a bf16
+/// token gate of width 1, the row-gated product, an FP8 down projection with k = 40 that
+/// `gemv8` does not take) in small phases and a 3-row chunk.
+#[test]
+fn fp8_shared_expert() {
+    let Some(gpu) = cuda("fp8_shared_expert") else {
+        return;
+    };
+    let (h, si) = (64, 40);
+    // Input columns: x in 0..h, the residual in h..2h. Outputs: [gate | up | token gate | residual].
+    OpCase::new("fp8 shared expert", 3, 2 * h, 2 * si + 1 + h).check(&gpu, DType::Bf16, |b| {
+        let block = [32, 32];
+        let wg = b.weight_fp8("gate", &[si, h], 1.7 / (h as f32).sqrt(), block);
+        let wu = b.weight_fp8("up", &[si, h], 1.7 / (h as f32).sqrt(), block);
+        let wt = b.weight("token_gate", &[1, h], 1.7 / (h as f32).sqrt());
+        let wd = b.weight_fp8("down", &[h, si], 1.7 / (si as f32).sqrt(), block);
+        let (g, u, t) = (b.output(0, si), b.output(si, si), b.output(2 * si, 1));
+        let x = b.input(0, h);
+        for (w, out) in [(wg, g), (wu, u), (wt, t)] {
+            if w == wt {
+                b.op(Op::Mul {
+                    gate: g,
+                    act: Act::Silu,
+                    x: u,
+                    out: u,
+                });
+            }
+            b.op(Op::Linear {
+                x,
+                w,
+                bias: None,
+                out,
+                accumulate: false,
+            });
+        }
+        b.op(Op::Mul {
+            gate: t,
+            act: Act::Sigmoid,
+            x: u,
+            out: u,
+        });
+        let res = b.input(h, h);
+        b.op(Op::Linear {
+            x: u,
+            w: wd,
+            bias: None,
+            out: res,
+            accumulate: true,
+        });
+        b.op(Op::Unary {
+            x: res,
+            act: Act::Identity,
+            out: b.output(2 * si + 1, h),
+        });
+    });
+}
+
 /// W8A8 prefill against the CPU's W8A16: the activations' E4M3 rounding (3 mantissa bits,
 /// relative error up to 2^-4 per element, about 2^-4 / sqrt(3) rms) moves a `k`-term dot
 /// product of O(1) terms by about 1/28 of its own spread (for these cases' unit-variance

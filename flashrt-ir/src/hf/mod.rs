@@ -842,7 +842,12 @@ mod tests {
         ex.sort();
         assert_eq!(
             ex,
-            ["gdn.in_proj_a", "gdn.in_proj_b", "lm_head", "moe.shared.token_gate"]
+            [
+                "gdn.in_proj_a",
+                "gdn.in_proj_b",
+                "lm_head",
+                "moe.shared.token_gate"
+            ]
         );
         // The multimodal releases' `model.language_model.` names, and one layer's projection.
         let mut c: Value = serde_json::from_str(&fixture("qwen35fp8-public")).unwrap();
@@ -857,11 +862,18 @@ mod tests {
                         .replace("model.layers.", "model.language_model.layers."),
                 )
             })
-            .chain([Value::String("model.language_model.layers.3.self_attn.o_proj".into())])
+            .chain([Value::String(
+                "model.language_model.layers.1.linear_attn.out_proj".into(),
+            )])
             .collect();
         c["quantization_config"]["modules_to_not_convert"] = Value::Array(list);
         let ir = ir_from_hf_config(&c.to_string(), &HfOptions::default()).unwrap();
-        assert!(ir.quant.unwrap().exclude.contains(&"layers.3.attn.o_proj".to_string()));
+        assert!(
+            ir.quant
+                .unwrap()
+                .exclude
+                .contains(&"layers.1.gdn.out_proj".to_string())
+        );
         // Without a list, transformers keeps the LM head only; without a block, 128 x 128.
         let mut c: Value = serde_json::from_str(&fixture("qwen35fp8-public")).unwrap();
         let qc = c["quantization_config"].as_object_mut().unwrap();
@@ -871,7 +883,10 @@ mod tests {
             .unwrap()
             .quant
             .unwrap();
-        assert_eq!((q.block, q.exclude), ([128, 128], vec!["lm_head".to_string()]));
+        assert_eq!(
+            (q.block, q.exclude),
+            ([128, 128], vec!["lm_head".to_string()])
+        );
         // `--quantize` applies to an unquantized checkpoint only.
         let opts = HfOptions {
             quantize: Some(QuantIr::with_defaults(QuantFormat::Fp8E4m3, [128, 128])),
@@ -898,7 +913,8 @@ mod tests {
         assert!(e.contains("activation_scheme `static`"), "{e}");
         let e = edit(&|c| c["quantization_config"]["weight_block_size"] = Value::Null);
         assert!(e.contains("weight_block_size null"), "{e}");
-        let e = edit(&|c| c["quantization_config"]["weight_block_size"] = serde_json::json!([0, 128]));
+        let e =
+            edit(&|c| c["quantization_config"]["weight_block_size"] = serde_json::json!([0, 128]));
         assert!(e.contains("weight_block_size"), "{e}");
         // One expert's projections kept in bf16: a stacked weight is quantized whole.
         let mut c: Value = serde_json::from_str(&fixture("qwen35moefp8-public")).unwrap();
@@ -909,6 +925,9 @@ mod tests {
         let e = ir_from_hf_config(&c.to_string(), &HfOptions::default())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("keeps 1 of the 16") && e.contains("layers.1.moe.up"), "{e}");
+        assert!(
+            e.contains("keeps 1 of the 16") && e.contains("layers.1.moe.up"),
+            "{e}"
+        );
     }
 }

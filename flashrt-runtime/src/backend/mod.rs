@@ -143,6 +143,8 @@ pub struct WeightFill {
     scale_of: Vec<Option<BufferId>>,
     /// Per quantized weight: FP8 codes arrived (`Some(true)`), floats (`Some(false)`).
     codes: Vec<Option<bool>>,
+    /// Per buffer: elements given by `put` (a scale buffer's own scales, not computed ones).
+    given: Vec<bool>,
 }
 
 /// What a sink does for a quantized weight once every piece has arrived.
@@ -193,6 +195,7 @@ impl WeightFill {
             quant: l.buffers.iter().map(|b| b.quant).collect(),
             scale_of,
             codes: vec![None; l.buffers.len()],
+            given: vec![false; l.buffers.len()],
         }
     }
 
@@ -222,7 +225,7 @@ impl WeightFill {
                 }
                 Some(true) => {}
                 Some(false) => {
-                    if self.filled[quant.scale.index()] != 0 {
+                    if self.given[quant.scale.index()] {
                         return Err(crate::error::Error::Checkpoint(format!(
                             "weight `{name}` arrived unquantized but its scales were given too"
                         )));
@@ -279,6 +282,7 @@ impl WeightFill {
             )));
         }
         self.filled[id.index()] += count;
+        self.given[id.index()] = true;
         Ok(PutTarget {
             offset: offset + first * to.size(),
             dtype: *to,

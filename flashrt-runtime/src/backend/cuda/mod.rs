@@ -966,7 +966,8 @@ impl CudaSession {
         let scratch = alloc_zeroed(&stream, layout.arena_bytes(Role::Scratch), "scratch arena")?;
         let io = alloc_zeroed(&stream, layout.arena_bytes(Role::Io), "io arena")?;
         let workspace = alloc_zeroed(&stream, gemm::WORKSPACE_BYTES, "cuBLASLt workspace")?;
-        let (act_b, scale_b, deq_b) = ops::fp8_scratch_needs(&model.compiled, model.fp8_gemm, model.options.gemv);
+        let (act_b, scale_b, deq_b) =
+            ops::fp8_scratch_needs(&model.compiled, model.fp8_gemm, model.options.gemv);
         let fp8_bufs = [
             alloc_zeroed(&stream, act_b, "FP8 activations")?,
             alloc_zeroed(&stream, scale_b, "FP8 activation scales")?,

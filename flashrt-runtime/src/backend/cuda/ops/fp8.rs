@@ -134,7 +134,13 @@ pub fn fp8_scratch_needs(compiled: &Compiled, w8a8: bool, gemv: bool) -> (usize,
                 continue;
             };
             let out_dtype = layout.buffer(out.buf).dtype;
-            if gemv && rows <= 8 && gemv8_shape(&q, out.width, x.width) {
+            // What `gemv_operands` checks of the views (arena bases are 256-byte aligned).
+            let xb = layout.buffer(x.buf);
+            let views_fit = x.width.is_multiple_of(8)
+                && x.stride.is_multiple_of(8)
+                && (xb.offset + x.col * xb.dtype.size()).is_multiple_of(16)
+                && wb.offset.is_multiple_of(16);
+            if gemv && rows <= 8 && views_fit && gemv8_shape(&q, out.width, x.width) {
                 continue;
             }
             if w8a8 && w8a8_shape(&q, out.width, x.width, rows, out_dtype, t) {
