@@ -84,8 +84,9 @@ impl PyModel {
     /// Load a Hugging Face checkpoint folder (`config.json`, safetensors, and its
     /// `tokenizer.json` and chat template when present) or a model TOML (with
     /// `random_weights=True` or `checkpoint=DIR`). `backend`: "auto", "cpu" or "cuda".
+    /// `quantize="fp8"` quantizes the weights while they load (block-scaled E4M3).
     #[new]
-    #[pyo3(signature = (path, *, backend="auto", random_weights=false, seed=0, checkpoint=None, max_seq=None, buckets=None, dtype=None, tokenizer=None))]
+    #[pyo3(signature = (path, *, backend="auto", random_weights=false, seed=0, checkpoint=None, max_seq=None, buckets=None, dtype=None, tokenizer=None, quantize=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -98,6 +99,7 @@ impl PyModel {
         buckets: Option<Vec<usize>>,
         dtype: Option<String>,
         tokenizer: Option<PathBuf>,
+        quantize: Option<String>,
     ) -> PyResult<PyModel> {
         let backend = match backend {
             "auto" => None,
@@ -115,6 +117,15 @@ impl PyModel {
                     .ok_or_else(|| PyValueError::new_err(format!("unknown dtype {d:?}")))
             })
             .transpose()?;
+        let quantize = quantize
+            .map(|q| {
+                flashrt_runtime::ir::QuantFormat::parse(&q)
+                    .map(|f| flashrt_runtime::ir::QuantIr::with_defaults(f, [128, 128]))
+                    .ok_or_else(|| {
+                        PyValueError::new_err(format!("unknown quantization {q:?} (fp8)"))
+                    })
+            })
+            .transpose()?;
         let args = ModelArgs {
             model: Some(path),
             checkpoint,
@@ -125,6 +136,7 @@ impl PyModel {
             buckets,
             dtype,
             tokenizer,
+            quantize,
         };
         let loaded = py.detach(|| flashrt_serve::cli::open(&args)).map_err(msg)?;
         Ok(PyModel {

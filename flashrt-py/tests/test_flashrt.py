@@ -457,3 +457,24 @@ def test_examples_run(script, args, tmp_path):
         assert figures["backend"].startswith("cpu")
     else:
         assert "best path" in r.stdout
+
+
+def test_fp8_checkpoints_and_quantizing_while_loading():
+    # An FP8 checkpoint loads as stored, and `quantize="fp8"` quantizes a float one while it
+    # loads (bit-exactness against the FP8 fixtures is the Rust suite's `tests/fp8.rs`).
+    fp8 = load("qwen35fp8-public")
+    p = tokens(5, 19, 512)
+    a = fp8.session()
+    a.append(p)
+    assert np.isfinite(logits(a)).all()
+    plain = load("qwen35-public")
+    q = load("qwen35-public", quantize="fp8")
+    s, t = plain.session(), q.session()
+    s.append(p)
+    t.append(p)
+    ls, lt = logits(s), logits(t)
+    # Quantized (the Rust suite checks the values bit for bit), still a working model.
+    assert not np.array_equal(ls, lt)
+    assert np.isfinite(lt).all()
+    with pytest.raises(ValueError, match="unknown quantization"):
+        load("qwen35-public", quantize="int4")

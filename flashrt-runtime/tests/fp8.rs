@@ -182,3 +182,74 @@ fn fp8_checkpoint_missing_a_scale_is_one_clear_error() {
         "{e}"
     );
 }
+
+/// `--quantize fp8` on a float checkpoint (128 x 128 blocks, the fixture's small matrices each
+/// one ragged block): the model equals, logit for logit, the unquantized model whose weights
+/// are the reference rule's values computed here from the checkpoint's floats.
+#[test]
+fn quantize_option_applies_to_float_checkpoints() {
+    use flashrt_runtime::backend::HostWeights;
+    use flashrt_runtime::ir::{QuantFormat, QuantIr, Role, Target, compile};
+    use flashrt_runtime::quant::{apply_scales, e4m3_to_f32};
+    let dir = fixture("qwen35-public");
+    let opts = HfOptions {
+        max_seq: Some(128),
+        prefill_buckets: Some(vec![4, 16]),
+        quantize: Some(QuantIr::with_defaults(QuantFormat::Fp8E4m3, [128, 128])),
+        ..HfOptions::default()
+    };
+    let q = Model::load_hf_dir(cpu(), &dir, &opts).unwrap();
+    let cq = compile(
+        q.ir(),
+        Target {
+            dtype: flashrt_runtime::ir::DType::F32,
+        },
+    );
+    let quantized: Vec<_> = cq
+        .layout
+        .buffers
+        .iter()
+        .filter(|b| b.quant.is_some())
+        .collect();
+    // As in the FP8 fixture: 3 x 3 Gated DeltaNet + 4 attention + 4 x 3 MLP projections.
+    assert_eq!(
+        quantized.len(),
+        25,
+        "every projection but lm_head and a / b"
+    );
+    let mut host = flashrt_runtime::load_hf_weights(&cq, &dir).unwrap();
+    for b in &quantized {
+        let wq = b.quant.unwrap();
+        let v = host.tensors[b.id.index()].as_mut().unwrap();
+        let mut codes = vec![0u8; v.len()];
+        let mut scales = vec![0f32; cq.layout.buffer(wq.scale).numel()];
+        quantize(v, &wq, &mut codes, &mut scales);
+        for (x, c) in v.iter_mut().zip(&codes) {
+            *x = e4m3_to_f32(*c);
+        }
+        apply_scales(v, &wq, &scales);
+    }
+    let mut ir = q.ir().clone();
+    ir.quant = None;
+    let plain = std::sync::Arc::new(compile(
+        &ir,
+        Target {
+            dtype: flashrt_runtime::ir::DType::F32,
+        },
+    ));
+    let tensors = plain
+        .layout
+        .buffers
+        .iter()
+        .map(|b| {
+            (b.role == Role::Weight).then(|| {
+                host.tensors[cq.layout.id(&b.name).unwrap().index()]
+                    .clone()
+                    .unwrap()
+            })
+        })
+        .collect();
+    let twin = Model::from_compiled(cpu(), plain, HostWeights { tensors }).unwrap();
+    let p = tokens(5, 19, 512);
+    assert_eq!(prompt_logits(&q, &p), prompt_logits(&twin, &p));
+}

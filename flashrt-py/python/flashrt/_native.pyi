@@ -118,6 +118,7 @@ class Model:
         buckets: Optional[Sequence[int]] = None,
         dtype: Optional[str] = None,
         tokenizer: Optional[_Path] = None,
+        quantize: Optional[str] = None,
     ) -> None: ...
     @property
     def name(self) -> str: ...
