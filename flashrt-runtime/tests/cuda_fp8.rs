@@ -5,6 +5,7 @@
 //! prefill runs on the FP8 tensor cores. Skips with a message when no CUDA device is present.
 #![cfg(feature = "cuda")]
 
+mod common;
 mod cuda_support;
 
 use cuda_support::*;
@@ -13,10 +14,9 @@ use flashrt_runtime::backend::HostWeights;
 use flashrt_runtime::backend::cuda::CudaOptions;
 use flashrt_runtime::ir::hf::{HfOptions, ir_from_hf_config};
 use flashrt_runtime::ir::{DType, QuantFormat, QuantIr, Role, Target, compile};
-use flashrt_runtime::safetensors::{Dtype, SafeTensors, TensorOut, serialize};
+use flashrt_runtime::safetensors::SafeTensors;
 use flashrt_runtime::{
     Model, ReferenceOptions, WeightSource, argmax, check_reference_with, load_hf_weights,
-    safetensors,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -207,51 +207,6 @@ fn fp8_fixtures_bf16_on_gpu_track_cpu() {
     }
 }
 
-/// A copy of an FP8 fixture with its bf16 source weights instead of the FP8 ones.
-fn unquantized_copy(name: &str) -> Option<PathBuf> {
-    let src = fixture(name)?;
-    let dst = std::env::temp_dir().join(format!("flashrt-cuda-fp8-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dst);
-    std::fs::create_dir_all(&dst).unwrap();
-    for f in ["config.json", "generation_config.json"] {
-        std::fs::copy(src.join(f), dst.join(f)).unwrap();
-    }
-    let read = |p: &Path| {
-        let st = SafeTensors::read(p).unwrap();
-        st.tensors
-            .iter()
-            .map(|(n, i)| {
-                (
-                    n.clone(),
-                    i.dtype.clone(),
-                    i.shape.clone(),
-                    st.data(n).unwrap().to_vec(),
-                )
-            })
-            .collect::<Vec<_>>()
-    };
-    let mut entries: Vec<_> = read(&src.join("model.safetensors"))
-        .into_iter()
-        .filter(|e| e.1 != Dtype::F8E4m3 && !e.0.ends_with("_scale_inv"))
-        .collect();
-    entries.extend(read(&src.join("fp8_source_weights.safetensors")));
-    let outs: Vec<TensorOut> = entries
-        .iter()
-        .map(|(n, d, s, b)| TensorOut {
-            name: n,
-            dtype: d.clone(),
-            shape: s.clone(),
-            data: b,
-        })
-        .collect();
-    std::fs::write(
-        dst.join("model.safetensors"),
-        serialize(&outs, &Default::default()),
-    )
-    .unwrap();
-    Some(dst)
-}
-
 /// The device's quantizer reproduces the fixtures' FP8 bytes: a bf16 checkpoint quantized
 /// while it loads gives the model the FP8 checkpoint gives, logit for logit, on f32 (values
 /// dequantized in place) and bf16 (codes in the FP8 buffers) targets.
@@ -261,9 +216,8 @@ fn gpu_quantizer_equals_the_fp8_checkpoint() {
         return;
     };
     for name in FP8_FIXTURES {
-        let (Some(fp8), Some(bf16)) = (fixture(name), unquantized_copy(name)) else {
-            return;
-        };
+        let Some(fp8) = fixture(name) else { return };
+        let bf16 = common::unquantized_copy(name);
         for dtype in [DType::F32, DType::Bf16] {
             let o = HfOptions {
                 dtype: Some(dtype),
@@ -285,7 +239,6 @@ fn gpu_quantizer_equals_the_fp8_checkpoint() {
                 dtype.name()
             );
         }
-        let _ = std::fs::remove_dir_all(&bf16);
     }
 }
 
@@ -302,18 +255,7 @@ fn random_fp8_model_tracks_cpu() {
     let Some(gpu) = cuda("random_fp8_model_tracks_cpu") else {
         return;
     };
-    let json = r#"{
-      "model_type": "qwen3_5_text",
-      "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000,
-      "num_hidden_layers": 4,
-      "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 256,
-      "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-      "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-      "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-      "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-      "tie_word_embeddings": false, "hidden_act": "silu", "dtype": "bfloat16"
-    }"#;
+    let json = QWEN_LIKE;
     let o = HfOptions {
         name: Some("fp8_test".into()),
         max_seq: Some(512),
@@ -367,6 +309,3 @@ fn random_fp8_model_tracks_cpu() {
         assert!(agree >= 8, "{what}: greedy agreement {agree}/12");
     }
 }
-
-#[allow(dead_code)]
-fn unused(_: safetensors::Dtype) {}

@@ -46,21 +46,6 @@ const QWEN_MOE_LIKE: &str = r#"{
   "tie_word_embeddings": false, "hidden_act": "silu", "dtype": "bfloat16"
 }"#;
 
-/// A Qwen3.5-style hybrid at realistic head sizes (head_dim 256, GDN key/value dim 128,
-/// partial RoPE, output gate, (1+w) norms), small in width and depth.
-const QWEN_LIKE: &str = r#"{
-  "model_type": "qwen3_5_text",
-  "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000,
-  "num_hidden_layers": 4,
-  "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 256,
-  "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-  "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-  "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-  "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-  "tie_word_embeddings": false, "hidden_act": "silu", "dtype": "bfloat16"
-}"#;
-
 fn ir_of(json: &str, dtype: DType, buckets: &[usize], max_seq: usize) -> ModelIr {
     let opts = HfOptions {
         name: Some("gpu_test".into()),

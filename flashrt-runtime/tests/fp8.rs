@@ -105,22 +105,6 @@ fn quantizer_reproduces_the_fixture_bytes() {
     }
 }
 
-/// A copy of an FP8 fixture whose FP8 weights are replaced by the bf16 weights they were
-/// quantized from (scales removed): the checkpoint a user would quantize while loading.
-fn unquantized_copy(name: &str) -> TempDir {
-    let dir = copy_fixture(name);
-    let path = dir.join("model.safetensors");
-    let sources = read_entries(&dir.join("fp8_source_weights.safetensors"));
-    let mut entries: Entries = read_entries(&path)
-        .into_iter()
-        .filter(|e| e.1 != Dtype::F8E4m3 && !e.0.ends_with("_scale_inv"))
-        .collect();
-    entries.extend(sources);
-    write_entries(&path, &entries);
-    std::fs::remove_file(dir.join("fp8_source_weights.safetensors")).unwrap();
-    dir
-}
-
 fn prompt_logits(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let mut s = model.session().unwrap();
     s.append(prompt).unwrap();

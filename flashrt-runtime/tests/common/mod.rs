@@ -152,3 +152,21 @@ pub fn write_entries(path: &Path, entries: &Entries) {
         .collect();
     std::fs::write(path, serialize(&outs, &Default::default())).unwrap();
 }
+
+/// A copy of an FP8 fixture whose FP8 weights are replaced by the bf16 weights they were
+/// quantized from (scales removed): the checkpoint a user would quantize while loading.
+pub fn unquantized_copy(name: &str) -> TempDir {
+    let dir = copy_fixture(name);
+    let path = dir.join("model.safetensors");
+    let sources = read_entries(&dir.join("fp8_source_weights.safetensors"));
+    let mut entries: Entries = read_entries(&path)
+        .into_iter()
+        .filter(|e| {
+            e.1 != flashrt_runtime::safetensors::Dtype::F8E4m3 && !e.0.ends_with("_scale_inv")
+        })
+        .collect();
+    entries.extend(sources);
+    write_entries(&path, &entries);
+    std::fs::remove_file(dir.join("fp8_source_weights.safetensors")).unwrap();
+    dir
+}

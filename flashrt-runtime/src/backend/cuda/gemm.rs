@@ -122,6 +122,62 @@ impl Drop for LtGemm {
     }
 }
 
+impl LtGemm {
+    /// A matmul descriptor with f32 scaling for `D[n, rows] = op(A)ᵀ B` in this module's
+    /// convention (A the weight `[n, k]` row-major, transposed; B the input with ld `ld_x`; C =
+    /// D the output with ld `ld_out`), element types `(a, b, out)`; the algorithm is left to
+    /// the caller. Built step by step, so Drop frees whatever was created if a step fails.
+    fn tn(
+        compute: sys::cublasComputeType_t,
+        (a_t, b_t, out_t): (sys::cudaDataType, sys::cudaDataType, sys::cudaDataType),
+        (n, k, rows): (u64, u64, u64),
+        (ld_x, ld_out): (i64, i64),
+    ) -> Result<LtGemm> {
+        let desc = lt::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
+            .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
+        let mut g = LtGemm {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            c: std::ptr::null_mut(),
+            // SAFETY: cublasLtMatmulAlgo_t is a plain array of u64; all-zero is a valid value
+            // that the caller overwrites with a heuristic's choice before any use.
+            algo: unsafe { std::mem::zeroed() },
+        };
+        type A = sys::cublasLtMatmulDescAttributes_t;
+        g.set(A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32, "TRANSA")?; // CUBLAS_OP_T
+        g.set(A::CUBLASLT_MATMUL_DESC_TRANSB, &0i32, "TRANSB")?; // CUBLAS_OP_N
+        g.a = lt::create_matrix_layout(a_t, k, n, k as i64)
+            .map_err(|e| lt_err("layout A (weight)", e))?;
+        g.b = lt::create_matrix_layout(b_t, k, rows, ld_x)
+            .map_err(|e| lt_err("layout B (input)", e))?;
+        g.c = lt::create_matrix_layout(out_t, n, rows, ld_out)
+            .map_err(|e| lt_err("layout C/D (output)", e))?;
+        Ok(g)
+    }
+
+    /// Set one descriptor attribute to `v` (its C type: i32 for modes, a device pointer for
+    /// scale pointers).
+    fn set<T: Copy>(
+        &self,
+        attr: sys::cublasLtMatmulDescAttributes_t,
+        v: &T,
+        what: &str,
+    ) -> Result<()> {
+        // SAFETY: `desc` is live; `v` points at size_of::<T>() readable bytes, the attribute's
+        // size, and outlives the call (cuBLASLt copies the value).
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                self.desc,
+                attr,
+                v as *const T as *const c_void,
+                std::mem::size_of::<T>(),
+            )
+        }
+        .map_err(|e| lt_err(what, e))
+    }
+}
+
 /// The model's cuBLASLt handle and a cache of matmuls by shape (FP8 matmuls also by their
 /// scale pointers, which their descriptors hold, and their algorithms by shape).
 pub struct Blas {
@@ -184,45 +240,12 @@ impl Blas {
         } else {
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
         };
-        let desc = lt::create_matmul_desc(compute, sys::cudaDataType_t::CUDA_R_32F)
-            .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
-        // Build the value step by step so that Drop cleans up whatever was created if a later
-        // call fails.
-        let mut g = LtGemm {
-            desc,
-            a: std::ptr::null_mut(),
-            b: std::ptr::null_mut(),
-            c: std::ptr::null_mut(),
-            // SAFETY: cublasLtMatmulAlgo_t is a plain array of u64; all-zero is a valid value
-            // that is overwritten by the heuristic below before any use.
-            algo: unsafe { std::mem::zeroed() },
-        };
-        let trans_a: i32 = 1; // CUBLAS_OP_T
-        let trans_b: i32 = 0; // CUBLAS_OP_N
-        // SAFETY: `desc` is a live descriptor; the attribute values are i32 as the API expects
-        // for TRANSA / TRANSB and outlive the calls.
-        unsafe {
-            lt::set_matmul_desc_attribute(
-                g.desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                &trans_a as *const i32 as *const c_void,
-                std::mem::size_of::<i32>(),
-            )
-            .map_err(|e| lt_err("TRANSA", e))?;
-            lt::set_matmul_desc_attribute(
-                g.desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                &trans_b as *const i32 as *const c_void,
-                std::mem::size_of::<i32>(),
-            )
-            .map_err(|e| lt_err("TRANSB", e))?;
-        }
-        g.a = lt::create_matrix_layout(in_t, s.k, s.n, s.k as i64)
-            .map_err(|e| lt_err("layout A (weight)", e))?;
-        g.b = lt::create_matrix_layout(in_t, s.k, s.rows, s.ld_x)
-            .map_err(|e| lt_err("layout B (input)", e))?;
-        g.c = lt::create_matrix_layout(out_t, s.n, s.rows, s.ld_out)
-            .map_err(|e| lt_err("layout C/D (output)", e))?;
+        let mut g = LtGemm::tn(
+            compute,
+            (in_t, in_t, out_t),
+            (s.n, s.k, s.rows),
+            (s.ld_x, s.ld_out),
+        )?;
 
         g.algo = self.heuristic(&g, [s.align_w, s.align_x, s.align_out], || {
             format!(
@@ -252,71 +275,35 @@ impl Blas {
         let s = shape;
         let out_t = cuda_type(s.out_dtype)?;
         let fp8 = sys::cudaDataType_t::CUDA_R_8F_E4M3;
-        let desc = lt::create_matmul_desc(
+        let mut g = LtGemm::tn(
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cudaDataType_t::CUDA_R_32F,
-        )
-        .map_err(|e| lt_err("cublasLtMatmulDescCreate", e))?;
-        let mut g = LtGemm {
-            desc,
-            a: std::ptr::null_mut(),
-            b: std::ptr::null_mut(),
-            c: std::ptr::null_mut(),
-            // SAFETY: as in `create`: overwritten before any use.
-            algo: unsafe { std::mem::zeroed() },
-        };
+            (fp8, fp8, out_t),
+            (s.n, s.k, s.rows),
+            (s.k as i64, s.ld_out),
+        )?;
         type A = sys::cublasLtMatmulDescAttributes_t;
         let a_mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
         let b_mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-        let set = |attr: A, v: *const c_void, n: usize, what: &str| {
-            // SAFETY: `g.desc` is live; `v` points at `n` readable bytes of the attribute's type.
-            unsafe { lt::set_matmul_desc_attribute(g.desc, attr, v, n) }
-                .map_err(|e| lt_err(what, e))
-        };
-        let (ta, tb): (i32, i32) = (1, 0);
-        set(
-            A::CUBLASLT_MATMUL_DESC_TRANSA,
-            &ta as *const i32 as _,
-            4,
-            "TRANSA",
-        )?;
-        set(
-            A::CUBLASLT_MATMUL_DESC_TRANSB,
-            &tb as *const i32 as _,
-            4,
-            "TRANSB",
-        )?;
-        let (am, bm) = (a_mode as i32, b_mode as i32);
-        set(
+        g.set(
             A::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-            &am as *const i32 as _,
-            4,
+            &(a_mode as i32),
             "A scale mode",
         )?;
-        set(
+        g.set(
             A::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-            &bm as *const i32 as _,
-            4,
+            &(b_mode as i32),
             "B scale mode",
         )?;
-        set(
+        g.set(
             A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-            &w_scale as *const u64 as _,
-            8,
+            &w_scale,
             "A scale pointer",
         )?;
-        set(
+        g.set(
             A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-            &x_scale as *const u64 as _,
-            8,
+            &x_scale,
             "B scale pointer",
         )?;
-        g.a = lt::create_matrix_layout(fp8, s.k, s.n, s.k as i64)
-            .map_err(|e| lt_err("layout A (fp8 weight)", e))?;
-        g.b = lt::create_matrix_layout(fp8, s.k, s.rows, s.k as i64)
-            .map_err(|e| lt_err("layout B (fp8 input)", e))?;
-        g.c = lt::create_matrix_layout(out_t, s.n, s.rows, s.ld_out)
-            .map_err(|e| lt_err("layout C/D (output)", e))?;
         g.algo = match cache.algos.get(&s) {
             Some(a) => *a,
             None => {
