@@ -60,7 +60,8 @@ struct GemvParams {
     int out_f32;
     int glu; // 1: matrices 0/1 are gate/up, glu_out = act(gate) * up
     int act;
-    int pad_;
+    // `gemv8m_*` without the norm: 1 when the input rows are staged in dynamic shared memory.
+    int stage;
     void* glu_out;
     int ld_glu;
     int last_row; // 1: R == 1 and the row is io.len - 1 of x and of every output (see below)
@@ -88,6 +89,84 @@ static __device__ __forceinline__ uint4 load_stream(const void* p) {
                  : "l"(p));
     return v;
 }
+
+// Fused RMSNorm prologue (`p.norm`), shared by the gemv kernels. Each block reduces the sum of
+// squares of its R input rows itself (k elements each, from L2) in a fixed order, so a row's
+// scale depends on that row only. Ends with a block barrier.
+template <typename T, int R>
+static __device__ __forceinline__ void gemv_norm_inv(const GemvParams& p, const T* x, float (&inv)[R]) {
+    constexpr int WARPS = GEMV_WARPS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = p.k >> 3;
+    float ss[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) ss[r] = 0.0f;
+    for (int c = threadIdx.x; c < chunks; c += WARPS * 32) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float xf[8];
+            flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) ss[r] = fmaf(xf[e], xf[e], ss[r]);
+        }
+    }
+    __shared__ float nred[WARPS][R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float v = flashrt::warp_sum(ss[r]);
+        if (lane == 0) nred[warp][r] = v;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float t = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) t += nred[w][r];
+        inv[r] = 1.0f / sqrtf(t / (float)p.k + p.eps);
+    }
+}
+
+// The norm weights of chunk c (elements 8c .. 8c + 7): w, 1 + w with `one_plus`, or 1
+// without weights.
+static __device__ __forceinline__ void gemv_norm_weight(const GemvParams& p, int c, float (&s)[8]) {
+    if (p.norm_w) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(p.norm_w) + 2 * c);
+        const float4 b = __ldg(reinterpret_cast<const float4*>(p.norm_w) + 2 * c + 1);
+        s[0] = a.x, s[1] = a.y, s[2] = a.z, s[3] = a.w, s[4] = b.x, s[5] = b.y, s[6] = b.z, s[7] = b.w;
+        if (p.one_plus) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s[e] += 1.0f;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[e] = 1.0f;
+    }
+}
+
+// Input chunk c of a row, loaded as f32 in `xf`: normalised by the row's `inv` and the norm
+// weights and rounded to the element type, as the separate `rms_norm` op stores it.
+template <typename T>
+static __device__ __forceinline__ void gemv_norm_chunk(const GemvParams& p, float inv, int c, float (&xf)[8]) {
+    float s[8];
+    gemv_norm_weight(p, c, s);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) xf[e] = flashrt::to_f32(flashrt::from_f32<T>(xf[e] * inv * s[e]));
+}
+
+// The normalised rows, stored by one block to `norm_out` for any later reader.
+template <typename T, int R>
+static __device__ __forceinline__ void gemv_norm_store(const GemvParams& p, const T* x, const float (&inv)[R]) {
+    for (int c = threadIdx.x; c < (p.k >> 3); c += GEMV_WARPS * 32)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float xf[8];
+            flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
+            gemv_norm_chunk<T>(p, inv[r], c, xf);
+            T* o = static_cast<T*>(p.norm_out) + (size_t)r * p.ld_norm_out + (size_t)c * 8;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = flashrt::from_f32<T>(xf[e]);
+        }
+}
+
 
 // FP8 E4M3 weights (`FP8`): 16 codes per 16-byte chunk, each row's codes times its block's
 // scale. A chunk's 16 products are summed in f32 and the sum scaled once (block columns are
@@ -119,7 +198,7 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
         ++mi;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int k = p.k, chunks = k >> 3, wchunks = k / CH;
+    const int k = p.k, wchunks = k / CH;
 
     // The GEMV_FEATS weight rows of this block: features j0 .. j0 + GEMV_FEATS - 1 of matrix
     // mi, or in glu mode gate rows j0 .. j0 + HALF - 1 (slots 0 .. HALF - 1) and the up rows
@@ -155,68 +234,14 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
     const int row0 = p.last_row ? flashrt::load_len(p.len) - 1 : 0;
     x += (size_t)row0 * p.ld_x;
 
-    // Fused RMSNorm: each block reduces the sum of squares of its R input rows itself (k
-    // elements each, from L2), in a fixed order; a row's scale depends on that row only.
     float inv[R];
-    if (NORM) {
-        float ss[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) ss[r] = 0.0f;
-        for (int c = threadIdx.x; c < chunks; c += WARPS * 32) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                float xf[8];
-                flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) ss[r] = fmaf(xf[e], xf[e], ss[r]);
-            }
-        }
-        __shared__ float nred[WARPS][R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const float v = flashrt::warp_sum(ss[r]);
-            if (lane == 0) nred[warp][r] = v;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float t = 0.0f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) t += nred[w][r];
-            inv[r] = 1.0f / sqrtf(t / (float)k + p.eps);
-        }
-    }
+    if (NORM) gemv_norm_inv<T, R>(p, x, inv);
     // Input chunk c of row r as f32: the raw input, or its normalised, rounded value.
     auto load_x = [&](int r, int c, float (&xf)[8]) {
         flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
-        if (!NORM) return;
-        float s[8];
-        if (p.norm_w) {
-            const float4 a = __ldg(reinterpret_cast<const float4*>(p.norm_w) + 2 * c);
-            const float4 b = __ldg(reinterpret_cast<const float4*>(p.norm_w) + 2 * c + 1);
-            s[0] = a.x, s[1] = a.y, s[2] = a.z, s[3] = a.w, s[4] = b.x, s[5] = b.y, s[6] = b.z, s[7] = b.w;
-            if (p.one_plus) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) s[e] += 1.0f;
-            }
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) s[e] = 1.0f;
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) xf[e] = flashrt::to_f32(flashrt::from_f32<T>(xf[e] * inv[r] * s[e]));
+        if (NORM) gemv_norm_chunk<T>(p, inv[r], c, xf);
     };
-    if (NORM && blockIdx.x == 0) {
-        for (int c = threadIdx.x; c < chunks; c += WARPS * 32)
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                float xf[8];
-                load_x(r, c, xf);
-                T* o = static_cast<T*>(p.norm_out) + (size_t)r * p.ld_norm_out + (size_t)c * 8;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) o[e] = flashrt::from_f32<T>(xf[e]);
-            }
-    }
+    if (NORM && blockIdx.x == 0) gemv_norm_store<T, R>(p, x, inv);
 
     float acc[R][GEMV_FEATS];
 #pragma unroll

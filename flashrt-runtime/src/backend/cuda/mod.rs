@@ -144,6 +144,11 @@ pub struct CudaOptions {
     /// `false`, or any other device, multiplies a dequantized bf16 copy of the weight.
     /// Default from `FLASHRT_FP8_GEMM` (`0` = off).
     pub fp8_gemm: bool,
+    /// Run small phases' matmuls over FP8 weights with 128-column-multiple scale blocks on the
+    /// tensor cores (kernels/gemv_mma.cu `gemv8m_*`) on compute capability 9.x (default);
+    /// `false`, or any other device, uses the CUDA-core `gemv8_*` of kernels/gemv.cu. Default
+    /// from `FLASHRT_GEMV_MMA` (`0` = off).
+    pub gemv_mma: bool,
 }
 
 impl Default for CudaOptions {
@@ -158,6 +163,7 @@ impl Default for CudaOptions {
             moe_wgmma: on("FLASHRT_MOE_WGMMA"),
             gdn_fused: on("FLASHRT_GDN_FUSED"),
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
+            gemv_mma: on("FLASHRT_GEMV_MMA"),
         }
     }
 }
@@ -798,6 +804,7 @@ impl WeightSink for CudaSink {
                 moe_wgmma: sm90a && sink.options.moe_wgmma,
                 gdn_fused: clusters && sink.options.gdn_fused,
                 fp8_gemm: cc.is_some_and(|(major, _)| major == 9) && sink.options.fp8_gemm,
+                gemv_mma: cc.is_some_and(|(major, _)| major == 9) && sink.options.gemv_mma,
             }),
         }))
     }
@@ -820,6 +827,7 @@ struct ModelInner {
     moe_wgmma: bool,
     gdn_fused: bool,
     fp8_gemm: bool,
+    gemv_mma: bool,
 }
 
 /// A model whose weights are on one GPU.
@@ -1025,6 +1033,7 @@ impl CudaSession {
             moe_wgmma: model.moe_wgmma,
             gdn_fused: model.gdn_fused,
             fp8_gemm: model.fp8_gemm,
+            gemv_mma: model.gemv_mma,
             fp8,
         };
         let mut programs = Vec::new();

@@ -7,6 +7,10 @@ use super::*;
 /// Matrices one `gemv` launch may cover and warps per block: mirrors of kernels/gemv.cu.
 pub(super) const MAX_GEMV: usize = 4;
 pub(super) const GEMV_WARPS: usize = 8;
+/// kernels/gemv_mma.cu: columns per warp step (and the multiple `k` and the scale blocks'
+/// columns must be), and the most shared memory its normalised input rows may take.
+const GEMVM_STEP: usize = 128;
+const GEMVM_MAX_SMEM: usize = 96 * 1024;
 
 /// Output features per `gemv` block at `rows` rows (in `glu` mode half as many gate/up
 /// pairs): `GEMV_FEATS_OF` (16-bit weights) and `GEMV8_FEATS_OF` (FP8) in kernels/gemv.cu.
@@ -75,7 +79,8 @@ pub(super) struct GemvParams {
     pub(super) out_f32: i32,
     pub(super) glu: i32,
     pub(super) act: i32,
-    pub(super) pad: i32,
+    /// `gemv8m_*` without a norm: the input rows are staged in dynamic shared memory.
+    pub(super) stage: i32,
     pub(super) glu_out: u64,
     pub(super) ld_glu: i32,
     pub(super) last_row: i32,
@@ -228,17 +233,40 @@ impl Builder<'_> {
         if glu.is_some() {
             group.truncate(2);
         }
+        let k = x0.width;
+        // FP8 weights whose scale blocks span multiples of 128 columns: the tensor-core
+        // kernel (16 rows per block, 8 gate/up pairs in glu mode), with the normalised input
+        // rows in shared memory when a norm is fused.
+        let (prefix, qbr, qbc) = first.weights.kernel();
+        // (Without a norm the rows are staged when they fit, else converted at each step.)
+        let staged = shape_rows * (k + 8) * 2;
+        let mma = match first.weights {
+            GemvWeights::Fp8 { block } => {
+                self.gemv_mma
+                    && k.is_multiple_of(GEMVM_STEP)
+                    && block[1].is_multiple_of(GEMVM_STEP)
+                    && (block[1] / GEMVM_STEP).is_power_of_two()
+                    && (norm.is_none() || staged <= GEMVM_MAX_SMEM)
+            }
+            GemvWeights::Plain => false,
+        };
+        let stage = mma && staged <= GEMVM_MAX_SMEM;
+        let mma_smem = if stage { staged } else { 0 };
         // Features per block: the rows' default, or for one row fewer when the default leaves
         // the last wave of resident blocks mostly empty (see `gemv_r1f<F>`).
         let widths: Vec<usize> = group.iter().map(|(op, _)| out_view(op).0.width).collect();
-        let (prefix, qbr, qbc) = first.weights.kernel();
-        let (feats, suffix) = self.gemv_shape(
-            shape_rows,
-            &widths[..if glu.is_some() { 1 } else { widths.len() }],
-            glu.is_some(),
-            norm.is_some(),
-            first.weights,
-        )?;
+        let (prefix, feats, suffix) = if mma {
+            ("gemv8m", 16, "")
+        } else {
+            let (feats, suffix) = self.gemv_shape(
+                shape_rows,
+                &widths[..if glu.is_some() { 1 } else { widths.len() }],
+                glu.is_some(),
+                norm.is_some(),
+                first.weights,
+            )?;
+            (prefix, feats, suffix)
+        };
         let per_block = if glu.is_some() { feats / 2 } else { feats };
         let mut mats = [GemvMat::default(); MAX_GEMV];
         let mut total_blocks = 0u32;
@@ -276,13 +304,13 @@ impl Builder<'_> {
         let p = GemvParams {
             x: xp,
             ld_x,
-            k: to_i32(x0.width, "k", label)?,
+            k: to_i32(k, "k", label)?,
             nmats: group.len() as i32,
             accumulate: *acc0 as i32,
             out_f32: first.out_f32 as i32,
             glu: glu.is_some() as i32,
             act,
-            pad: 0,
+            stage: stage as i32,
             glu_out,
             ld_glu,
             last_row: 0,
@@ -297,6 +325,20 @@ impl Builder<'_> {
             qbc,
             m: mats,
         };
+        // The tensor-core kernel's blocks: 8 warps (three blocks per SM at one or two rows),
+        // or 4 when that makes every block of the launch resident at once where 8 would leave
+        // a second, mostly empty wave. Chosen from the shape alone (as if three 8-warp blocks
+        // fit an SM at every row count), so every row count of a matrix reduces in the same
+        // order.
+        let (suffix, warps) =
+            if mma && total_blocks as usize > 3 * self.sms && total_blocks as usize <= 6 * self.sms
+            {
+                ("w4", 4)
+            } else if mma {
+                ("", GEMV_WARPS)
+            } else {
+                (suffix, GEMV_WARPS)
+            };
         let kernel = if norm.is_some() {
             format!("{prefix}_norm_r{shape_rows}{suffix}")
         } else {
@@ -308,13 +350,14 @@ impl Builder<'_> {
             names.join("` + `"),
             if glu.is_some() { " + mul" } else { "" }
         );
-        cmds.push(self.kernel(
-            &label,
-            self.kernels.typed(&kernel, t)?,
-            (total_blocks, 1, 1),
-            32 * GEMV_WARPS as u32,
-            &p,
-        ));
+        let func = self.kernels.typed(&kernel, t)?;
+        let grid = (total_blocks, 1, 1);
+        let threads = 32 * warps as u32;
+        cmds.push(if mma && mma_smem > 0 {
+            self.kernel_smem(&label, func, grid, threads, mma_smem as u32, &p)?
+        } else {
+            self.kernel(&label, func, grid, threads, &p)
+        });
         Ok(Some(
             norm.is_some() as usize + group.len() + glu.is_some() as usize,
         ))

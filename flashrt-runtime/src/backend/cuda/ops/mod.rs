@@ -422,6 +422,9 @@ pub struct Builder<'a> {
     /// FP8 weights' prefill matmuls on the FP8 tensor cores (W8A8, cuBLASLt block scaling;
     /// compute capability 9.x), else through a dequantized copy (fp8.rs).
     pub fp8_gemm: bool,
+    /// Small phases' FP8 matmuls on the tensor cores where their scale blocks allow
+    /// (kernels/gemv_mma.cu, compute capability 9.x; [`Builder::gemv`]).
+    pub gemv_mma: bool,
     /// The session's FP8 scratch ([`fp8_scratch_needs`]).
     pub fp8: Fp8Scratch,
 }
@@ -726,7 +729,7 @@ impl Builder<'_> {
             out_f32: o.out_f32 as i32,
             glu: 0,
             act: 0,
-            pad: 0,
+            stage: 0,
             glu_out: 0,
             ld_glu: 0,
             last_row: 1,
