@@ -277,6 +277,7 @@ impl Server {
                     cmd: Cmd::Shutdown,
                     tenant: tenants::Tenant::default_tenant(),
                     reply: tx,
+                    enqueued: std::time::Instant::now(),
                 })
                 .is_ok()
                 && let Ok(Err(e)) = rx.blocking_recv()

@@ -4,6 +4,7 @@
 
 use flashrt_runtime::store::{StoreStats, Tier};
 use std::fmt::Write;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -13,18 +14,57 @@ pub const RESTORE_BUCKETS: [f64; 14] = [
     1.0,
 ];
 
-/// A fixed-bucket histogram.
-#[derive(Default)]
-pub struct Histogram {
-    buckets: [AtomicU64; RESTORE_BUCKETS.len()],
-    count: AtomicU64,
-    sum_ns: AtomicU64,
+/// Upper bounds (seconds) of the per-token histograms (time to first token, inter-token
+/// latency, queue wait): fine around one decode step (a few to a few tens of ms), coarse out
+/// to a long prefill.
+pub const TOKEN_BUCKETS: [f64; 20] = [
+    250e-6, 500e-6, 1e-3, 2e-3, 5e-3, 7.5e-3, 10e-3, 12.5e-3, 15e-3, 20e-3, 25e-3, 30e-3, 40e-3,
+    50e-3, 75e-3, 100e-3, 250e-3, 1.0, 2.5, 10.0,
+];
+
+/// The bucket bounds of one kind of histogram.
+pub trait Buckets {
+    const BOUNDS: &'static [f64];
 }
 
-impl Histogram {
+/// [`RESTORE_BUCKETS`].
+pub struct RestoreBuckets;
+impl Buckets for RestoreBuckets {
+    const BOUNDS: &'static [f64] = &RESTORE_BUCKETS;
+}
+
+/// [`TOKEN_BUCKETS`].
+pub struct TokenBuckets;
+impl Buckets for TokenBuckets {
+    const BOUNDS: &'static [f64] = &TOKEN_BUCKETS;
+}
+
+const MAX_BUCKETS: usize = 20;
+
+/// A fixed-bucket histogram (cumulative buckets, as Prometheus exposes them).
+pub struct Histogram<B: Buckets = RestoreBuckets> {
+    buckets: [AtomicU64; MAX_BUCKETS],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+    kind: PhantomData<B>,
+}
+
+impl<B: Buckets> Default for Histogram<B> {
+    fn default() -> Self {
+        const { assert!(B::BOUNDS.len() <= MAX_BUCKETS) };
+        Histogram {
+            buckets: Default::default(),
+            count: AtomicU64::new(0),
+            sum_ns: AtomicU64::new(0),
+            kind: PhantomData,
+        }
+    }
+}
+
+impl<B: Buckets> Histogram<B> {
     pub fn observe(&self, d: Duration) {
         let s = d.as_secs_f64();
-        for (b, &le) in self.buckets.iter().zip(&RESTORE_BUCKETS) {
+        for (b, &le) in self.buckets.iter().zip(B::BOUNDS) {
             if s <= le {
                 b.fetch_add(1, Ordering::Relaxed);
             }
@@ -35,6 +75,33 @@ impl Histogram {
     }
     pub fn count(&self) -> u64 {
         self.count.load(Ordering::Relaxed)
+    }
+
+    /// The `_bucket`, `_sum` and `_count` lines, with `labels` (`key="value",...`) on each.
+    fn render(&self, o: &mut String, name: &str, labels: &str) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        for (b, le) in self.buckets.iter().zip(B::BOUNDS) {
+            let _ = writeln!(o, "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {}", get(b));
+        }
+        let _ = writeln!(
+            o,
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}",
+            self.count()
+        );
+        let braces = |l: &str| {
+            if l.is_empty() {
+                String::new()
+            } else {
+                format!("{{{l}}}")
+            }
+        };
+        let _ = writeln!(
+            o,
+            "{name}_sum{} {}",
+            braces(labels),
+            get(&self.sum_ns) as f64 * 1e-9
+        );
+        let _ = writeln!(o, "{name}_count{} {}", braces(labels), self.count());
     }
 }
 
@@ -63,6 +130,13 @@ pub struct Metrics {
     /// Peak of the sum of the three tiers' bytes.
     pub peak_tier_bytes: [AtomicU64; 3],
     pub restore: [Histogram; 3],
+    /// From a generation request entering the worker's queue to its first token being
+    /// handed to the client (streamed, or chosen when not streaming).
+    pub ttft: Histogram<TokenBuckets>,
+    /// Between consecutive tokens of one generation, as handed to the client.
+    pub inter_token: Histogram<TokenBuckets>,
+    /// From any request entering the worker's queue to the worker taking it up.
+    pub queue_wait: Histogram<TokenBuckets>,
     pub worker_alive: AtomicBool,
 }
 
@@ -220,29 +294,66 @@ impl Metrics {
             "# HELP {name} Latency of restoring a session from a stored capsule, by source tier.\n# TYPE {name} histogram"
         );
         for t in Tier::ALL {
-            let h = &self.restore[t as usize];
-            for (b, le) in h.buckets.iter().zip(RESTORE_BUCKETS) {
-                let _ = writeln!(
-                    o,
-                    "{name}_bucket{{tier=\"{}\",le=\"{le}\"}} {}",
-                    t.name(),
-                    get(b)
-                );
-            }
-            let _ = writeln!(
-                o,
-                "{name}_bucket{{tier=\"{}\",le=\"+Inf\"}} {}",
-                t.name(),
-                h.count()
-            );
-            let _ = writeln!(
-                o,
-                "{name}_sum{{tier=\"{}\"}} {}",
-                t.name(),
-                get(&h.sum_ns) as f64 * 1e-9
-            );
-            let _ = writeln!(o, "{name}_count{{tier=\"{}\"}} {}", t.name(), h.count());
+            self.restore[t as usize].render(&mut o, name, &format!("tier=\"{}\"", t.name()));
+        }
+        for (name, help, h) in [
+            (
+                "flashrt_time_to_first_token_seconds",
+                "From a generation request entering the worker queue to its first token handed to the client.",
+                &self.ttft,
+            ),
+            (
+                "flashrt_inter_token_seconds",
+                "Between consecutive tokens of one generation, as handed to the client.",
+                &self.inter_token,
+            ),
+            (
+                "flashrt_queue_wait_seconds",
+                "From a request entering the worker queue to the worker taking it up.",
+                &self.queue_wait,
+            ),
+        ] {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} histogram");
+            h.render(&mut o, name, "");
         }
         o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rendered buckets are cumulative counts of the observations at or below each bound,
+    /// checked against a direct count of the same observations.
+    #[test]
+    fn token_histogram_renders_cumulative_buckets() {
+        let m = Metrics::default();
+        let obs_ms = [
+            0.1, 3.0, 7.5, 7.6, 14.9, 15.0, 16.0, 90.0, 3_000.0, 20_000.0,
+        ];
+        for &ms in &obs_ms {
+            m.inter_token.observe(Duration::from_secs_f64(ms * 1e-3));
+        }
+        let text = m.render();
+        for le in TOKEN_BUCKETS {
+            let want = obs_ms.iter().filter(|&&ms| ms * 1e-3 <= le).count();
+            let line = format!("flashrt_inter_token_seconds_bucket{{le=\"{le}\"}} {want}\n");
+            assert!(text.contains(&line), "missing {line:?} in\n{text}");
+        }
+        assert!(text.contains("flashrt_inter_token_seconds_bucket{le=\"+Inf\"} 10\n"));
+        assert!(text.contains("flashrt_inter_token_seconds_count 10\n"));
+        let sum: f64 = obs_ms.iter().sum::<f64>() * 1e-3;
+        let got: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("flashrt_inter_token_seconds_sum "))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((got - sum).abs() < 1e-6, "sum {got} vs {sum}");
+        // Untouched histograms render empty, labelled ones keep their labels.
+        assert!(text.contains("flashrt_time_to_first_token_seconds_count 0\n"));
+        assert!(text.contains("flashrt_restore_seconds_count{tier=\"host\"} 0\n"));
+        assert!(text.contains("flashrt_restore_seconds_bucket{tier=\"disk\",le=\"0.001\"} 0\n"));
     }
 }

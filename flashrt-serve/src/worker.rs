@@ -26,6 +26,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
 /// An error for the client: HTTP status, a stable machine code, a message.
@@ -206,6 +207,9 @@ pub struct Job {
     pub cmd: Cmd,
     pub tenant: Tenant,
     pub reply: oneshot::Sender<WResult<Out>>,
+    /// When the job entered the queue: the start of its queue wait and of its time to first
+    /// token.
+    pub enqueued: Instant,
 }
 
 /// Worker settings.
@@ -235,6 +239,8 @@ pub struct Worker {
     text: Option<Arc<Text>>,
     cfg: WorkerConfig,
     session_arena_bytes: u64,
+    /// When the job being run entered the queue.
+    job_enqueued: Instant,
 }
 
 struct Replier(Option<oneshot::Sender<WResult<Out>>>);
@@ -292,6 +298,7 @@ impl Worker {
             text,
             cfg,
             session_arena_bytes,
+            job_enqueued: Instant::now(),
         }
     }
 
@@ -299,6 +306,8 @@ impl Worker {
     pub fn run(mut self, rx: std::sync::mpsc::Receiver<Job>) {
         self.metrics.worker_alive.store(true, Ordering::SeqCst);
         while let Ok(job) = rx.recv() {
+            self.job_enqueued = job.enqueued;
+            self.metrics.queue_wait.observe(job.enqueued.elapsed());
             let shutdown = matches!(job.cmd, Cmd::Shutdown);
             let touched = match &job.cmd {
                 Cmd::Append { session, .. }
@@ -899,6 +908,8 @@ impl Worker {
             .text
             .as_ref()
             .map(|t| TextStream::new(&t.tokenizer, &req.stop_strings));
+        // When the previous token was handed to the client (first: when the request arrived).
+        let mut last = self.job_enqueued;
         for _ in 0..req.max_tokens {
             // The token sampled next goes to position `pos` (after the unfed one).
             if s.pos() + unfed.is_some() as usize >= max {
@@ -921,6 +932,13 @@ impl Worker {
                 .fetch_add(1, Ordering::Relaxed);
             let piece = text.as_mut().map(|ts| ts.push(t)).unwrap_or_default();
             let gone = stream.is_some_and(|tx| tx.send(Event::Token(Some(t), piece.text)).is_err());
+            let now = Instant::now();
+            if out.len() == 1 {
+                self.metrics.ttft.observe(now - last);
+            } else {
+                self.metrics.inter_token.observe(now - last);
+            }
+            last = now;
             if let (Some(tenant), Some(sampler)) = (cache_prompt, before) {
                 self.store_auto(s, Some(sampler), tenant)?;
             }

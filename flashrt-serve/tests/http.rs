@@ -204,6 +204,9 @@ fn sessions_capsules_forks_rollbacks_files_and_a_restart() {
         "flashrt_store_bytes{tier=\"disk\"}",
         "flashrt_restore_seconds_bucket{tier=\"device\",le=\"0.001\"}",
         "flashrt_restore_seconds_count{tier=\"device\"}",
+        "flashrt_time_to_first_token_seconds_bucket{le=\"0.01\"}",
+        "flashrt_inter_token_seconds_count",
+        "flashrt_queue_wait_seconds_sum",
     ] {
         assert!(metrics.contains(name), "/metrics lacks {name}");
     }
@@ -359,6 +362,20 @@ fn openai_completions_reuse_prefixes_and_stream() {
         .parse()
         .unwrap();
     assert!(hits >= 3, "{hits} hits");
+    // Per-token latency: one first token per generation request (8 above), one gap per
+    // further token, one queue wait per job.
+    let count = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}_count ")))
+            .unwrap_or_else(|| panic!("/metrics lacks {name}_count"))
+            .parse()
+            .unwrap()
+    };
+    let tokens = (6 + 6 + 5 + 9 + 9 + 4 + 3 + got.len()) as u64;
+    assert_eq!(count("flashrt_time_to_first_token_seconds"), 8);
+    assert_eq!(count("flashrt_inter_token_seconds"), tokens - 8);
+    assert!(count("flashrt_queue_wait_seconds") >= 8);
     server.shutdown().unwrap();
 }
 

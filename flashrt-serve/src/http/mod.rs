@@ -322,6 +322,7 @@ async fn call(st: &AppState, cmd: Cmd) -> Result<Out, ApiError> {
             cmd,
             tenant,
             reply: tx,
+            enqueued: std::time::Instant::now(),
         })
         .map_err(|e| match e {
             std::sync::mpsc::TrySendError::Full(_) => {
