@@ -124,6 +124,22 @@ pub struct BenchArgs {
     /// Also time every kernel of a decode step and of a prefill chunk (CUDA)
     #[arg(long)]
     pub profile: bool,
+    /// Then drive `flashrt serve` on the same model through HTTP (streaming completions on
+    /// loopback): time to the first streamed token after a stored prefix of each `--lengths`
+    /// plus each `--serve-suffixes`, an exact repeat, streamed decode greedy and sampled
+    #[arg(long)]
+    pub serve: bool,
+    /// Fresh tokens appended to the stored prefix (`--serve`)
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,8,32,64,256,1024",
+        value_name = "N"
+    )]
+    pub serve_suffixes: Vec<usize>,
+    /// Timed runs per suffix length, after one warm-up (`--serve`)
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub serve_runs: usize,
 }
 
 /// Logs to standard error; `RUST_LOG` filters (default `info`).
@@ -362,8 +378,25 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
     for p in &report.profiles {
         print!("\n{}", crate::bench::render_profile(p));
     }
+    let served = if a.serve {
+        let sopts = crate::bench_serve::ServeBenchOptions {
+            prefixes: a.lengths.clone(),
+            suffixes: a.serve_suffixes.clone(),
+            runs: a.serve_runs.max(1),
+            decode_tokens: a.decode_steps.max(2),
+        };
+        let r = crate::bench_serve::run(&loaded.model, &sopts)?;
+        print!("\n{}", crate::bench_serve::render(&r));
+        Some(r)
+    } else {
+        None
+    };
     if let Some(j) = &a.json {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        let mut value = serde_json::to_value(&report).map_err(|e| e.to_string())?;
+        if let Some(r) = &served {
+            value["serve"] = serde_json::to_value(r).map_err(|e| e.to_string())?;
+        }
+        let text = serde_json::to_string_pretty(&value).map_err(|e| e.to_string())?;
         std::fs::write(j, text).map_err(|e| format!("cannot write {}: {e}", j.display()))?;
         println!("wrote {}", j.display());
     }

@@ -1,0 +1,341 @@
+//! `flashrt bench --serve`: the served path as a client sees it, in the same process and run as
+//! the engine figures. Starts `flashrt serve`'s server on the loaded model (loopback, a free
+//! port) and drives it through HTTP the way a client does: streamed `/v1/completions`, every
+//! timestamp taken when a token event's bytes arrive on the socket.
+//!
+//! For each prefix length: the prefix is stored by the automatic prefix cache (one completion
+//! of it), then for each suffix length n the prefix plus n fresh tokens with `max_tokens: 1`
+//! (a warm-up, then `runs` runs, each with new tokens), the time from sending the request to
+//! the first token event and the `cached_tokens` the server reports; an exact repeat of the
+//! stored prompt; and streamed decode, greedy and at temperature 0.7 / top-p 0.9: the median
+//! gap between token events.
+//!
+//! The client is a few lines over `std::net::TcpStream` (HTTP/1.1, chunked responses, SSE
+//! events), so nothing between the socket and the clock buffers a token.
+
+use crate::runtime::Model;
+use serde::Serialize;
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+/// What to measure.
+pub struct ServeBenchOptions {
+    /// Stored prefix lengths.
+    pub prefixes: Vec<usize>,
+    /// Fresh tokens appended to the stored prefix.
+    pub suffixes: Vec<usize>,
+    /// Timed runs per suffix length (after one warm-up).
+    pub runs: usize,
+    /// Streamed tokens per decode measurement.
+    pub decode_tokens: usize,
+}
+
+#[derive(Serialize)]
+pub struct SuffixResult {
+    pub suffix: usize,
+    /// Time to the first streamed token, per run.
+    pub ttft_ms: Vec<f64>,
+    /// `cached_tokens` of each run (the stored prefix when reuse worked).
+    pub cached_tokens: Vec<usize>,
+}
+
+#[derive(Serialize)]
+pub struct DecodeResult {
+    pub sampler: String,
+    /// Median gap between consecutive token events.
+    pub median_gap_ms: f64,
+    pub tokens: usize,
+}
+
+#[derive(Serialize)]
+pub struct PrefixResult {
+    pub prefix: usize,
+    pub suffixes: Vec<SuffixResult>,
+    /// An exact repeat of the stored prompt (nothing to prefill).
+    pub repeat_ttft_ms: Vec<f64>,
+    pub decode: Vec<DecodeResult>,
+}
+
+#[derive(Serialize)]
+pub struct ServeReport {
+    pub prefixes: Vec<PrefixResult>,
+}
+
+/// One streamed completion: the seconds from sending to each token event, and the usage's
+/// `cached_tokens`.
+fn stream_completion(addr: SocketAddr, body: &Value) -> Result<(Vec<f64>, usize), String> {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let payload = body.to_string();
+    let mut sock = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    sock.set_nodelay(true).ok();
+    sock.set_read_timeout(Some(Duration::from_secs(600))).ok();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        payload.len()
+    );
+    let t0 = Instant::now();
+    sock.write_all(req.as_bytes())
+        .map_err(|e| format!("send: {e}"))?;
+    let mut r = BufReader::new(sock);
+    let mut line = String::new();
+    r.read_line(&mut line).map_err(|e| e.to_string())?;
+    let status = line.split_whitespace().nth(1).unwrap_or("").to_string();
+    let mut chunked = false;
+    loop {
+        line.clear();
+        r.read_line(&mut line).map_err(|e| e.to_string())?;
+        let h = line.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        if let Some((n, v)) = h.split_once(':')
+            && n.eq_ignore_ascii_case("transfer-encoding")
+            && v.to_ascii_lowercase().contains("chunked")
+        {
+            chunked = true;
+        }
+    }
+    if status != "200" {
+        let mut rest = String::new();
+        let _ = r.read_to_string(&mut rest);
+        return Err(format!(
+            "HTTP {status}: {}",
+            rest.chars().take(300).collect::<String>()
+        ));
+    }
+    // The body as it arrives: de-chunked bytes, split into SSE events at blank lines.
+    let mut times = Vec::new();
+    let mut cached = 0usize;
+    let mut pending = Vec::<u8>::new();
+    let mut on_bytes = |bytes: &[u8], times: &mut Vec<f64>, cached: &mut usize| -> bool {
+        let now = t0.elapsed().as_secs_f64();
+        pending.extend_from_slice(bytes);
+        while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = pending.drain(..end + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            for data in text.lines().filter_map(|l| l.strip_prefix("data:")) {
+                let data = data.trim();
+                if data == "[DONE]" {
+                    return true;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    continue;
+                };
+                if let Some(c) = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
+                    *cached = c as usize;
+                }
+                let tokens = v["choices"][0]["token_ids"]
+                    .as_array()
+                    .map_or(0, |a| a.len());
+                times.extend(std::iter::repeat_n(now, tokens));
+            }
+        }
+        false
+    };
+    if chunked {
+        loop {
+            line.clear();
+            r.read_line(&mut line).map_err(|e| e.to_string())?;
+            let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
+                .map_err(|_| format!("bad chunk size line {line:?}"))?;
+            if size == 0 {
+                break;
+            }
+            let mut buf = vec![0u8; size + 2];
+            r.read_exact(&mut buf).map_err(|e| e.to_string())?;
+            if on_bytes(&buf[..size], &mut times, &mut cached) {
+                break;
+            }
+        }
+    } else {
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = r.read(&mut buf).map_err(|e| e.to_string())?;
+            if n == 0 || on_bytes(&buf[..n], &mut times, &mut cached) {
+                break;
+            }
+        }
+    }
+    Ok((times, cached))
+}
+
+/// Deterministic pseudo-random token ids below `vocab` (splitmix64).
+fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() { 0.0 } else { s[s.len() / 2] }
+}
+
+/// Run the served-path measurements against a server started here on `model`.
+pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, String> {
+    let max_seq = model.max_seq();
+    let vocab = model.vocab();
+    let cfg = flashrt_serve::ServeConfig {
+        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+        max_sessions: 4,
+        ..flashrt_serve::ServeConfig::default()
+    };
+    let server = flashrt_serve::Server::start(model.clone(), None, cfg)?;
+    let addr = server.addr();
+    let mut seed = 1000u64;
+    let mut fresh = |n: usize| {
+        seed += 1;
+        tokens(seed, n, vocab)
+    };
+    let mut prefixes = Vec::new();
+    for &p in &opts.prefixes {
+        if p == 0 || p + 2 >= max_seq {
+            eprintln!("[bench --serve] prefix {p} does not fit max_seq {max_seq}: skipped");
+            continue;
+        }
+        let prefix = fresh(p);
+        let greedy = |prompt: &[u32], max_tokens: usize| json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+        eprintln!("[bench --serve] prefix {p}: storing it");
+        stream_completion(addr, &greedy(&prefix, 1))?;
+        let mut suffixes = Vec::new();
+        for &n in &opts.suffixes {
+            if p + n + 1 >= max_seq {
+                continue;
+            }
+            let mut r = SuffixResult {
+                suffix: n,
+                ttft_ms: Vec::new(),
+                cached_tokens: Vec::new(),
+            };
+            for run in 0..=opts.runs {
+                let mut prompt = prefix.clone();
+                prompt.extend(fresh(n));
+                let (times, cached) = stream_completion(addr, &greedy(&prompt, 1))?;
+                let first = *times.first().ok_or("a completion streamed no token")?;
+                if run > 0 {
+                    r.ttft_ms.push(first * 1e3);
+                    r.cached_tokens.push(cached);
+                }
+            }
+            eprintln!(
+                "[bench --serve] prefix {p} + {n}: TTFT {:.2} ms (median of {}), cached {:?}",
+                median(&r.ttft_ms),
+                opts.runs,
+                r.cached_tokens
+            );
+            suffixes.push(r);
+        }
+        let mut repeat = Vec::new();
+        for _ in 0..opts.runs {
+            let (times, _) = stream_completion(addr, &greedy(&prefix, 1))?;
+            repeat.push(times.first().copied().unwrap_or(0.0) * 1e3);
+        }
+        let mut decode = Vec::new();
+        let n = opts.decode_tokens.min(max_seq.saturating_sub(p + 2));
+        for (name, body) in [
+            ("greedy", greedy(&prefix, n)),
+            (
+                "temperature 0.7, top_p 0.9",
+                json!({"prompt": prefix, "max_tokens": n, "temperature": 0.7, "top_p": 0.9, "seed": 1}),
+            ),
+        ] {
+            let (times, _) = stream_completion(addr, &body)?;
+            let gaps: Vec<f64> = times.windows(2).map(|w| (w[1] - w[0]) * 1e3).collect();
+            let d = DecodeResult {
+                sampler: name.to_string(),
+                median_gap_ms: median(&gaps),
+                tokens: times.len(),
+            };
+            eprintln!(
+                "[bench --serve] prefix {p}: streamed decode ({name}) {:.2} ms per token",
+                d.median_gap_ms
+            );
+            decode.push(d);
+        }
+        prefixes.push(PrefixResult {
+            prefix: p,
+            suffixes,
+            repeat_ttft_ms: repeat,
+            decode,
+        });
+    }
+    server.shutdown()?;
+    Ok(ServeReport { prefixes })
+}
+
+/// The report as a table.
+pub fn render(r: &ServeReport) -> String {
+    let mut o = String::from("served path (HTTP, streaming /v1/completions, loopback)\n");
+    for p in &r.prefixes {
+        o += &format!(
+            "  stored prefix {} tokens: time to first streamed token\n  {:>8} {:>12} {:>28}\n",
+            p.prefix, "suffix", "median", "runs (ms), cached tokens"
+        );
+        for s in &p.suffixes {
+            let runs: Vec<String> = s.ttft_ms.iter().map(|t| format!("{t:.2}")).collect();
+            let cached = s.cached_tokens.first().copied().unwrap_or(0);
+            o += &format!(
+                "  {:>8} {:>9.2} ms {:>28}\n",
+                s.suffix,
+                median(&s.ttft_ms),
+                format!("{} | {cached}", runs.join(" "))
+            );
+        }
+        o += &format!("  {:>8} {:>9.2} ms\n", "repeat", median(&p.repeat_ttft_ms));
+        for d in &p.decode {
+            o += &format!(
+                "  streamed decode, {}: {:.2} ms per token ({} tokens)\n",
+                d.sampler, d.median_gap_ms, d.tokens
+            );
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Against a real server on the CPU demo model: every run of a suffix reuses the stored
+    /// prefix, and the streamed tokens of the decode runs arrive one event each.
+    #[test]
+    fn serve_bench_reuses_the_prefix_and_counts_every_token() {
+        let src = include_str!("../models/demo.toml");
+        let ir = crate::compiler::model_from_toml(src, "demo.toml").unwrap();
+        let cpu: std::sync::Arc<dyn crate::runtime::Backend> =
+            std::sync::Arc::new(crate::runtime::CpuBackend::new());
+        let model = Model::with_random_weights(cpu, &ir, 7).unwrap();
+        let opts = ServeBenchOptions {
+            prefixes: vec![24],
+            suffixes: vec![1, 5],
+            runs: 2,
+            decode_tokens: 6,
+        };
+        let r = run(&model, &opts).unwrap();
+        let p = &r.prefixes[0];
+        assert_eq!(p.suffixes.len(), 2);
+        for s in &p.suffixes {
+            assert_eq!(s.ttft_ms.len(), 2);
+            assert_eq!(s.cached_tokens, vec![24, 24], "suffix {}", s.suffix);
+        }
+        assert_eq!(p.repeat_ttft_ms.len(), 2);
+        for d in &p.decode {
+            assert_eq!(d.tokens, 6, "{}", d.sampler);
+            assert!(d.median_gap_ms > 0.0);
+        }
+        assert!(render(&r).contains("stored prefix 24 tokens"));
+    }
+}
