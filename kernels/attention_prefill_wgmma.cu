@@ -46,6 +46,7 @@
 // Without sm_90a (the compute_90 PTX fallback in the fatbin) the entry points trap; the host
 // selects them only on compute capability 9.0, where the sm_90a SASS is loaded.
 #include "common.cuh"
+#include "wgmma.cuh"
 
 #define FA_WG_ROWS 128 // query rows per block (2 warpgroups x 64)
 #define FA_WG_KEYS 64  // keys per tile
@@ -100,30 +101,6 @@ using flashrt::smem_u32;
     "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
     "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
     "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-// A shared-memory matrix descriptor with 128-byte swizzling (see the header).
-static __device__ __forceinline__ uint64_t desc128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-           (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
-}
-
-static __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-static __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> static __device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// Pins registers at this point of the program: reads after it see what an asynchronous wgmma
-// wrote once its group was waited for, and writes before it are done when a wgmma is issued.
-template <int N> static __device__ __forceinline__ void pin(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Generic-proxy writes to shared memory (cp.async, st.shared) made visible to wgmma's reads.
-static __device__ __forceinline__ void fence_async_smem() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 template <typename T> struct Wg;
 
 #define FA_WG_TYPE(T, PTX)                                                                        \

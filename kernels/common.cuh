@@ -1,8 +1,11 @@
 // flashrt kernels: shared device helpers.
 //
-// Every kernel file includes this header. The build compiles all kernels/*.cu as ONE
-// translation unit (flashrt-runtime/build.rs generates an umbrella file), so helpers here are
-// `static __device__ __forceinline__` and guarded against double inclusion.
+// Every kernel file includes this header. The build compiles kernels/*.cu by family (the
+// name before the first `_`), each family ONE translation unit (flashrt-runtime/build.rs
+// generates an umbrella file per family and compiles the families in parallel), so helpers
+// here are `static __device__ __forceinline__` and guarded against double inclusion, and a
+// file may use only what this header, other headers (wgmma.cuh) or an earlier file of its own
+// family defines.
 //
 // Conventions every kernel follows:
 // * framework-free: raw pointers, explicit sizes, one `#[repr(C)]`-mirrored parameter struct

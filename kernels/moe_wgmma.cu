@@ -14,7 +14,7 @@
 // in the 128-byte-swizzled layout wgmma reads (chunk c of row r at chunk c ^ (r & 7), 8-row
 // groups 1024 bytes apart, slabs 1024-aligned), then 4 x wgmma m64n128k16 (f32 accumulators,
 // 64 registers per thread) with both operands read from shared memory. Descriptors and the
-// wgmma fences are attention_prefill_wgmma.cu's (flashrt_wg, the same translation unit).
+// wgmma fences are wgmma.cuh's (flashrt_wg).
 //
 // Up (SwiGLU): B rows 0..63 are the gate rows of features c0 .. c0 + 63 and rows 64..127 the
 // up rows of the same features, so a thread holds each feature's gate and up accumulators and
@@ -28,6 +28,7 @@
 // Without sm_90a (the compute_90 PTX fallback) the entry points trap; the host selects them
 // only on compute capability 9.0.
 #include "common.cuh"
+#include "wgmma.cuh"
 
 #define MOE_WG_N 128
 #define MOE_WG_A_BYTES (MOE_MM_M * 128)

@@ -1,6 +1,6 @@
-//! The embedded kernel module: `kernels/*.cu`, compiled by `build.rs` with nvcc into one
-//! fatbin (sm_90a SASS + compute_90 PTX), loaded once per model with `cuModuleLoadData`
-//! (~0.1 ms; no NVRTC at run time).
+//! The embedded kernel modules: `kernels/*.cu`, compiled by `build.rs` with nvcc into one
+//! fatbin per kernel family (sm_90a SASS + compute_90 PTX), each loaded once per model with
+//! `cuModuleLoadData` (~0.1 ms each; no NVRTC at run time).
 //!
 //! Every entry point the backend may launch is resolved when the module loads, so a missing
 //! or misspelt kernel is a load-time error, never a failure halfway through a captured graph.
@@ -12,8 +12,8 @@ use flashrt_ir::DType;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// The fatbin produced by `build.rs`.
-static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flashrt_kernels.fatbin"));
+// `FATBINS: &[(family, fatbin)]`, produced by `build.rs`.
+include!(concat!(env!("OUT_DIR"), "/flashrt_kernels.rs"));
 
 /// Kernels whose entry points are `<name>_<dtype>` for dtype in bf16, f16, f32.
 const PER_DTYPE: &[&str] = &[
@@ -191,9 +191,9 @@ pub fn dtype_suffix(d: DType) -> Option<&'static str> {
     }
 }
 
-/// The loaded module and every entry point, by full name (`rms_norm_bf16`).
+/// The loaded modules and every entry point, by full name (`rms_norm_bf16`).
 pub struct Kernels {
-    _module: Arc<CudaModule>,
+    _modules: Vec<Arc<CudaModule>>,
     funcs: HashMap<String, CudaFunction>,
     /// Function handles (as addresses) of the PDL-ready entry points.
     pdl: std::collections::HashSet<usize>,
@@ -201,12 +201,16 @@ pub struct Kernels {
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let module = ctx
-            .load_module(Ptx::from_binary(FATBIN.to_vec()))
-            .map_err(|e| Error::Backend {
-                op: "load kernels".into(),
-                msg: format!("cuModuleLoadData of the embedded fatbin failed: {e:?} (built for sm_90; set FLASHRT_CUDA_ARCHS for other GPUs)"),
-            })?;
+        let modules = FATBINS
+            .iter()
+            .map(|(family, fatbin)| {
+                ctx.load_module(Ptx::from_binary(fatbin.to_vec()))
+                    .map_err(|e| Error::Backend {
+                        op: "load kernels".into(),
+                        msg: format!("cuModuleLoadData of the embedded `{family}` fatbin failed: {e:?} (built for sm_90; set FLASHRT_CUDA_ARCHS for other GPUs)"),
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let mut funcs = HashMap::new();
         let names = PER_DTYPE
             .iter()
@@ -218,10 +222,14 @@ impl Kernels {
             )
             .chain(PLAIN.iter().map(|s| s.to_string()));
         for name in names {
-            let f = module.load_function(&name).map_err(|e| Error::Backend {
-                op: "load kernels".into(),
-                msg: format!("entry point `{name}` not found in the fatbin: {e:?}"),
-            })?;
+            // Each entry point lives in exactly one family's module.
+            let f = modules
+                .iter()
+                .find_map(|m| m.load_function(&name).ok())
+                .ok_or_else(|| Error::Backend {
+                    op: "load kernels".into(),
+                    msg: format!("entry point `{name}` not found in the kernel fatbins"),
+                })?;
             funcs.insert(name, f);
         }
         let pdl = funcs
@@ -235,7 +243,7 @@ impl Kernels {
             .map(|(_, f)| f.cu_function() as usize)
             .collect();
         Ok(Self {
-            _module: module,
+            _modules: modules,
             funcs,
             pdl,
         })
@@ -263,8 +271,8 @@ impl Kernels {
         self.get(&format!("{base}_{suffix}"))
     }
 
-    /// Size of the embedded fatbin in bytes.
+    /// Size of the embedded fatbins in bytes.
     pub fn fatbin_bytes() -> usize {
-        FATBIN.len()
+        FATBINS.iter().map(|(_, f)| f.len()).sum()
     }
 }
