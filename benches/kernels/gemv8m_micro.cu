@@ -7,10 +7,15 @@
 //   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \
 //       -L .venv/nvcc/cuda/lib -o gemv8m_micro benches/kernels/gemv8m_micro.cu
 //   ./gemv8m_micro            (MB_WARPS=4|8 forces the block size, MB_STAGE=0 unstaged inputs)
+//   add -DGEMV8M_CANDIDATE -I benches/kernels to measure benches/kernels/gemv_mma_cp.cu instead
 //
 // Figures: benches/RESULTS.md (issue 17).
 #include "gemv.cu"
+#ifdef GEMV8M_CANDIDATE
+#include "gemv_mma_cp.cu"
+#else
 #include "gemv_mma.cu"
+#endif
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -96,6 +101,9 @@ int main(int argc, char** argv) {
 #define PICK(NR) if (s.R == NR) f = s.norm ? (warps == 8 ? gemv8m_norm_r##NR##_bf16 : gemv8m_norm_r##NR##w4_bf16) : (warps == 8 ? gemv8m_r##NR##_bf16 : gemv8m_r##NR##w4_bf16);
         PICK(1) PICK(2) PICK(4) PICK(8)
         size_t smem = (size_t)s.R * (s.k + 8) * 2;
+#ifdef GEMVM_SLOT
+        smem = ((smem + 15) & ~(size_t)15) + (size_t)warps * GEMVM_STAGES * GEMVM_SLOT;
+#endif
 
         CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         std::vector<GemvParams> ps(COPIES);
