@@ -7,8 +7,9 @@
 //! so a file may use what an earlier file of its family defines), and the families compile in
 //! parallel (`NUM_JOBS` nvcc processes, largest first): on two cores the build takes about as
 //! long as the largest family instead of the sum. A family whose sources, shared headers
-//! (`*.cuh`), nvcc and flags are unchanged since the last build in this `OUT_DIR` is not
-//! recompiled. Shared device helpers live in `kernels/common.cuh`.
+//! (`*.cuh`), nvcc and flags are unchanged is not recompiled: not in this `OUT_DIR`, and not
+//! when another profile or feature set of the same target directory built it (a content-keyed
+//! copy in `<target>/flashrt-kernels/`). Shared device helpers live in `kernels/common.cuh`.
 //!
 //! nvcc is taken from `$FLASHRT_NVCC`, else `$NVCC`, else the repository's `.venv/nvcc`
 //! (created by `scripts/install-nvcc.sh`). Targets: `sm_90a` SASS (Hopper, with the wgmma kernels)
@@ -126,6 +127,9 @@ fn main() {
     }
     let mut jobs = Vec::new();
     let mut listed = Vec::new();
+    // Fatbins by content key, shared by every build in this target directory (debug and
+    // release, `check` and `build`, other feature sets): `<target>/flashrt-kernels/`.
+    let cache = out.ancestors().nth(4).map(|t| t.join("flashrt-kernels"));
     for (family, files) in &families {
         let umbrella = out.join(format!("k_{family}.cu"));
         let mut text = format!(
@@ -145,8 +149,22 @@ fn main() {
         let fatbin = out.join(format!("k_{family}.fatbin"));
         let stamp = out.join(format!("k_{family}.key"));
         listed.push((family.clone(), fatbin.clone()));
+        let cached = cache
+            .as_ref()
+            .map(|c| c.join(format!("{family}-{key}.fatbin")));
         let fresh = fatbin.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|k| k == key);
         if fresh {
+            if let Some(c) = cached.filter(|c| !c.is_file()) {
+                let _ = std::fs::create_dir_all(c.parent().unwrap_or(&out));
+                let _ = std::fs::copy(&fatbin, c);
+            }
+            continue;
+        }
+        // Built before for another profile or feature set of this target directory.
+        if let Some(c) = &cached
+            && std::fs::copy(c, &fatbin).is_ok()
+        {
+            let _ = std::fs::write(&stamp, &key);
             continue;
         }
         std::fs::write(&umbrella, text)
@@ -196,6 +214,13 @@ fn main() {
                         )),
                         Ok(o) => {
                             let _ = std::fs::write(&job.stamp, &job.key);
+                            if let Some(c) = &cache {
+                                let _ = std::fs::create_dir_all(c);
+                                let _ = std::fs::copy(
+                                    &job.fatbin,
+                                    c.join(format!("{}-{}.fatbin", job.family, job.key)),
+                                );
+                            }
                             // Warnings are worth seeing while kernels are written; cargo
                             // shows them with -vv.
                             warnings.lock().unwrap().extend(
