@@ -164,20 +164,6 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<(Vec<f64>, usize)
     Ok((times, cached))
 }
 
-/// Deterministic pseudo-random token ids below `vocab` (splitmix64).
-fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) % vocab as u64) as u32
-        })
-        .collect()
-}
-
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
@@ -198,7 +184,7 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
     let mut seed = 1000u64;
     let mut fresh = |n: usize| {
         seed += 1;
-        tokens(seed, n, vocab)
+        crate::demo::tokens(seed, n, vocab)
     };
     let mut prefixes = Vec::new();
     for &p in &opts.prefixes {

@@ -39,8 +39,9 @@ impl DemoReport {
     }
 }
 
-/// Deterministic token ids in `[3, vocab)` (splitmix64).
-fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+/// Deterministic token ids in `[3, vocab)` (splitmix64); `flashrt bench --serve` draws its
+/// prompts with it too.
+pub(crate) fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
     let mut s = seed;
     (0..n)
         .map(|_| {
