@@ -7,15 +7,12 @@
 //   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \
 //       -L .venv/nvcc/cuda/lib -o gemv8m_micro benches/kernels/gemv8m_micro.cu
 //   ./gemv8m_micro            (MB_WARPS=4|8 forces the block size, MB_STAGE=0 unstaged inputs)
-//   add -DGEMV8M_CANDIDATE -I benches/kernels to measure benches/kernels/gemv_mma_cp.cu instead
+//   (with benches/kernels/gemv_mma_cp.patch applied it measures that candidate: the shared-
+//   memory size below follows the kernel's GEMVM_SLOT / GEMVM_STAGES when they exist)
 //
 // Figures: benches/RESULTS.md (issue 17).
 #include "gemv.cu"
-#ifdef GEMV8M_CANDIDATE
-#include "gemv_mma_cp.cu"
-#else
 #include "gemv_mma.cu"
-#endif
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
