@@ -174,11 +174,14 @@ fn median(v: &[f64]) -> f64 {
 pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, String> {
     let max_seq = model.max_seq();
     let vocab = model.vocab();
-    let cfg = flashrt_serve::ServeConfig {
+    let mut cfg = flashrt_serve::ServeConfig {
         bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-        max_sessions: 4,
         ..flashrt_serve::ServeConfig::default()
     };
+    // The device tier as `flashrt serve` sizes it by default.
+    if let Some(plan) = cfg.fit_memory(model, Some(4), None)? {
+        eprintln!("[bench --serve] device memory: {plan}");
+    }
     let server = flashrt_serve::Server::start(model.clone(), None, cfg)?;
     let addr = server.addr();
     let mut seed = 1000u64;

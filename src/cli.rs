@@ -140,6 +140,10 @@ pub struct BenchArgs {
     /// Timed runs per suffix length, after one warm-up (`--serve`)
     #[arg(long, default_value_t = 3, value_name = "N")]
     pub serve_runs: usize,
+    /// Then open N sessions at once, each prefilled to the longest `--lengths`, and report the
+    /// device memory each costs next to its state arena (CUDA)
+    #[arg(long, value_name = "N")]
+    pub sessions: Option<usize>,
 }
 
 /// Logs to standard error; `RUST_LOG` filters (default `info`).
@@ -391,10 +395,22 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
     } else {
         None
     };
+    let sessions = match a.sessions {
+        Some(n) if n > 0 => {
+            let len = a.lengths.iter().copied().max().unwrap_or(2048);
+            let r = crate::bench_sessions::run(&loaded.model, n, len)?;
+            print!("\n{}", crate::bench_sessions::render(&r));
+            Some(r)
+        }
+        _ => None,
+    };
     if let Some(j) = &a.json {
         let mut value = serde_json::to_value(&report).map_err(|e| e.to_string())?;
         if let Some(r) = &served {
             value["serve"] = serde_json::to_value(r).map_err(|e| e.to_string())?;
+        }
+        if let Some(r) = &sessions {
+            value["sessions"] = serde_json::to_value(r).map_err(|e| e.to_string())?;
         }
         let text = serde_json::to_string_pretty(&value).map_err(|e| e.to_string())?;
         std::fs::write(j, text).map_err(|e| format!("cannot write {}: {e}", j.display()))?;

@@ -17,6 +17,7 @@ extern crate self as flashrt;
 
 pub mod bench;
 pub mod bench_serve;
+pub mod bench_sessions;
 pub mod chat;
 pub mod cli;
 pub mod demo;

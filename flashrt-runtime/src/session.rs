@@ -269,6 +269,14 @@ impl Model {
     pub fn max_seq(&self) -> usize {
         self.inner.compiled.layout.max_seq
     }
+    /// Device bytes each session allocates for itself ([`DeviceModel::session_bytes`]).
+    pub fn session_bytes(&self) -> usize {
+        self.inner.device.session_bytes()
+    }
+    /// Device bytes all sessions share, allocated once ([`DeviceModel::shared_bytes`]).
+    pub fn shared_bytes(&self) -> usize {
+        self.inner.device.shared_bytes()
+    }
 
     /// A fresh session (zeroed state, position 0).
     pub fn session(&self) -> Result<Session> {
@@ -547,19 +555,22 @@ impl Session {
             } else {
                 StepLogits::None
             };
-            if let Err(e) = self.dev.step_logits(phase, chunk, self.pos, want) {
-                self.poisoned = true;
-                self.logits.clear();
-                self.logits_rows = 0;
-                return Err(e);
-            }
+            // Step and read as one operation: sessions of a model may share its I/O arena.
+            let rows = match self.dev.step_read(phase, chunk, self.pos, want) {
+                Ok(rows) => rows,
+                Err(e) => {
+                    self.poisoned = true;
+                    self.logits.clear();
+                    self.logits_rows = 0;
+                    return Err(e);
+                }
+            };
             if keep_all {
-                let rows = self.dev.logits(chunk.len())?;
                 self.logits.own().extend_from_slice(&rows);
                 self.logits_rows += chunk.len();
             } else if ci + 1 == n_chunks {
                 // Only the last position's row crosses to the host.
-                self.logits = KeptLogits::Own(self.dev.logits_row(chunk.len() - 1)?);
+                self.logits = KeptLogits::Own(rows);
                 self.logits_rows = 1;
             }
             self.pos += chunk.len();

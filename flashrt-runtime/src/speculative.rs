@@ -99,7 +99,7 @@
 //!   reference continuation: every draft accepted when the reference is the greedy output),
 //!   [`AdversaryDrafter`] (proposes a token other than the reference's: every draft rejected).
 
-use crate::backend::{DeviceSession, RegionSet};
+use crate::backend::{DeviceSession, RegionSet, StepLogits};
 use crate::error::{Error, Result};
 use crate::session::{Session, argmax};
 use flashrt_ir::lower::MAX_DRAFT;
@@ -163,9 +163,11 @@ impl DraftCx<'_> {
                 self.pos()
             )));
         }
-        self.dev.step(Phase::MtpDraft, &[token], pos)?;
+        let logits = self
+            .dev
+            .step_read(Phase::MtpDraft, &[token], pos, StepLogits::All)?;
         self.steps += 1;
-        self.dev.logits(1)
+        Ok(logits)
     }
 }
 
@@ -531,9 +533,7 @@ fn round(
     fed.push(x);
     fed.extend_from_slice(&drafts);
 
-    let verified = dev
-        .step(target_phase(compiled, kk + 1), &fed, pos)
-        .and_then(|()| dev.logits(kk + 1));
+    let verified = dev.step_read(target_phase(compiled, kk + 1), &fed, pos, StepLogits::All);
     let logits = match verified {
         Ok(l) => l,
         Err(e) => {
@@ -547,10 +547,14 @@ fn round(
         .count();
     let last = if a < kk {
         // Rejected tail: back to the boundary's non-KV state, then replay the committed rows.
-        let replayed = dev
-            .restore(&*saved, RegionSet::NonKv)
-            .and_then(|()| dev.step(target_phase(compiled, a + 1), &fed[..=a], pos))
-            .and_then(|()| dev.logits(a + 1));
+        let replayed = dev.restore(&*saved, RegionSet::NonKv).and_then(|()| {
+            dev.step_read(
+                target_phase(compiled, a + 1),
+                &fed[..=a],
+                pos,
+                StepLogits::All,
+            )
+        });
         match replayed {
             Ok(l) => {
                 stats.rollbacks += 1;

@@ -909,3 +909,103 @@ fn speculative_capsule_mid_run_restores_exactly_on_gpu() {
         cap.bytes()
     );
 }
+
+/// Sessions of one model share its scratch and I/O arenas and its stream (backend/cuda/exec.rs):
+/// two sessions appending in turn, and two threads appending at once, each get exactly the
+/// logits a session alone gets (same programs, so bit for bit); a raw device session whose
+/// logits another session's step overwrote gets an error, not the other session's numbers.
+#[test]
+fn sessions_share_arenas_without_crosstalk() {
+    let Some(gpu) = cuda("sessions_share_arenas_without_crosstalk") else {
+        return;
+    };
+    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 256);
+    let model = model_on(gpu.clone(), &ir, None);
+    let vocab = model.vocab();
+    let chunks = |seed: u64| -> Vec<Vec<u32>> {
+        vec![
+            prompt(37, vocab, seed),
+            prompt(1, vocab, seed + 1),
+            prompt(5, vocab, seed + 2),
+            prompt(1, vocab, seed + 3),
+            prompt(1, vocab, seed + 4),
+        ]
+    };
+    let alone = |seed: u64| -> Vec<Vec<f32>> {
+        let mut s = model.session().unwrap();
+        chunks(seed)
+            .iter()
+            .map(|c| {
+                s.append(c).unwrap();
+                s.logits().to_vec()
+            })
+            .collect()
+    };
+    let (want_a, want_b) = (alone(10), alone(20));
+    assert_ne!(
+        want_a, want_b,
+        "different prompts should give different logits"
+    );
+
+    // In turn, on one thread.
+    let mut sa = model.session().unwrap();
+    let mut sb = model.session().unwrap();
+    for (i, (ca, cb)) in chunks(10).iter().zip(chunks(20)).enumerate() {
+        sa.append(ca).unwrap();
+        sb.append(&cb).unwrap();
+        assert_eq!(
+            sa.logits(),
+            &want_a[i][..],
+            "session a, chunk {i}, interleaved"
+        );
+        assert_eq!(
+            sb.logits(),
+            &want_b[i][..],
+            "session b, chunk {i}, interleaved"
+        );
+    }
+    drop((sa, sb));
+
+    // At once, on four threads (each its own session), several rounds each.
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (model, want) = (&model, if t % 2 == 0 { &want_a } else { &want_b });
+            let seed = if t % 2 == 0 { 10 } else { 20 };
+            scope.spawn(move || {
+                for round in 0..3 {
+                    let mut s = model.session().unwrap();
+                    for (i, c) in chunks(seed).iter().enumerate() {
+                        s.append(c).unwrap();
+                        assert_eq!(
+                            s.logits(),
+                            &want[i][..],
+                            "thread {t} round {round} chunk {i}"
+                        );
+                    }
+                }
+            });
+        }
+    });
+
+    // Raw device sessions: a read after another session's step is refused.
+    let compiled = Arc::new(compile(&ir, gpu.target(&ir)));
+    let dev = gpu
+        .load(compiled, random_weights(model.compiled(), 7))
+        .unwrap();
+    let mut a = dev.new_session().unwrap();
+    let mut b = dev.new_session().unwrap();
+    let p = prompt(8, vocab, 3);
+    a.step(Phase::Prefill { bucket: 8 }, &p, 0).unwrap();
+    b.step(Phase::Prefill { bucket: 8 }, &p, 0).unwrap();
+    let err = a
+        .logits(8)
+        .expect_err("a's logits were overwritten by b's step");
+    assert!(err.to_string().contains("overwritten"), "{err}");
+    assert_eq!(b.logits(8).unwrap().len(), 8 * vocab);
+    println!(
+        "sessions share {} bytes; each owns {} (state arena {})",
+        dev.shared_bytes(),
+        dev.session_bytes(),
+        model.compiled().layout.arena_bytes(Role::State)
+    );
+}

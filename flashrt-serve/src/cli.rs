@@ -350,7 +350,8 @@ pub struct ServeArgs {
     /// Where capsule export/import by file name goes (default: STORE_DIR/files)
     #[arg(long, value_name = "DIR")]
     pub files_dir: Option<PathBuf>,
-    /// Byte budget of the device tier (K/M/G suffixes)
+    /// Byte budget of the device tier (K/M/G suffixes; default on a GPU: a quarter of the
+    /// memory the weights leave, at most 64G; elsewhere 1G)
     #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
     pub budget_device: Option<u64>,
     /// Byte budget of the host-memory tier
@@ -359,7 +360,8 @@ pub struct ServeArgs {
     /// Byte budget of the disk tier
     #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
     pub budget_disk: Option<u64>,
-    /// Sessions open at once
+    /// Sessions open at once (default on a GPU: as many as fit in free device memory, at
+    /// most 64; elsewhere 64)
     #[arg(long, value_name = "N")]
     pub max_sessions: Option<usize>,
     /// Do not store prompt and completion capsules for automatic prefix reuse
@@ -409,6 +411,9 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode, String> {
     config.eos = loaded.eos();
     config.defaults = loaded.defaults.clone();
     let model = loaded.model.clone();
+    if let Some(plan) = config.fit_memory(&model, args.max_sessions, args.budget_device)? {
+        tracing::info!("device memory: {plan}");
+    }
     let bind_public = !config.bind.ip().is_loopback();
     let server = Server::start(model.clone(), loaded.text, config.clone())?;
     tracing::info!(

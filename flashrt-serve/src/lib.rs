@@ -56,6 +56,7 @@
 pub mod cli;
 pub mod files;
 pub mod http;
+pub mod memory;
 pub mod metrics;
 pub mod tenants;
 pub mod text;
@@ -124,6 +125,26 @@ impl Default for ServeConfig {
             eos: Vec::new(),
             defaults: GenerationDefaults::default(),
         }
+    }
+}
+
+impl ServeConfig {
+    /// Size `max_sessions` and the store's device tier to the device memory the model leaves
+    /// free ([`memory::MemoryPlan`]), keeping what the operator set (`Some`). Returns the plan
+    /// (to log), or `None` where the backend does not report free memory and the defaults
+    /// stay.
+    pub fn fit_memory(
+        &mut self,
+        model: &Model,
+        max_sessions: Option<usize>,
+        budget_device: Option<u64>,
+    ) -> Result<Option<memory::MemoryPlan>, String> {
+        let plan = memory::MemoryPlan::of(model, max_sessions, budget_device)?;
+        if let Some(p) = &plan {
+            self.max_sessions = p.max_sessions;
+            self.store.budget_device = p.budget_device;
+        }
+        Ok(plan)
     }
 }
 

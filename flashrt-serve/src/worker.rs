@@ -279,15 +279,7 @@ impl Worker {
         text: Option<Arc<Text>>,
         cfg: WorkerConfig,
     ) -> Worker {
-        let l = &model.compiled().layout;
-        let session_arena_bytes = [
-            flashrt_ir::Role::State,
-            flashrt_ir::Role::Scratch,
-            flashrt_ir::Role::Io,
-        ]
-        .iter()
-        .map(|&r| l.arena_bytes(r) as u64)
-        .sum();
+        let session_arena_bytes = model.session_bytes() as u64;
         metrics.publish_store(&store.stats());
         Worker {
             model,
@@ -419,7 +411,20 @@ impl Worker {
                 ),
             ));
         }
-        self.fresh_session()
+        self.fresh_session().map_err(|e| {
+            if e.code == "internal" && e.message.contains("OUT_OF_MEMORY") {
+                ApiError::new(
+                    429,
+                    "out_of_device_memory",
+                    format!(
+                        "no device memory left for another session ({} open); delete one first",
+                        self.sessions.len()
+                    ),
+                )
+            } else {
+                e
+            }
+        })
     }
 
     /// A session as the server uses it: only the last position's logits are kept (it samples

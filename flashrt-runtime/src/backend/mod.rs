@@ -4,8 +4,9 @@
 //!
 //! * [`Backend`]: a device (CPU, one CUDA GPU). Loads a compiled model's weights once.
 //! * [`DeviceModel`]: weights resident on the device; creates sessions.
-//! * [`DeviceSession`]: the state, scratch and I/O arenas of one session, allocated once from
-//!   the layout at creation and never again; runs plans; saves and restores state regions.
+//! * [`DeviceSession`]: the state arena of one session (and, on the CPU, its scratch and I/O
+//!   arenas; CUDA sessions share the model's), allocated once from the layout at creation and
+//!   never again; runs plans; saves and restores state regions.
 //!
 //! Every backend folder (`cpu/`, `cuda/`) uses the same file names so they read side by side.
 //! When the crate is built without the `cuda` feature, `cuda_stub.rs` stands in with the same
@@ -520,6 +521,18 @@ pub trait DeviceModel: Send + Sync {
     fn backend_name(&self) -> String;
     /// A new session with zeroed state.
     fn new_session(&self) -> Result<Box<dyn DeviceSession>>;
+    /// Device bytes each session allocates for itself (its state arena and what goes with
+    /// it), as opposed to [`DeviceModel::shared_bytes`]: what a server divides free memory by
+    /// to know how many sessions fit.
+    fn session_bytes(&self) -> usize {
+        let l = &self.compiled().layout;
+        l.arena_bytes(Role::State) + l.arena_bytes(Role::Scratch) + l.arena_bytes(Role::Io)
+    }
+    /// Device bytes all sessions of the model share, allocated once (by the first session)
+    /// and kept while the model lives. The default backend shares nothing.
+    fn shared_bytes(&self) -> usize {
+        0
+    }
 }
 
 /// One session's arenas on the device.
@@ -541,6 +554,24 @@ pub trait DeviceSession: Send {
     }
     /// Logits of rows `0..rows` of the last step, row-major `[rows, vocab]`, as f32.
     fn logits(&self, rows: usize) -> Result<Vec<f32>>;
+    /// [`DeviceSession::step_logits`] and the read of what it produced, as one operation: all
+    /// rows of the chunk for [`StepLogits::All`], the last row for [`StepLogits::Last`],
+    /// nothing for [`StepLogits::None`]. Backends whose sessions share an I/O arena (CUDA)
+    /// hold it across both, so no other session's step can come in between.
+    fn step_read(
+        &mut self,
+        phase: Phase,
+        tokens: &[u32],
+        pos: usize,
+        want: StepLogits,
+    ) -> Result<Vec<f32>> {
+        self.step_logits(phase, tokens, pos, want)?;
+        match want {
+            StepLogits::All => self.logits(tokens.len()),
+            StepLogits::Last => self.logits_row(tokens.len() - 1),
+            StepLogits::None => Ok(Vec::new()),
+        }
+    }
     /// Logits of row `row` of the last step (`[vocab]`): what a prefill needs when only the
     /// last position's distribution is wanted. Backends override it to copy one row only.
     fn logits_row(&self, row: usize) -> Result<Vec<f32>> {

@@ -10,12 +10,14 @@
 //!   arena, which a [`CudaSink`] fills from a loader through a ring of pinned staging buffers
 //!   (tensors in the model's dtype are copied as they are; others are converted on the
 //!   device); random weights are generated in place.
-//! * A [`CudaSession`] allocates its state, scratch and I/O arenas (one allocation each), a
-//!   cuBLASLt workspace (also holding split-KV attention partials), a small input staging
-//!   record and two pinned logits bounce buffers, all at creation; nothing is allocated
-//!   afterwards except the storage of saved states. At creation it also turns every plan into
-//!   a [`ops::Program`] (all checks, kernel choices, grid sizes, split counts, parameter
-//!   structs and matmul algorithms decided up front).
+//! * A [`CudaSession`] allocates its state arena and a small input staging record at
+//!   creation; the scratch and I/O arenas, the cuBLASLt workspace (also holding split-KV
+//!   attention partials), the FP8 scratch, the pinned logits bounce buffers and the compute
+//!   stream are the model's, shared by all its sessions and allocated by the first one
+//!   ([`exec`]: why that is safe). Nothing is allocated afterwards except the storage of
+//!   saved states. At creation a session also turns every plan into a [`ops::Program`] (all
+//!   checks, kernel choices, grid sizes, split counts, parameter structs and matmul
+//!   algorithms decided up front).
 //!
 //! # Dtype
 //!
@@ -38,15 +40,17 @@
 //! kernels read the position and length from device memory and grids are sized for the
 //! bucket, a graph is valid at every position and length — recapture is never needed.
 //!
-//! Capture happens on the session's own non-default stream in thread-local mode. cudarc's
-//! event tracking is disabled on the context right after creation, before any allocation, so
-//! no slice carries events and no hidden `cuEventRecord`/`cuStreamWaitEvent` can land inside
-//! a capture; ordering between the session's two streams is explicit (events below).
+//! Capture happens on the model's non-default stream in thread-local mode, under its lock.
+//! cudarc's event tracking is disabled on the context right after creation, before any
+//! allocation, so no slice carries events and no hidden `cuEventRecord`/`cuStreamWaitEvent`
+//! can land inside a capture; ordering between the compute stream and a session's copy
+//! stream is explicit (events below).
 //!
-//! Graph invariants, by construction: a graph holds the addresses of the session's arenas,
-//! staging record and workspace, and of the model's weights; the session owns all of them
-//! and keeps an `Arc` of the model, and graphs are dropped with the session. A graph is only
-//! launched on the stream it was captured on, after the staging copy of the same step.
+//! Graph invariants, by construction: a graph holds the addresses of the session's state
+//! arena and staging record, of the shared arenas and workspace, and of the model's weights;
+//! the session owns the first two and keeps an `Arc` of the rest, and graphs are dropped with
+//! the session. A graph is only launched on the stream it was captured on, after the staging
+//! copy of the same step.
 //!
 //! # Save / restore
 //!
@@ -65,6 +69,7 @@
 //! with decode steps is bit-identical to the original session continuing the same way (same
 //! graphs, same inputs), but "restore + append == cold prefill" holds to tolerance only.
 
+mod exec;
 pub mod gemm;
 pub mod kernels;
 pub mod ops;
@@ -79,11 +84,13 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DriverError,
     PinnedHostSlice,
 };
+use exec::Exec;
 use flashrt_ir::{Buffer, BufferId, Compiled, DType, ModelIr, Phase, Role, StateKind, Target};
 use gemm::{Blas, GemmShape};
 use kernels::Kernels;
 use ops::{Arenas, Builder, Program};
 use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// f32 elements of each pinned bounce buffer of a session (4 MiB).
@@ -805,6 +812,8 @@ impl WeightSink for CudaSink {
                 gdn_fused: clusters && sink.options.gdn_fused,
                 fp8_gemm: cc.is_some_and(|(major, _)| major == 9) && sink.options.fp8_gemm,
                 gemv_mma: cc.is_some_and(|(major, _)| major == 9) && sink.options.gemv_mma,
+                exec: Mutex::new(None),
+                sessions: AtomicU64::new(1),
             }),
         }))
     }
@@ -828,6 +837,10 @@ struct ModelInner {
     gdn_fused: bool,
     fp8_gemm: bool,
     gemv_mma: bool,
+    /// What its sessions share, from the first session on ([`exec`]).
+    exec: Mutex<Option<Arc<Exec>>>,
+    /// Ids handed to sessions (from 1), for [`exec::ExecState::owner`].
+    sessions: AtomicU64,
 }
 
 /// A model whose weights are on one GPU.
@@ -847,6 +860,29 @@ impl DeviceModel for CudaModel {
     fn new_session(&self) -> Result<Box<dyn DeviceSession>> {
         Ok(Box::new(CudaSession::new(self.inner.clone())?))
     }
+
+    /// The state arena and the input staging record: scratch, I/O, workspace and FP8 scratch
+    /// are shared ([`exec`]). Graphs' own device memory comes on top (measured by `flashrt
+    /// bench --sessions`).
+    fn session_bytes(&self) -> usize {
+        let layout = &self.inner.compiled.layout;
+        layout.arena_bytes(Role::State) + 4 * (2 + layout.max_rows)
+    }
+
+    fn shared_bytes(&self) -> usize {
+        let layout = &self.inner.compiled.layout;
+        let (a, b, c) = ops::fp8_scratch_needs(
+            &self.inner.compiled,
+            self.inner.fp8_gemm,
+            self.inner.options.gemv,
+        );
+        layout.arena_bytes(Role::Scratch)
+            + layout.arena_bytes(Role::Io)
+            + gemm::WORKSPACE_BYTES
+            + a
+            + b
+            + c
+    }
 }
 
 /// A captured graph, owned by exactly one session.
@@ -860,17 +896,17 @@ unsafe impl Send for SessionGraph {}
 /// Which program: the phase and the logits rows it produces.
 type ProgramKey = (Phase, StepLogits);
 
-/// One session: state, scratch and I/O arenas on the GPU, plus the programs of every phase.
+/// One session: its state arena on the GPU, the programs of every phase, and the model's
+/// shared scratch and I/O arenas and stream ([`exec`]).
 pub struct CudaSession {
     model: Arc<ModelInner>,
+    exec: Arc<Exec>,
+    /// This session's id among the model's ([`exec::ExecState::owner`]).
+    id: u64,
+    /// The model's compute stream (`exec.stream`): only used under `exec.lock()`.
     stream: Arc<CudaStream>,
     copy: Arc<CudaStream>,
     _state: CudaSlice<u8>,
-    _scratch: CudaSlice<u8>,
-    _io: CudaSlice<u8>,
-    workspace: CudaSlice<u8>,
-    /// FP8 matmuls' activations, scales and dequantized weights (ops::fp8_scratch_needs).
-    _fp8: [CudaSlice<u8>; 3],
     _staging_dev: CudaSlice<u8>,
     staging_host: PinnedHostSlice<i32>,
     /// Recorded after each staging copy; the pinned record is rewritten only after it.
@@ -882,8 +918,6 @@ pub struct CudaSession {
     restore_done: CudaEvent,
     /// Whether the pair above brackets the last restore.
     restore_timed: bool,
-    /// Two pinned buffers (and their completion events) for reading many logits rows.
-    bounce: Mutex<([PinnedHostSlice<f32>; 2], [CudaEvent; 2])>,
     /// One program per phase, plus last-row-logits and no-logits variants of prefill phases.
     programs: Vec<(ProgramKey, Program)>,
     graphs: Vec<(ProgramKey, SessionGraph)>,
@@ -895,12 +929,15 @@ pub struct CudaSession {
 
 impl Drop for CudaSession {
     fn drop(&mut self) {
-        // Graphs first, then wait for all queued work before the arenas are freed (their frees
-        // are stream-ordered on `stream`, but the copy stream may still be reading state).
+        // Graphs first, then wait for all queued work before the state arena is freed (its
+        // free is stream-ordered on the copy stream, which knows nothing of the compute
+        // stream's steps). Under the stream's lock: another session may be capturing there.
+        let exec = self.exec.clone();
+        let _guard = exec.lock();
         self.graphs.clear();
         let _ = self.model.ctx.bind_to_thread();
-        let _ = self.copy.synchronize();
         let _ = self.stream.synchronize();
+        let _ = self.copy.synchronize();
     }
 }
 
@@ -965,32 +1002,16 @@ impl CudaSession {
         Ok(())
     }
     fn new(model: Arc<ModelInner>) -> Result<Self> {
+        let exec = exec::shared(&model)?;
         let ctx = &model.ctx;
         ctx.bind_to_thread().map_err(drv("bind context"))?;
         let layout = &model.compiled.layout;
-        let stream = ctx.new_stream().map_err(drv("create session stream"))?;
+        let stream = exec.stream.clone();
         let copy = ctx.new_stream().map_err(drv("create copy stream"))?;
-        let state = alloc_zeroed(&stream, layout.arena_bytes(Role::State), "state arena")?;
-        let scratch = alloc_zeroed(&stream, layout.arena_bytes(Role::Scratch), "scratch arena")?;
-        let io = alloc_zeroed(&stream, layout.arena_bytes(Role::Io), "io arena")?;
-        let workspace = alloc_zeroed(&stream, gemm::WORKSPACE_BYTES, "cuBLASLt workspace")?;
-        let (act_b, scale_b, deq_b) =
-            ops::fp8_scratch_needs(&model.compiled, model.fp8_gemm, model.options.gemv);
-        let fp8_bufs = [
-            alloc_zeroed(&stream, act_b, "FP8 activations")?,
-            alloc_zeroed(&stream, scale_b, "FP8 activation scales")?,
-            alloc_zeroed(&stream, deq_b, "FP8 dequantized weight")?,
-        ];
-        let fp8 = ops::Fp8Scratch {
-            act: dptr(&fp8_bufs[0]),
-            act_bytes: act_b,
-            scales: dptr(&fp8_bufs[1]),
-            scale_bytes: scale_b,
-            dequant: dptr(&fp8_bufs[2]),
-            dequant_bytes: deq_b,
-        };
+        // On the copy stream, which only this session uses (see the `exec` module docs).
+        let state = alloc_zeroed(&copy, layout.arena_bytes(Role::State), "state arena")?;
         let record = 2 + layout.max_rows;
-        let staging_dev = alloc_zeroed(&stream, 4 * record, "input staging")?;
+        let staging_dev = alloc_zeroed(&copy, 4 * record, "input staging")?;
         // SAFETY: the pinned record is fully written (header and tokens) before any copy reads
         // the part of it that a step uses.
         let staging_host = unsafe { ctx.alloc_pinned_with_flags::<i32>(record, 0) }
@@ -1001,22 +1022,13 @@ impl CudaSession {
                 .map_err(drv("create event"))
         };
         let (restore_start, restore_done) = (timing()?, timing()?);
-        let pinned = || {
-            // SAFETY: a bounce buffer is only read in the range a completed copy just wrote.
-            unsafe { ctx.alloc_pinned_with_flags::<f32>(BOUNCE_FLOATS, 0) }
-                .map_err(drv("allocate pinned bounce buffer"))
-        };
-        let event = || ctx.new_event(None).map_err(drv("create event"));
-        let bounce = Mutex::new(([pinned()?, pinned()?], [event()?, event()?]));
-        stream
-            .synchronize()
-            .map_err(drv("allocate session arenas"))?;
+        copy.synchronize().map_err(drv("allocate session state"))?;
 
         let arenas = Arenas {
             weight: model.weight_base,
             state: dptr(&state),
-            scratch: dptr(&scratch),
-            io: dptr(&io),
+            scratch: exec.scratch_base,
+            io: exec.io_base,
         };
         let builder = Builder {
             compiled: &model.compiled,
@@ -1024,7 +1036,7 @@ impl CudaSession {
             blas: &model.blas,
             arenas,
             staging: dptr(&staging_dev),
-            workspace: dptr(&workspace),
+            workspace: dptr(&exec.workspace),
             sms: model.sms,
             pdl: model.options.pdl,
             gemv: model.options.gemv,
@@ -1034,7 +1046,7 @@ impl CudaSession {
             gdn_fused: model.gdn_fused,
             fp8_gemm: model.fp8_gemm,
             gemv_mma: model.gemv_mma,
-            fp8,
+            fp8: exec.fp8,
         };
         let mut programs = Vec::new();
         for plan in &model.compiled.plans {
@@ -1049,21 +1061,18 @@ impl CudaSession {
         Ok(Self {
             state_base: arenas.state,
             io_base: arenas.io,
+            id: model.sessions.fetch_add(1, Ordering::Relaxed),
             model: model.clone(),
+            exec,
             stream,
             copy,
             _state: state,
-            _scratch: scratch,
-            _io: io,
-            workspace,
-            _fp8: fp8_bufs,
             _staging_dev: staging_dev,
             staging_host,
             staging_free,
             restore_start,
             restore_done,
             restore_timed: false,
-            bounce,
             programs,
             graphs: Vec::new(),
             warm: Vec::new(),
@@ -1082,7 +1091,7 @@ impl CudaSession {
     fn launch(&mut self, idx: usize) -> Result<()> {
         let key = self.programs[idx].0;
         let phase = key.0;
-        let ws = dptr(&self.workspace);
+        let ws = dptr(&self.exec.workspace);
         if !self.model.options.graphs {
             // SAFETY: the program addresses this session's live arenas/staging/workspace and
             // the model's weights (kept alive by `self.model`); it runs on this session's stream.
@@ -1294,8 +1303,31 @@ impl DeviceSession for CudaSession {
         pos: usize,
         logits: StepLogits,
     ) -> Result<()> {
+        let exec = self.exec.clone();
+        let mut g = exec.lock()?;
         let idx = self.stage(phase, tokens, pos, logits)?;
-        self.launch(idx)
+        self.launch(idx)?;
+        g.owner = self.id;
+        Ok(())
+    }
+
+    fn step_read(
+        &mut self,
+        phase: Phase,
+        tokens: &[u32],
+        pos: usize,
+        want: StepLogits,
+    ) -> Result<Vec<f32>> {
+        let exec = self.exec.clone();
+        let mut g = exec.lock()?;
+        let idx = self.stage(phase, tokens, pos, want)?;
+        self.launch(idx)?;
+        g.owner = self.id;
+        match want {
+            StepLogits::All => self.read_logits(&mut g, tokens.len()),
+            StepLogits::Last => self.read_logits_row(tokens.len() - 1),
+            StepLogits::None => Ok(Vec::new()),
+        }
     }
 
     fn profile_step(
@@ -1305,8 +1337,11 @@ impl DeviceSession for CudaSession {
         pos: usize,
         logits: StepLogits,
     ) -> Result<Vec<(String, f64)>> {
+        let exec = self.exec.clone();
+        let mut g = exec.lock()?;
         let idx = self.stage(phase, tokens, pos, logits)?;
-        let ws = dptr(&self.workspace);
+        g.owner = self.id;
+        let ws = dptr(&self.exec.workspace);
         let program = &self.programs[idx].1;
         let label = format!("{} profile", phase.label());
         // Captured as a graph with an event node between commands, so the times include what
@@ -1355,6 +1390,70 @@ impl DeviceSession for CudaSession {
     }
 
     fn logits_row(&self, row: usize) -> Result<Vec<f32>> {
+        let g = self.exec.lock()?;
+        if g.owner != self.id {
+            return Err(exec::not_owner());
+        }
+        self.read_logits_row(row)
+    }
+
+    fn last_restore_seconds(&self) -> Result<Option<f64>> {
+        if !self.restore_timed {
+            return Ok(None);
+        }
+        self.bind()?;
+        let ms = self
+            .restore_start
+            .elapsed_ms(&self.restore_done)
+            .map_err(drv("restore time"))?;
+        Ok(Some(ms as f64 / 1e3))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        let _g = self.exec.lock()?;
+        self.bind()?;
+        self.copy
+            .synchronize()
+            .map_err(drv("synchronize copy stream"))?;
+        self.stream
+            .synchronize()
+            .map_err(drv("synchronize compute stream"))
+    }
+
+    fn logits(&self, rows: usize) -> Result<Vec<f32>> {
+        let mut g = self.exec.lock()?;
+        if g.owner != self.id {
+            return Err(exec::not_owner());
+        }
+        self.read_logits(&mut g, rows)
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        let exec = self.exec.clone();
+        let _g = exec.lock()?;
+        self.reset_locked()
+    }
+
+    fn save(&self, pos: usize, set: RegionSet) -> Result<Arc<dyn SavedState>> {
+        let _g = self.exec.lock()?;
+        self.save_locked(pos, set)
+    }
+
+    fn restore(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
+        let exec = self.exec.clone();
+        let _g = exec.lock()?;
+        self.restore_locked(saved, set)
+    }
+
+    fn read_region(&self, id: BufferId, pos: usize) -> Result<Vec<u8>> {
+        let _g = self.exec.lock()?;
+        self.read_region_locked(id, pos)
+    }
+}
+
+impl CudaSession {
+    /// Row `row` of `io.logits` (the caller holds the stream's lock).
+    fn read_logits_row(&self, row: usize) -> Result<Vec<f32>> {
         self.bind()?;
         let max_rows = self.layout().max_rows;
         if row >= max_rows {
@@ -1380,29 +1479,8 @@ impl DeviceSession for CudaSession {
         Ok(out)
     }
 
-    fn last_restore_seconds(&self) -> Result<Option<f64>> {
-        if !self.restore_timed {
-            return Ok(None);
-        }
-        self.bind()?;
-        let ms = self
-            .restore_start
-            .elapsed_ms(&self.restore_done)
-            .map_err(drv("restore time"))?;
-        Ok(Some(ms as f64 / 1e3))
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        self.bind()?;
-        self.copy
-            .synchronize()
-            .map_err(drv("synchronize copy stream"))?;
-        self.stream
-            .synchronize()
-            .map_err(drv("synchronize compute stream"))
-    }
-
-    fn logits(&self, rows: usize) -> Result<Vec<f32>> {
+    /// Rows `0..rows` of `io.logits` (the caller holds the stream's lock, `g`).
+    fn read_logits(&self, g: &mut exec::ExecState, rows: usize) -> Result<Vec<f32>> {
         self.bind()?;
         let max_rows = self.layout().max_rows;
         if rows > max_rows {
@@ -1432,11 +1510,7 @@ impl DeviceSession for CudaSession {
         // Large reads (every row of a prefill chunk) go through two pinned bounce buffers:
         // chunk k is copied device -> pinned while chunk k - 1 is copied pinned -> vector.
         // Pageable device-to-host copies run several times slower than pinned ones.
-        let mut bounce = self.bounce.lock().map_err(|_| Error::Backend {
-            op: "read logits".into(),
-            msg: "bounce buffers poisoned".into(),
-        })?;
-        let (bufs, events) = &mut *bounce;
+        let (bufs, events) = &mut g.bounce;
         let mut pending: Option<(usize, std::ops::Range<usize>)> = None;
         let ranges: Vec<_> = (0..out.len())
             .step_by(BOUNCE_FLOATS)
@@ -1471,8 +1545,11 @@ impl DeviceSession for CudaSession {
         }
         Ok(out)
     }
+}
 
-    fn reset(&mut self) -> Result<()> {
+/// The state commands, each run with the stream's lock held by its trait method above.
+impl CudaSession {
+    fn reset_locked(&mut self) -> Result<()> {
         self.bind()?;
         let bytes = self.layout().arena_bytes(Role::State);
         // SAFETY: the state arena is at least `bytes` long; the memset is ordered on the
@@ -1488,7 +1565,7 @@ impl DeviceSession for CudaSession {
         .map_err(drv("reset state"))
     }
 
-    fn save(&self, pos: usize, set: RegionSet) -> Result<Arc<dyn SavedState>> {
+    fn save_locked(&self, pos: usize, set: RegionSet) -> Result<Arc<dyn SavedState>> {
         self.bind()?;
         if pos > self.layout().max_seq {
             return Err(Error::Input(format!(
@@ -1546,7 +1623,7 @@ impl DeviceSession for CudaSession {
         }))
     }
 
-    fn restore(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
+    fn restore_locked(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
         self.bind()?;
         self.restore_timed = false;
         let Some(s) = saved.as_any().downcast_ref::<CudaSaved>() else {
@@ -1642,7 +1719,7 @@ impl DeviceSession for CudaSession {
         Ok(())
     }
 
-    fn read_region(&self, id: BufferId, pos: usize) -> Result<Vec<u8>> {
+    fn read_region_locked(&self, id: BufferId, pos: usize) -> Result<Vec<u8>> {
         self.bind()?;
         let layout = self.layout();
         if id.index() >= layout.buffers.len() {
