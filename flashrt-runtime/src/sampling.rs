@@ -47,6 +47,11 @@
 //! digit. A row of 64 Ki candidates or more is weighed by up to 4 threads
 //! (`FLASHRT_SAMPLE_THREADS`); the sums are exact integers, so the split changes no bit.
 //! `cargo bench --bench sampling` measures it on a 248,320-wide row.
+//!
+//! The CUDA backend runs the same algorithm on the device (kernels/sample.cu, from the
+//! values of [`SamplerState::draw_spec`]) on the row the LM head just wrote, so only the
+//! chosen id crosses to the host; `flashrt-runtime/tests/cuda_sample.rs` checks that it
+//! chooses what [`SamplerState::sample`] chooses on adversarial rows.
 
 use crate::capsule::SamplerState;
 use crate::error::{Error, Result};
@@ -97,10 +102,9 @@ const EXP_POLY: [f64; 10] = [
 /// `k = (d · log2 e + 1.5 · 2^52) − 1.5 · 2^52` (`d · log2 e` rounded to an integer, ties to
 /// even), `r = (d − k · LN2_HI) − k · LN2_LO`, the degree-9 Taylor polynomial of `e^r` in
 /// Horner form with the coefficients of `EXP_POLY`, times `2^k` (built from its bits: `k` is
-/// in `[−34, 0]`). Relative error below 2e-11; `portable_exp(0) == 1` exactly. A device
-/// sampler that evaluates the same expression with round-to-nearest intrinsics
-/// (`__dmul_rn`, `__dadd_rn`) gets the same bits (there is none yet: the CUDA backend
-/// samples on the host from the copied row).
+/// in `[−34, 0]`). Relative error below 2e-11; `portable_exp(0) == 1` exactly. The device
+/// sampler (kernels/sample.cu) evaluates the same expression with round-to-nearest
+/// intrinsics (`__dmul_rn`, `__dadd_rn`, `__dsub_rn`) and gets the same bits.
 #[inline(always)]
 pub fn portable_exp(d: f64) -> f64 {
     const ROUND: f64 = 6_755_399_441_055_744.0; // 1.5 · 2^52
@@ -355,6 +359,39 @@ impl SamplerState {
         Ok(())
     }
 
+    /// The min-p floor of step 5 (at least 1: a weight of 0 is never a candidate).
+    fn floor_weight(&self) -> u64 {
+        if self.min_p > 0.0 {
+            ((self.min_p as f64 * SCALE).ceil() as u64).max(1)
+        } else {
+            1
+        }
+    }
+
+    /// What a device implementation of [`SamplerState::sample`] over a row of `n` logits
+    /// needs (kernels/sample.cu), computed exactly as `sample` computes it, and the RNG state
+    /// after the draw (to keep once the device has chosen a token: `sample` does not draw
+    /// when the row has no finite value). `None` for the greedy sampler, which draws nothing.
+    pub fn draw_spec(&self, n: usize) -> Option<(DrawSpec, [u64; 4])> {
+        if self.is_greedy() || self.top_k == 1 {
+            return None;
+        }
+        let mut rng = self.rng;
+        let draw = xoshiro256ss_next(&mut rng) >> 11;
+        let spec = DrawSpec {
+            inv_t: 1.0 / self.temperature as f64,
+            floor_w: self.floor_weight(),
+            top_k: if self.top_k > 0 && self.top_k < n {
+                self.top_k as u32
+            } else {
+                0
+            },
+            top_p: (self.top_p < 1.0).then(|| top_p_scaled(self.top_p)),
+            draw,
+        };
+        Some((spec, rng))
+    }
+
     /// Choose a token from one row of logits (see the module docs for the algorithm).
     /// `None` when the row has no finite value.
     pub fn sample(&mut self, logits: &[f32]) -> Option<u32> {
@@ -362,11 +399,7 @@ impl SamplerState {
             return argmax(logits);
         }
         let inv_t = 1.0 / self.temperature as f64;
-        let floor_w = if self.min_p > 0.0 {
-            ((self.min_p as f64 * SCALE).ceil() as u64).max(1)
-        } else {
-            1
-        };
+        let floor_w = self.floor_weight();
         let n = logits.len();
         if self.top_k > 0 && self.top_k < n {
             return self.sample_top_k(logits, inv_t, floor_w);
@@ -449,10 +482,31 @@ fn sample_threads(n: usize) -> usize {
     if n < 1 << 16 { 1 } else { t }
 }
 
-/// Step 6's `need = max(1, ceil(S · round(top_p · 2^32) / 2^32))`.
+/// Step 6's `P = round(top_p · 2^32)`.
+fn top_p_scaled(top_p: f32) -> u64 {
+    (top_p as f64 * 4_294_967_296.0).round() as u64
+}
+
+/// Step 6's `need = max(1, ceil(S · P / 2^32))`.
 fn top_p_need(total: u128, top_p: f32) -> u128 {
-    let p = (top_p as f64 * 4_294_967_296.0).round() as u128;
-    (total * p).div_ceil(1 << 32).max(1)
+    (total * top_p_scaled(top_p) as u128)
+        .div_ceil(1 << 32)
+        .max(1)
+}
+
+/// One non-greedy draw as a device sampler takes it ([`SamplerState::draw_spec`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DrawSpec {
+    /// `1 / T` in f64 (step 4).
+    pub inv_t: f64,
+    /// The min-p floor on weights, at least 1 (step 5).
+    pub floor_w: u64,
+    /// The top-k cut, 0 for none (step 3; only below the row's width).
+    pub top_k: u32,
+    /// `P = round(top_p · 2^32)` when there is a top-p cut (step 6).
+    pub top_p: Option<u64>,
+    /// The RNG output `>> 11` (step 7's `u`).
+    pub draw: u64,
 }
 
 /// Step 7's `floor(u · K / 2^53)` with `u` the top 53 bits of the next RNG output.

@@ -309,6 +309,10 @@ impl Model {
 enum KeptLogits {
     Own(Vec<f32>),
     Shared(Arc<[f32]>),
+    /// The last step's last row, which is also row `.1` of the device's I/O arena as long as
+    /// the device session's [`DeviceSession::steps_run`] is still `.2` (a device sampler
+    /// may draw from it there).
+    Device(Vec<f32>, usize, u64),
 }
 
 impl Default for KeptLogits {
@@ -320,7 +324,7 @@ impl Default for KeptLogits {
 impl KeptLogits {
     fn as_slice(&self) -> &[f32] {
         match self {
-            KeptLogits::Own(v) => v,
+            KeptLogits::Own(v) | KeptLogits::Device(v, ..) => v,
             KeptLogits::Shared(a) => a,
         }
     }
@@ -329,18 +333,18 @@ impl KeptLogits {
     fn clear(&mut self) {
         match self {
             KeptLogits::Own(v) => v.clear(),
-            KeptLogits::Shared(_) => *self = KeptLogits::default(),
+            KeptLogits::Shared(_) | KeptLogits::Device(..) => *self = KeptLogits::default(),
         }
     }
 
     /// The owned buffer (a shared row is dropped first).
     fn own(&mut self) -> &mut Vec<f32> {
-        if let KeptLogits::Shared(_) = self {
+        if !matches!(self, KeptLogits::Own(_)) {
             *self = KeptLogits::default();
         }
         match self {
             KeptLogits::Own(v) => v,
-            KeptLogits::Shared(_) => unreachable!("replaced above"),
+            _ => unreachable!("replaced above"),
         }
     }
 }
@@ -570,7 +574,7 @@ impl Session {
                 self.logits_rows += chunk.len();
             } else if ci + 1 == n_chunks {
                 // Only the last position's row crosses to the host.
-                self.logits = KeptLogits::Own(rows);
+                self.logits = KeptLogits::Device(rows, chunk.len() - 1, self.dev.steps_run());
                 self.logits_rows = 1;
             }
             self.pos += chunk.len();
@@ -649,6 +653,28 @@ impl Session {
             return Err(Error::Input(
                 "no logits to sample from: append tokens first".into(),
             ));
+        }
+        // On the device where the row is still there: the same token as the host sampler's
+        // (crate::sampling), without a host pass over the row.
+        if let KeptLogits::Device(_, row, steps) = self.logits
+            && steps == self.dev.steps_run()
+            && let Some((spec, rng)) = self.sampler.draw_spec(v)
+        {
+            match self.dev.sample_row(row, &spec) {
+                Ok(Some(t)) => {
+                    self.sampler.rng = rng;
+                    return Ok(t);
+                }
+                Ok(None) => {
+                    return Err(Error::Backend {
+                        op: "sample".into(),
+                        msg: "the logits row has no finite value".into(),
+                    });
+                }
+                // No device sampler, or the row was overwritten: the host copy is the same.
+                Err(Error::Unsupported(_) | Error::Input(_)) => {}
+                Err(e) => return Err(e),
+            }
         }
         let row = &self.logits.as_slice()[(self.logits_rows - 1) * v..self.logits_rows * v];
         self.sampler.sample(row).ok_or_else(|| Error::Backend {

@@ -579,6 +579,22 @@ pub trait DeviceSession: Send {
         let vocab = all.len() / (row + 1);
         Ok(all[row * vocab..].to_vec())
     }
+    /// Steps this session has run (any phase). While it is unchanged, and no other session
+    /// of the model has stepped, the I/O arena still holds the last step's logits.
+    fn steps_run(&self) -> u64 {
+        0
+    }
+    /// Draw the next token on the device from row `row` of the last step's logits, with the
+    /// inputs [`crate::SamplerState::draw_spec`] computed: the same token the host sampler
+    /// chooses from the same row (only the id crosses to the host). `None` when no logit of
+    /// the row is finite. `Unsupported` where the backend has no device sampler; an error,
+    /// not a token, when another session's step has overwritten the row.
+    fn sample_row(&mut self, row: usize, spec: &crate::sampling::DrawSpec) -> Result<Option<u32>> {
+        let _ = (row, spec);
+        Err(crate::error::Error::Unsupported(
+            "no device sampler on this backend".into(),
+        ))
+    }
     /// Block until every step, save and restore queued so far has completed (benchmarks stop
     /// their clocks after this). Synchronous backends need not override it.
     fn synchronize(&self) -> Result<()> {

@@ -37,6 +37,8 @@ pub(super) struct Exec {
     pub fp8: Fp8Scratch,
     pub scratch_base: u64,
     pub io_base: u64,
+    /// The device sampler's workspace (kernels/sample.cu), for rows of the model's vocabulary.
+    pub sample_ws: CudaSlice<u8>,
     lock: Mutex<ExecState>,
 }
 
@@ -75,6 +77,11 @@ impl Exec {
             dequant: dptr(&fp8_bufs[2]),
             dequant_bytes: deq_b,
         };
+        let sample_ws = alloc_zeroed(
+            &stream,
+            super::sample::workspace_bytes(model.compiled.ir.vocab),
+            "sampler workspace",
+        )?;
         let pinned = || {
             // SAFETY: a bounce buffer is only read in the range a completed copy just wrote.
             unsafe { ctx.alloc_pinned_with_flags::<f32>(BOUNCE_FLOATS, 0) }
@@ -94,6 +101,7 @@ impl Exec {
             workspace,
             _fp8: fp8_bufs,
             fp8,
+            sample_ws,
             lock: Mutex::new(ExecState { owner: 0, bounce }),
         })
     }

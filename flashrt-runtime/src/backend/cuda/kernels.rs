@@ -161,7 +161,13 @@ const PER_HALF_DTYPE: &[&str] = &[
 ];
 
 /// Kernels with a single entry point.
-const PLAIN: &[&str] = &["io_scatter", "state_copy"];
+const PLAIN: &[&str] = &[
+    "io_scatter",
+    "state_copy",
+    "sample_best",
+    "sample_weigh",
+    "sample_pick",
+];
 
 /// Base names of the kernels whose entry points do NOT start with `flashrt::pdl_wait()` (see
 /// kernels/common.cuh): they are launched with plain stream ordering. Every other `PER_DTYPE`

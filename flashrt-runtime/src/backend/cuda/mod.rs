@@ -73,6 +73,9 @@ mod exec;
 pub mod gemm;
 pub mod kernels;
 pub mod ops;
+mod sample;
+
+pub use sample::CudaSampler;
 
 use super::{
     Backend, DeviceModel, DeviceSession, QuantJob, RegionSet, SavedState, SourceDtype, StepLogits,
@@ -156,6 +159,11 @@ pub struct CudaOptions {
     /// `false`, or any other device, uses the CUDA-core `gemv8_*` of kernels/gemv.cu. Default
     /// from `FLASHRT_GEMV_MMA` (`0` = off).
     pub gemv_mma: bool,
+    /// Sample non-greedy tokens on the device (kernels/sample.cu) from the row the step left
+    /// in the I/O arena (default): only the id crosses to the host. `false` samples on the
+    /// host from the copied row; both choose the same token. Default from
+    /// `FLASHRT_DEVICE_SAMPLER` (`0` = off).
+    pub device_sampler: bool,
 }
 
 impl Default for CudaOptions {
@@ -171,6 +179,7 @@ impl Default for CudaOptions {
             gdn_fused: on("FLASHRT_GDN_FUSED"),
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
             gemv_mma: on("FLASHRT_GEMV_MMA"),
+            device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
         }
     }
 }
@@ -233,6 +242,11 @@ impl CudaBackend {
             name: format!("cuda:{ordinal} {dev} (sm_{major}{minor})"),
             options,
         })
+    }
+
+    /// The device's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 
     pub fn ordinal(&self) -> usize {
@@ -882,6 +896,7 @@ impl DeviceModel for CudaModel {
             + a
             + b
             + c
+            + sample::workspace_bytes(self.inner.compiled.ir.vocab)
     }
 }
 
@@ -903,6 +918,8 @@ pub struct CudaSession {
     exec: Arc<Exec>,
     /// This session's id among the model's ([`exec::ExecState::owner`]).
     id: u64,
+    /// Steps run ([`DeviceSession::steps_run`]).
+    steps: u64,
     /// The model's compute stream (`exec.stream`): only used under `exec.lock()`.
     stream: Arc<CudaStream>,
     copy: Arc<CudaStream>,
@@ -1062,6 +1079,7 @@ impl CudaSession {
             state_base: arenas.state,
             io_base: arenas.io,
             id: model.sessions.fetch_add(1, Ordering::Relaxed),
+            steps: 0,
             model: model.clone(),
             exec,
             stream,
@@ -1306,9 +1324,49 @@ impl DeviceSession for CudaSession {
         let exec = self.exec.clone();
         let mut g = exec.lock()?;
         let idx = self.stage(phase, tokens, pos, logits)?;
+        self.steps += 1;
         self.launch(idx)?;
         g.owner = self.id;
         Ok(())
+    }
+
+    fn steps_run(&self) -> u64 {
+        self.steps
+    }
+
+    fn sample_row(&mut self, row: usize, spec: &crate::sampling::DrawSpec) -> Result<Option<u32>> {
+        if !self.model.options.device_sampler {
+            return Err(Error::Unsupported("device sampler off".into()));
+        }
+        let g = self.exec.lock()?;
+        if g.owner != self.id {
+            return Err(exec::not_owner());
+        }
+        let max_rows = self.layout().max_rows;
+        if row >= max_rows {
+            return Err(Error::Input(format!(
+                "logits row {row} requested, buffer has {max_rows}"
+            )));
+        }
+        self.bind()?;
+        let vocab = self.model.compiled.ir.vocab;
+        let b = self.layout().buffer(self.model.compiled.io.logits);
+        let src = self.io_base + b.offset as u64 + (4 * row * vocab) as u64;
+        // SAFETY: row < max_rows, so the vocab f32 at `src` lie inside io.logits, which this
+        // session's last step wrote (owner checked under the lock, which is held until the
+        // result is read); the workspace is the model's, sized for its vocabulary and used
+        // only under the same lock.
+        unsafe {
+            sample::sample_on(
+                &self.model.kernels,
+                &self.stream,
+                src,
+                vocab,
+                dptr(&self.exec.sample_ws),
+                self.model.sms,
+                spec,
+            )
+        }
     }
 
     fn step_read(
@@ -1321,6 +1379,7 @@ impl DeviceSession for CudaSession {
         let exec = self.exec.clone();
         let mut g = exec.lock()?;
         let idx = self.stage(phase, tokens, pos, want)?;
+        self.steps += 1;
         self.launch(idx)?;
         g.owner = self.id;
         match want {
@@ -1340,6 +1399,7 @@ impl DeviceSession for CudaSession {
         let exec = self.exec.clone();
         let mut g = exec.lock()?;
         let idx = self.stage(phase, tokens, pos, logits)?;
+        self.steps += 1;
         g.owner = self.id;
         let ws = dptr(&self.exec.workspace);
         let program = &self.programs[idx].1;

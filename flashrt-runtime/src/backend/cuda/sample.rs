@@ -1,0 +1,185 @@
+//! The sampler on the device (kernels/sample.cu): the algorithm of [`crate::sampling`] over a
+//! logits row already on the GPU, so a sampled token costs one small launch and a 4-byte read
+//! instead of a host pass over the row. The draw itself (the RNG) stays on the host, in the
+//! session's [`SamplerState`](crate::SamplerState); [`SamplerState::draw_spec`] gives the
+//! kernel its inputs, computed exactly as the host sampler computes them.
+//!
+//! [`SamplerState::draw_spec`]: crate::SamplerState::draw_spec
+
+use super::kernels::Kernels;
+use super::{CudaBackend, alloc_zeroed, dptr, drv};
+use crate::error::{Error, Result};
+use crate::sampling::DrawSpec;
+use cudarc::driver::{CudaSlice, CudaStream};
+use std::sync::Arc;
+
+/// `sample_row`'s parameters (kernels/sample.cu `SampleParams`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SampleParams {
+    logits: u64,
+    out: u64,
+    inv_t: f64,
+    floor_w: u64,
+    top_p: u64,
+    draw: u64,
+    ws: u64,
+    weights: u64,
+    list: u64,
+    n: u32,
+    top_k: u32,
+    use_top_p: u32,
+    pad: u32,
+}
+
+/// Bytes of the header and first-digit histogram at the start of a sampler workspace.
+const WS_HEAD: usize = 8 * (2 + 4096);
+
+/// Device bytes of a sampler workspace for rows of `n` logits (kernels/sample.cu
+/// `SampleParams::ws`): header and histogram, a weight per logit, a list of `n` pairs, and
+/// 4 bytes for the result.
+pub(super) fn workspace_bytes(n: usize) -> usize {
+    WS_HEAD + 8 * n + 16 * n + 256
+}
+
+/// Sample from the `n` f32 logits at device address `row` on `stream`, with a workspace of
+/// [`workspace_bytes`]`(n)` at `ws`. Blocks until the index is on the host. `None` when no
+/// logit is finite (the caller then keeps its RNG state, as the host sampler does).
+///
+/// # Safety
+/// `row` must hold `n` f32 values and `ws` the workspace, both live device memory of the
+/// stream's context, not touched by other work until this returns.
+pub(super) unsafe fn sample_on(
+    kernels: &Kernels,
+    stream: &CudaStream,
+    row: u64,
+    n: usize,
+    ws: u64,
+    sms: usize,
+    spec: &DrawSpec,
+) -> Result<Option<u32>> {
+    if n == 0 || n > u32::MAX as usize - 1 {
+        return Err(Error::Input(format!("sample: a row of {n} logits")));
+    }
+    let out = ws + (WS_HEAD + 24 * n) as u64;
+    let p = SampleParams {
+        logits: row,
+        out,
+        inv_t: spec.inv_t,
+        floor_w: spec.floor_w,
+        top_p: spec.top_p.unwrap_or(0),
+        draw: spec.draw,
+        ws,
+        weights: ws + WS_HEAD as u64,
+        list: ws + (WS_HEAD + 8 * n) as u64,
+        n: n as u32,
+        top_k: spec.top_k,
+        use_top_p: spec.top_p.is_some() as u32,
+        pad: 0,
+    };
+    // SAFETY: the header and histogram lie at the start of the workspace (this function's
+    // contract); ordered on the stream before the kernels that accumulate into them.
+    unsafe { cudarc::driver::result::memset_d8_async(ws, 0, WS_HEAD, stream.cu_stream()) }
+        .map_err(drv("sample: clear the workspace"))?;
+    let grid = (n.div_ceil(256).min(2 * sms.max(1)) as u32, 1, 1);
+    for (name, grid, block) in [
+        ("sample_best", grid, 256),
+        ("sample_weigh", grid, 256),
+        ("sample_pick", (1, 1, 1), 1024),
+    ] {
+        let func = kernels.get(name)?;
+        let mut args = [&p as *const SampleParams as *mut std::ffi::c_void];
+        // SAFETY: each kernel takes one by-value `SampleParams` (same repr(C) layout as the
+        // kernel's struct); the addresses are valid by this function's contract; `p`
+        // outlives the launch call.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                func.cu_function(),
+                grid,
+                (block, 1, 1),
+                0,
+                stream.cu_stream(),
+                &mut args,
+            )
+        }
+        .map_err(drv(name))?;
+    }
+    let mut id = [0u32; 1];
+    // SAFETY: `out` holds 4 bytes written by the kernel above, in stream order; `id` is 4
+    // bytes of host memory, and a copy into pageable memory completes before this returns.
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut id, out, stream.cu_stream()) }
+        .map_err(drv("sample: read the index"))?;
+    stream.synchronize().map_err(drv("sample"))?;
+    Ok((id[0] != u32::MAX).then_some(id[0]))
+}
+
+/// The device sampler on rows that come from the host: what the tests check against the host
+/// sampler bit for bit, and what a benchmark times. (Sessions sample the row their step left
+/// in the I/O arena instead: [`crate::backend::DeviceSession::sample_row`].)
+pub struct CudaSampler {
+    kernels: Kernels,
+    stream: Arc<CudaStream>,
+    row: CudaSlice<u8>,
+    ws: CudaSlice<u8>,
+    cap: usize,
+    sms: usize,
+}
+
+impl CudaSampler {
+    /// A sampler for rows of up to `max_n` logits.
+    pub fn new(backend: &CudaBackend, max_n: usize) -> Result<CudaSampler> {
+        let ctx = backend.context();
+        ctx.bind_to_thread().map_err(drv("bind context"))?;
+        let kernels = Kernels::load(ctx)?;
+        let stream = ctx.new_stream().map_err(drv("create stream"))?;
+        let row = alloc_zeroed(&stream, 4 * max_n.max(1), "sampler row")?;
+        let ws = alloc_zeroed(&stream, workspace_bytes(max_n), "sampler workspace")?;
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(drv("device attributes"))?
+            .max(1) as usize;
+        Ok(CudaSampler {
+            kernels,
+            stream,
+            row,
+            ws,
+            cap: max_n,
+            sms,
+        })
+    }
+
+    /// Copy `row` to the device and sample it with `spec`.
+    pub fn sample(&mut self, row: &[f32], spec: &DrawSpec) -> Result<Option<u32>> {
+        if row.len() > self.cap {
+            return Err(Error::Input(format!(
+                "a row of {} logits, the sampler holds {}",
+                row.len(),
+                self.cap
+            )));
+        }
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(drv("bind context"))?;
+        let dst = dptr(&self.row);
+        // SAFETY: `dst` holds `cap >= row.len()` f32; the copy from pageable memory completes
+        // before the launch below reads it (same stream) and `row` outlives it (the sampler
+        // synchronises before returning).
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, row, self.stream.cu_stream()) }
+            .map_err(drv("sampler: copy the row"))?;
+        // SAFETY: the row and result buffers are this sampler's, used only on its stream.
+        unsafe {
+            sample_on(
+                &self.kernels,
+                &self.stream,
+                dst,
+                row.len(),
+                dptr(&self.ws),
+                self.sms,
+                spec,
+            )
+        }
+    }
+}
