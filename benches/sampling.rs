@@ -1,7 +1,8 @@
 //! The host sampler on a logits row as wide as Qwen3.5/3.6's vocabulary (248,320): greedy,
 //! the OpenAI default (temperature 1, no cut), temperature 0.7 with top-p 0.9, top-k 50 and
 //! min-p 0.05, on a flat row (what random weights give: every candidate carries weight) and
-//! a peaked one (a trained model: a few candidates carry the mass).
+//! a peaked one (a trained model: a few candidates carry the mass); and the log-probabilities
+//! a request with `logprobs` / `top_logprobs: 5` costs per token.
 //!
 //! ```sh
 //! cargo bench --bench sampling
@@ -49,6 +50,15 @@ fn bench_sampling(c: &mut Criterion) {
                 b.iter(|| std::hint::black_box(s.sample(std::hint::black_box(&row))))
             });
         }
+        g.bench_function(format!("{row_name}/logprobs_top5"), |b| {
+            b.iter(|| {
+                std::hint::black_box(flashrt::runtime::sampling::logprobs(
+                    std::hint::black_box(&row),
+                    3,
+                    5,
+                ))
+            })
+        });
     }
     g.finish();
 }

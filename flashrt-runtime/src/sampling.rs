@@ -515,6 +515,121 @@ fn draw_target(rng: &mut [u64; 4], kept: u128) -> u128 {
     (u * kept) >> 53
 }
 
+/// Log-probabilities of one chosen token, as OpenAI's `logprobs` / `top_logprobs` report
+/// them ([`logprobs`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    /// `ln p(token)`; `-inf` for a token whose logit is not finite.
+    pub logprob: f32,
+    /// The `top` most likely tokens and their log-probabilities, most likely first (ties: the
+    /// smaller id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `Σ e^(v − max)` over the finite logits (terms below `e^-87` add 0), for [`logprobs`]:
+/// eight independent f64 sums, so the additions do not form one serial chain, of f32 terms
+/// (relative error ~1e-7, far below what an f32 log-probability shows).
+fn exp_sum(row: &[f32], max: f32) -> f64 {
+    let term = |v: f32| {
+        let d = v - max;
+        let ok = v.is_finite() && d >= -87.0;
+        let e = exp_neg_f32(if ok { d } else { 0.0 });
+        if ok { e as f64 } else { 0.0 }
+    };
+    let mut acc = [0f64; 8];
+    let mut chunks = row.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += term(v);
+        }
+    }
+    for (a, &v) in acc.iter_mut().zip(chunks.remainder()) {
+        *a += term(v);
+    }
+    acc.iter().sum()
+}
+
+/// `e^d` for `d` in `[-87, 0]` in f32, branch-free: `2^k · p(r)` with `k = round(d · log2 e)`,
+/// `r = d − k · ln 2` (two-part ln 2) and the degree-7 Taylor polynomial of `e^r`
+/// (`|r| <= ln 2 / 2`: truncation below 2e-8 relative). For [`logprobs`] only; the sampler's
+/// weights use the specified [`portable_exp`].
+#[inline(always)]
+fn exp_neg_f32(d: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23
+    let k = (d * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = (d - k * 0.693_145_75) - k * 1.428_606_8e-6;
+    let mut p = 1.0 / 5040.0;
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = p * r + c;
+    }
+    // k + 2^23 + 127 is an integer in [2^23, 2^24): its low mantissa bits are 127 + k (no
+    // float-to-int conversion, which would keep the loop from vectorising).
+    const TWO23: f32 = 8_388_608.0;
+    let biased = (k + (TWO23 + 127.0)).to_bits() - TWO23.to_bits();
+    p * f32::from_bits(biased << 23)
+}
+
+/// Most alternatives [`logprobs`] reports per token (OpenAI's limit for `top_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The log-probabilities of `token` and of the `top` (at most [`MAX_TOP_LOGPROBS`]) most
+/// likely tokens under the model's distribution over `row`: the log-softmax of the raw logits
+/// (temperature 1, before any top-k / top-p / min-p cut; what vLLM reports by default), in
+/// f64 (`ln Σ exp(v − max)` over the finite logits, each term in f32), rounded to f32. `None` when no logit is finite. A pass over the row on the
+/// host (`cargo bench --bench sampling -- logprobs`), so servers compute it only when a
+/// request asks.
+pub fn logprobs(row: &[f32], token: u32, top: usize) -> Option<TokenLogprobs> {
+    let max = crate::session::max_finite(row)? as f64;
+    // Branch-free so that it vectorises: `portable_exp` holds for d >= -708 (2^k stays a
+    // normal number); smaller terms, and non-finite logits, add 0.
+    let sum = exp_sum(row, max as f32);
+    let lse = max + sum.ln();
+    let lp = |v: f32| {
+        if v.is_finite() {
+            (v as f64 - lse) as f32
+        } else {
+            f32::NEG_INFINITY
+        }
+    };
+    // The `top` largest order keys, kept sorted, largest first: one comparison per logit once
+    // the list is full.
+    let top = top.min(MAX_TOP_LOGPROBS);
+    let mut best: Vec<u64> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &v) in row.iter().enumerate() {
+            if !v.is_finite() {
+                continue;
+            }
+            let k = order_key(v, i as u32);
+            if best.len() == top && k <= best[top - 1] {
+                continue;
+            }
+            let at = best.partition_point(|&b| b > k);
+            best.insert(at, k);
+            best.truncate(top);
+        }
+    }
+    Some(TokenLogprobs {
+        token,
+        logprob: row
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&v| lp(v)),
+        top: best
+            .into_iter()
+            .map(|k| (key_index(k), lp(key_logit(k))))
+            .collect(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -744,6 +859,55 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn exp_neg_f32_is_accurate() {
+        let mut worst = 0f64;
+        for i in 0..=87_000 {
+            let d = -(i as f32) * 1e-3;
+            let got = exp_neg_f32(d) as f64;
+            let want = (d as f64).exp();
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 5e-7, "relative error {worst:e}");
+        assert_eq!(exp_neg_f32(0.0), 1.0);
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax() {
+        // Logits ln 1, ln 2, ln 3, ln 4 (+ a NaN and -inf): p = 0.1, 0.2, 0.3, 0.4.
+        let row = [
+            0.0f32,
+            2f32.ln(),
+            f32::NAN,
+            3f32.ln(),
+            4f32.ln(),
+            f32::NEG_INFINITY,
+        ];
+        let l = logprobs(&row, 3, 3).unwrap();
+        assert_eq!(l.token, 3);
+        assert!((l.logprob as f64 - 0.3f64.ln()).abs() < 1e-6, "{l:?}");
+        let ids: Vec<u32> = l.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![4, 3, 1]);
+        for ((_, got), p) in l.top.iter().zip([0.4f64, 0.3, 0.2]) {
+            assert!((*got as f64 - p.ln()).abs() < 1e-6);
+        }
+        // Non-finite logits: -inf, never among the top.
+        assert_eq!(logprobs(&row, 2, 20).unwrap().logprob, f32::NEG_INFINITY);
+        assert_eq!(logprobs(&row, 2, 20).unwrap().top.len(), 4);
+        // Ties: the smaller id first; at most MAX_TOP_LOGPROBS.
+        let flat = vec![1.5f32; 100];
+        let l = logprobs(&flat, 7, 50).unwrap();
+        assert_eq!(l.top.len(), MAX_TOP_LOGPROBS);
+        assert_eq!(l.top[0].0, 0);
+        assert_eq!(l.top[19].0, 19);
+        assert!((l.logprob as f64 + 100f64.ln()).abs() < 1e-5);
+        // Large logits do not overflow.
+        let big = [1e30f32, 1e30 - 1e24, -1e30];
+        let l = logprobs(&big, 0, 1).unwrap();
+        assert!(l.logprob <= 0.0 && l.logprob.is_finite());
+        assert!(logprobs(&[f32::NAN], 0, 1).is_none());
     }
 
     #[test]

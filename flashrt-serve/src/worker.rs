@@ -19,6 +19,7 @@
 use crate::metrics::Metrics;
 use crate::tenants::Tenant;
 use crate::text::{Text, TextStream};
+use flashrt_runtime::sampling::TokenLogprobs;
 use flashrt_runtime::store::{CapsuleInfo, PrefixScope, random_id, valid_id};
 use flashrt_runtime::{CapsuleStore, Error, LogitsMode, Model, SamplerState, Session};
 use serde_json::{Value, json};
@@ -103,7 +104,8 @@ pub enum Event {
     /// one is wanted)
     /// and the text it makes visible (empty without a tokenizer, or while a character or a
     /// possible stop string is incomplete). `None`: the text still held back at the end.
-    Token(Option<u32>, String),
+    /// With its log-probabilities when the request asked for them.
+    Token(Option<u32>, String, Option<TokenLogprobs>),
     /// The end: a summary (`tokens`, `finish_reason`, `pos`, usage).
     Done(Value),
     /// A failure after the stream started.
@@ -117,6 +119,21 @@ struct Generated {
     text: String,
     /// The last token, chosen and streamed but not yet fed to the session.
     unfed: Option<u32>,
+    /// Per token, when asked for.
+    logprobs: Vec<TokenLogprobs>,
+}
+
+/// Generated log-probabilities as the summary JSON carries them (`null` when not asked for).
+fn logprobs_json(req: &GenReq, l: &[TokenLogprobs]) -> Value {
+    if req.logprobs.is_none() {
+        return Value::Null;
+    }
+    l.iter()
+        .map(|t| {
+            json!({"token": t.token, "logprob": t.logprob,
+                   "top": t.top.iter().map(|(id, lp)| json!([id, lp])).collect::<Vec<_>>()})
+        })
+        .collect()
 }
 
 /// A generation request, validated by the HTTP layer.
@@ -130,6 +147,9 @@ pub struct GenReq {
     /// Generation stops when the decoded text contains one of these (needs a tokenizer);
     /// the text returned and streamed ends before it.
     pub stop_strings: Vec<String>,
+    /// Report each token's log-probability and this many alternatives
+    /// ([`flashrt_runtime::sampling::logprobs`]); `None`: none.
+    pub logprobs: Option<usize>,
 }
 
 /// Session creation.
@@ -638,6 +658,7 @@ impl Worker {
                     "text": g.text,
                     "finish_reason": g.finish,
                     "pos": pos,
+                    "logprobs": logprobs_json(&req, &g.logprobs),
                 });
                 if let Some(tx) = &stream {
                     let _ = tx.send(Event::Done(summary.clone()));
@@ -906,6 +927,7 @@ impl Worker {
         cache_prompt: Option<&Tenant>,
     ) -> WResult<Generated> {
         let mut out = Vec::new();
+        let mut logprobs = Vec::new();
         let max = self.model.max_seq();
         let mut finish = "length";
         let mut unfed: Option<u32> = None;
@@ -930,13 +952,21 @@ impl Worker {
             // The prompt capsule keeps the sampler as it was before this draw.
             let before = (out.is_empty() && cache_prompt.is_some()).then(|| s.sampler().clone());
             let t = s.sample_next()?;
+            // From the row the token was chosen from (sampling does not change it).
+            let lp = req
+                .logprobs
+                .and_then(|k| flashrt_runtime::sampling::logprobs(s.last_logits(), t, k));
+            if let Some(l) = &lp {
+                logprobs.push(l.clone());
+            }
             out.push(t);
             unfed = Some(t);
             self.metrics
                 .generated_tokens
                 .fetch_add(1, Ordering::Relaxed);
             let piece = text.as_mut().map(|ts| ts.push(t)).unwrap_or_default();
-            let gone = stream.is_some_and(|tx| tx.send(Event::Token(Some(t), piece.text)).is_err());
+            let gone =
+                stream.is_some_and(|tx| tx.send(Event::Token(Some(t), piece.text, lp)).is_err());
             let now = Instant::now();
             if out.len() == 1 {
                 self.metrics.ttft.observe(now - last);
@@ -962,7 +992,7 @@ impl Worker {
                 if let Some(tx) = stream
                     && !tail.text.is_empty()
                 {
-                    let _ = tx.send(Event::Token(None, tail.text));
+                    let _ = tx.send(Event::Token(None, tail.text, None));
                 }
                 ts.text().to_string()
             }
@@ -973,6 +1003,7 @@ impl Worker {
             finish,
             text: visible,
             unfed,
+            logprobs,
         })
     }
 
@@ -1059,6 +1090,7 @@ impl Worker {
             "prompt_tokens": prompt.len(),
             "cached_tokens": cached,
             "seed": s.sampler().seed,
+            "logprobs": logprobs_json(req, &g.logprobs),
         }))
     }
 }

@@ -701,3 +701,142 @@ fn hostile_input_gets_a_clear_4xx_and_the_server_keeps_serving() {
     assert_eq!(get("flashrt_http_server_errors_total "), 0);
     server.shutdown().unwrap();
 }
+
+/// `logprobs` over HTTP against a log-softmax computed here from the library's own logits
+/// (f64, independently of the server's code): completions (`logprobs: N`) and chat
+/// (`logprobs: true, top_logprobs: N`), streamed and not, greedy (the chosen token is the top
+/// alternative) and sampled; invalid requests get a clear 400.
+#[test]
+fn openai_logprobs_match_the_log_softmax() {
+    let m = lfm2();
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let c = Client::new(server.addr(), None);
+    let prompt = tokens(31, 23, v);
+    // The reference: the library's logits at each generated position, log-softmaxed here.
+    let reference = |toks: &[u32]| -> Vec<(f64, Vec<(u32, f64)>)> {
+        let mut s = m.session().unwrap();
+        s.append(&prompt).unwrap();
+        toks.iter()
+            .map(|&t| {
+                let row: Vec<f64> = s.last_logits().iter().map(|&x| x as f64).collect();
+                let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+                let mut order: Vec<u32> = (0..row.len() as u32).collect();
+                order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+                let top = order[..3]
+                    .iter()
+                    .map(|&i| (i, row[i as usize] - lse))
+                    .collect();
+                s.append(&[t]).unwrap();
+                (row[t as usize] - lse, top)
+            })
+            .collect()
+    };
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-4 * (1.0 + b.abs());
+
+    for sampled in [false, true] {
+        let mut body = json!({"prompt": prompt, "max_tokens": 5, "logprobs": 3, "temperature": 0});
+        if sampled {
+            body["temperature"] = json!(1.1);
+            body["seed"] = json!(9);
+        }
+        let a = c.ok("/v1/completions", &body);
+        let toks = ids(&a["choices"][0]["token_ids"]);
+        let want = reference(&toks);
+        let lp = &a["choices"][0]["logprobs"];
+        assert_eq!(lp["tokens"].as_array().unwrap().len(), 5, "{lp}");
+        let offsets: Vec<u64> = serde_json::from_value(lp["text_offset"].clone()).unwrap();
+        assert!(offsets.windows(2).all(|w| w[0] <= w[1]) && offsets[0] == 0);
+        for (i, (l, top)) in want.iter().enumerate() {
+            let got = lp["token_logprobs"][i].as_f64().unwrap();
+            assert!(close(got, *l), "token {i}: {got} vs {l}");
+            let alts = lp["top_logprobs"][i].as_object().unwrap();
+            assert_eq!(alts.len(), 3);
+            for (id, p) in top {
+                let g = alts[&format!("token_id:{id}")].as_f64().unwrap();
+                assert!(close(g, *p), "token {i}, alternative {id}: {g} vs {p}");
+            }
+            if !sampled {
+                assert!(close(got, top[0].1), "greedy picks the top alternative");
+            }
+        }
+        // Streamed: the same numbers, one token per chunk.
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let ev = c.post("/v1/completions", &sb).events();
+        let streamed: Vec<f64> = ev[..ev.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str::<Value>(e).unwrap())
+            .filter(|e| !e["choices"][0]["logprobs"].is_null())
+            .map(|e| {
+                e["choices"][0]["logprobs"]["token_logprobs"][0]
+                    .as_f64()
+                    .unwrap()
+            })
+            .collect();
+        let plain: Vec<f64> = serde_json::from_value(lp["token_logprobs"].clone()).unwrap();
+        assert_eq!(streamed, plain);
+    }
+
+    // Chat: `content` entries with token, logprob, bytes, top_logprobs.
+    let chat = c.ok(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 3,
+                "temperature": 0, "logprobs": true, "top_logprobs": 2}),
+    );
+    let content = chat["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap();
+    assert_eq!(content.len(), 3);
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    assert_eq!(content[0]["token"], content[0]["top_logprobs"][0]["token"]);
+    assert!(content[0]["bytes"].is_array());
+    // Without logprobs, none.
+    let none = c.ok(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 2, "temperature": 0}),
+    );
+    assert!(none["choices"][0]["logprobs"].is_null());
+
+    // Bad requests.
+    let bad = [
+        ("/v1/completions", json!({"prompt": prompt, "logprobs": 21})),
+        ("/v1/completions", json!({"prompt": prompt, "logprobs": -1})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": prompt}], "top_logprobs": 2}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": prompt}], "logprobs": 3}),
+        ),
+    ];
+    for (path, b) in bad {
+        let r = c.post(path, &b);
+        assert_eq!(r.status, 400, "{b}: {}", String::from_utf8_lossy(&r.body));
+    }
+    let r = c.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "top_logprobs": 2}),
+    );
+    assert_4xx(&r, 400, "unsupported_parameter");
+
+    // The sessions API: `logprobs: N` on generate, the same numbers.
+    let sid = c.ok("/v1/sessions", &json!({"tokens": prompt}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let g = c.ok(
+        &format!("/v1/sessions/{sid}/generate"),
+        &json!({"max_tokens": 4, "logprobs": 3}),
+    );
+    let want = reference(&ids(&g["tokens"]));
+    let lps = g["logprobs"].as_array().unwrap();
+    assert_eq!(lps.len(), 4);
+    for ((l, top), got) in want.iter().zip(lps) {
+        assert!(close(got["logprob"].as_f64().unwrap(), *l));
+        assert_eq!(got["top"][0][0].as_u64().unwrap() as u32, top[0].0);
+    }
+    server.shutdown().unwrap();
+}

@@ -2,6 +2,7 @@
 //! (JSON or SSE), with automatic prefix reuse through the worker.
 
 use super::*;
+use flashrt_runtime::sampling::{MAX_TOP_LOGPROBS, TokenLogprobs};
 
 pub(super) async fn models(State(st): St) -> Response {
     ok(json!({
@@ -91,9 +92,6 @@ impl CompletionBody {
         }
         if set(&self.suffix) {
             return refuse("suffix", "no insertion mode");
-        }
-        if set(&self.top_logprobs) && self.top_logprobs != Some(Value::from(0)) {
-            return refuse("top_logprobs", "no logprobs yet");
         }
         if let Some(r) = &self.response_format
             && !r.is_null()
@@ -242,7 +240,152 @@ fn chat_ids(st: &AppState, b: &CompletionBody) -> Result<Vec<u32>, ApiError> {
     }
 }
 
-fn completion_req(st: &AppState, b: &CompletionBody) -> Result<GenReq, ApiError> {
+/// The number of alternatives a `top_logprobs`-style count asks for, checked (0..=20).
+pub(super) fn top_logprobs_count(n: Option<usize>) -> Result<Option<usize>, ApiError> {
+    match n {
+        Some(k) if k > MAX_TOP_LOGPROBS => Err(ApiError::bad(
+            "invalid_request",
+            format!("at most {MAX_TOP_LOGPROBS} alternatives per token (asked for {k})"),
+        )),
+        n => Ok(n),
+    }
+}
+
+/// What `logprobs` / `top_logprobs` ask for: chat takes `logprobs: true` and
+/// `top_logprobs: 0..=20`; completions take `logprobs: 0..=20` (alternatives per token).
+fn logprobs_req(b: &CompletionBody, chat: bool) -> Result<Option<usize>, ApiError> {
+    let bad = |m: &str| Err(ApiError::bad("invalid_request", m.to_string()));
+    let count = |v: &Value, what: &str| -> Result<usize, ApiError> {
+        v.as_u64().map(|n| n as usize).ok_or_else(|| {
+            ApiError::bad(
+                "invalid_request",
+                format!("`{what}` must be a whole number from 0 to {MAX_TOP_LOGPROBS}"),
+            )
+        })
+    };
+    let top = match &b.top_logprobs {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(count(v, "top_logprobs")?),
+    };
+    if chat {
+        let on = match &b.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) => true,
+            Some(_) => return bad("`logprobs` must be true or false"),
+        };
+        if !on {
+            if top.is_some_and(|k| k > 0) {
+                return bad("`top_logprobs` needs `logprobs: true`");
+            }
+            return Ok(None);
+        }
+        top_logprobs_count(Some(top.unwrap_or(0)))
+    } else {
+        if top.is_some_and(|k| k > 0) {
+            return Err(ApiError::bad(
+                "unsupported_parameter",
+                "`top_logprobs` is a chat parameter; /v1/completions takes `logprobs: N`",
+            ));
+        }
+        match &b.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(None),
+            Some(v) => top_logprobs_count(Some(count(v, "logprobs")?)),
+        }
+    }
+}
+
+/// A token as `logprobs` name it: its text (the tokenizer's), else `token_id:N`.
+fn token_str(st: &AppState, id: u32) -> String {
+    match &st.text {
+        Some(t) => t.tokenizer.decode_with(&[id], false),
+        None => format!("token_id:{id}"),
+    }
+}
+
+/// A log-probability for JSON (which has no infinities): OpenAI's -9999 for "impossible".
+fn lp_json(x: f64) -> f64 {
+    if x.is_finite() { x } else { -9999.0 }
+}
+
+/// One token's log-probability and alternatives: from a stream event or the summary.
+struct Lp {
+    token: u32,
+    logprob: f64,
+    top: Vec<(u32, f64)>,
+}
+
+impl Lp {
+    fn of(l: &TokenLogprobs) -> Lp {
+        Lp {
+            token: l.token,
+            logprob: l.logprob as f64,
+            top: l.top.iter().map(|&(id, p)| (id, p as f64)).collect(),
+        }
+    }
+
+    /// The worker's summary form (`{"token", "logprob", "top": [[id, lp]]}`; a logprob
+    /// JSON could not carry is null).
+    fn all_of(v: &Value) -> Option<Vec<Lp>> {
+        let num = |x: &Value| x.as_f64().unwrap_or(f64::NEG_INFINITY);
+        v.as_array().map(|a| {
+            a.iter()
+                .map(|e| Lp {
+                    token: e["token"].as_u64().unwrap_or(0) as u32,
+                    logprob: num(&e["logprob"]),
+                    top: e["top"]
+                        .as_array()
+                        .map(|t| {
+                            t.iter()
+                                .map(|p| (p[0].as_u64().unwrap_or(0) as u32, num(&p[1])))
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                })
+                .collect()
+        })
+    }
+}
+
+/// Chat's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+fn chat_logprobs(st: &AppState, lps: &[Lp]) -> Value {
+    let entry = |id: u32, lp: f64| {
+        let s = token_str(st, id);
+        json!({"token": s, "logprob": lp_json(lp), "bytes": s.as_bytes()})
+    };
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|l| {
+            let mut e = entry(l.token, l.logprob);
+            e["top_logprobs"] = l.top.iter().map(|&(id, p)| entry(id, p)).collect();
+            e
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// Completions' `logprobs`: `{tokens, token_logprobs, top_logprobs, text_offset}`; `offset`
+/// is the text offset (characters of the completion) of the first token, advanced past them.
+fn completion_logprobs(st: &AppState, lps: &[Lp], offset: &mut usize) -> Value {
+    let mut tokens = Vec::new();
+    let mut offsets = Vec::new();
+    for l in lps {
+        let s = token_str(st, l.token);
+        offsets.push(*offset);
+        *offset += s.chars().count();
+        tokens.push(s);
+    }
+    json!({
+        "tokens": tokens,
+        "token_logprobs": lps.iter().map(|l| lp_json(l.logprob)).collect::<Vec<_>>(),
+        "top_logprobs": lps.iter().map(|l| {
+            l.top.iter().map(|&(id, p)| (token_str(st, id), json!(lp_json(p))))
+                .collect::<serde_json::Map<_, _>>()
+        }).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+fn completion_req(st: &AppState, b: &CompletionBody, chat: bool) -> Result<GenReq, ApiError> {
     if let Some(m) = &b.model
         && m != &st.model_name
     {
@@ -265,12 +408,7 @@ fn completion_req(st: &AppState, b: &CompletionBody) -> Result<GenReq, ApiError>
     if b.echo {
         return Err(ApiError::bad("unsupported", "echo is not supported"));
     }
-    if b.logprobs
-        .as_ref()
-        .is_some_and(|v| !v.is_null() && v != &Value::Bool(false))
-    {
-        return Err(ApiError::bad("unsupported", "logprobs are not supported"));
-    }
+    let logprobs = logprobs_req(b, chat)?;
     let stop_strings: Vec<String> = match &b.stop {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -300,6 +438,7 @@ fn completion_req(st: &AppState, b: &CompletionBody) -> Result<GenReq, ApiError>
         sampler: Some(sampler),
         stop: stops(st, b.stop_token_ids.clone(), b.ignore_eos),
         stop_strings,
+        logprobs,
     })
 }
 
@@ -349,7 +488,7 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                     .ok_or_else(|| ApiError::bad("invalid_request", "`prompt` is required"))?,
             )?
         };
-        let req = completion_req(&st, &b)?;
+        let req = completion_req(&st, &b, chat)?;
         Ok::<_, ApiError>((prompt, req, b.stream))
     }
     .await;
@@ -401,6 +540,7 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
     }
     let st2 = st.clone();
     let mut first = true;
+    let mut offset = 0usize;
     let count = TokenCount::default();
     let count2 = count.clone();
     let mut r = sse(
@@ -411,15 +551,19 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
             } else {
                 "text_completion"
             };
-            let choice = |piece: String, tokens: Vec<u32>, finish: Value, first: bool| {
+            let choice = |piece: String,
+                          tokens: Vec<u32>,
+                          finish: Value,
+                          first: bool,
+                          lp: Value| {
                 if chat {
                     let mut delta = json!({"content": piece, "token_ids": tokens});
                     if first {
                         delta["role"] = json!("assistant");
                     }
-                    json!({"index": 0, "delta": delta, "finish_reason": finish})
+                    json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish})
                 } else {
-                    json!({"index": 0, "text": piece, "token_ids": tokens, "logprobs": null, "finish_reason": finish})
+                    json!({"index": 0, "text": piece, "token_ids": tokens, "logprobs": lp, "finish_reason": finish})
                 }
             };
             let chunk = |c: Value| {
@@ -428,8 +572,13 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                 .to_string()
             };
             match ev {
-                Event::Token(t, piece) => {
-                    let c = choice(piece, t.into_iter().collect(), Value::Null, first);
+                Event::Token(t, piece, lp) => {
+                    let lp = match lp {
+                        Some(l) if chat => chat_logprobs(&st2, &[Lp::of(&l)]),
+                        Some(l) => completion_logprobs(&st2, &[Lp::of(&l)], &mut offset),
+                        None => Value::Null,
+                    };
+                    let c = choice(piece, t.into_iter().collect(), Value::Null, first, lp);
                     first = false;
                     vec![chunk(c)]
                 }
@@ -440,7 +589,13 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                     );
                     // The last chunk carries the finish reason and, like OpenAI's
                     // `include_usage`, the usage.
-                    let c = choice(String::new(), vec![], v["finish_reason"].clone(), first);
+                    let c = choice(
+                        String::new(),
+                        vec![],
+                        v["finish_reason"].clone(),
+                        first,
+                        Value::Null,
+                    );
                     let mut last: Value = serde_json::from_str(&chunk(c)).unwrap_or_default();
                     last["usage"] = usage(&v);
                     vec![last.to_string(), "[DONE]".to_string()]
@@ -465,11 +620,16 @@ fn completion_json(st: &AppState, id: &str, created: u64, chat: bool, v: &Value)
     // The worker's text: decoded incrementally and cut at a stop string, exactly what a
     // streamed answer carries.
     let text = v["text"].as_str().unwrap_or_default();
+    let logprobs = match Lp::all_of(&v["logprobs"]) {
+        Some(l) if chat => chat_logprobs(st, &l),
+        Some(l) => completion_logprobs(st, &l, &mut 0),
+        None => Value::Null,
+    };
     let choice = if chat {
         json!({"index": 0, "message": {"role": "assistant", "content": text, "token_ids": ids},
-               "finish_reason": v["finish_reason"]})
+               "logprobs": logprobs, "finish_reason": v["finish_reason"]})
     } else {
-        json!({"index": 0, "text": text, "token_ids": ids, "logprobs": null,
+        json!({"index": 0, "text": text, "token_ids": ids, "logprobs": logprobs,
                "finish_reason": v["finish_reason"]})
     };
     json!({

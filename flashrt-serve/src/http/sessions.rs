@@ -87,6 +87,8 @@ struct GenerateBody {
     ignore_eos: bool,
     #[serde(default)]
     stream: bool,
+    /// Each token's log-probability and this many alternatives (0..=20).
+    logprobs: Option<usize>,
 }
 
 pub(super) async fn generate(State(st): St, Path(id): Path<String>, body: Body) -> Response {
@@ -98,6 +100,7 @@ pub(super) async fn generate(State(st): St, Path(id): Path<String>, body: Body) 
             sampler: b.sampler.map(|s| s.build(&st)).transpose()?,
             stop: stops(&st, b.stop_token_ids, b.ignore_eos),
             stop_strings: Vec::new(),
+            logprobs: super::openai::top_logprobs_count(b.logprobs)?,
         };
         Ok::<_, ApiError>((req, b.stream))
     }
@@ -131,8 +134,15 @@ pub(super) async fn generate(State(st): St, Path(id): Path<String>, body: Body) 
         Ok(_) => sse(
             rx,
             Box::new(|ev| match ev {
-                Event::Token(Some(t), text) => vec![json!({"token": t, "text": text}).to_string()],
-                Event::Token(None, text) => vec![json!({"text": text}).to_string()],
+                Event::Token(Some(t), text, lp) => {
+                    let mut v = json!({"token": t, "text": text});
+                    if let Some(l) = lp {
+                        v["logprob"] = json!(l.logprob);
+                        v["top"] = l.top.iter().map(|(id, p)| json!([id, p])).collect();
+                    }
+                    vec![v.to_string()]
+                }
+                Event::Token(None, text, _) => vec![json!({"text": text}).to_string()],
                 Event::Done(v) => vec![json!({"done": true, "result": v}).to_string()],
                 Event::Error(e) => vec![e.body().to_string()],
             }),
