@@ -7,8 +7,9 @@
 //! of it), then for each suffix length n the prefix plus n fresh tokens with `max_tokens: 1`
 //! (a warm-up, then `runs` runs, each with new tokens), the time from sending the request to
 //! the first token event and the `cached_tokens` the server reports; an exact repeat of the
-//! stored prompt; and streamed decode, greedy and at temperature 0.7 / top-p 0.9: the median
-//! gap between token events.
+//! stored prompt; and streamed decode, greedy and at temperature 0.7 / top-p 0.9 (and, for a
+//! model with an MTP head, greedy with speculative rounds, checked against the plain greedy
+//! tokens): the median and mean gap between token events.
 //!
 //! The client is a few lines over `std::net::TcpStream` (HTTP/1.1, chunked responses, SSE
 //! events), so nothing between the socket and the clock buffers a token.
@@ -46,7 +47,13 @@ pub struct DecodeResult {
     pub sampler: String,
     /// Median gap between consecutive token events.
     pub median_gap_ms: f64,
+    /// (last event - first event) / (tokens - 1): what bursts of speculative rounds average to.
+    pub mean_gap_ms: f64,
     pub tokens: usize,
+    /// Speculative runs: whether the tokens equal the plain greedy run's.
+    pub same_as_greedy: Option<bool>,
+    /// The server's summary of the speculative rounds (null when plain).
+    pub speculative: Value,
 }
 
 #[derive(Serialize)]
@@ -65,7 +72,17 @@ pub struct ServeReport {
 
 /// One streamed completion: the seconds from sending to each token event, and the usage's
 /// `cached_tokens`.
-fn stream_completion(addr: SocketAddr, body: &Value) -> Result<(Vec<f64>, usize), String> {
+/// What a streamed completion delivered: per token, the time its event arrived (seconds
+/// from sending the request); the cached prompt tokens; the token ids; the `speculative`
+/// summary of the last chunk (null when the request did not speculate).
+struct Streamed {
+    times: Vec<f64>,
+    cached: usize,
+    tokens: Vec<u32>,
+    speculative: Value,
+}
+
+fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String> {
     let mut body = body.clone();
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
@@ -109,10 +126,14 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<(Vec<f64>, usize)
         ));
     }
     // The body as it arrives: de-chunked bytes, split into SSE events at blank lines.
-    let mut times = Vec::new();
-    let mut cached = 0usize;
+    let mut got = Streamed {
+        times: Vec::new(),
+        cached: 0,
+        tokens: Vec::new(),
+        speculative: Value::Null,
+    };
     let mut pending = Vec::<u8>::new();
-    let mut on_bytes = |bytes: &[u8], times: &mut Vec<f64>, cached: &mut usize| -> bool {
+    let mut on_bytes = |bytes: &[u8], got: &mut Streamed| -> bool {
         let now = t0.elapsed().as_secs_f64();
         pending.extend_from_slice(bytes);
         while let Some(end) = pending.windows(2).position(|w| w == b"\n\n") {
@@ -127,12 +148,22 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<(Vec<f64>, usize)
                     continue;
                 };
                 if let Some(c) = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
-                    *cached = c as usize;
+                    got.cached = c as usize;
                 }
-                let tokens = v["choices"][0]["token_ids"]
+                if !v["speculative"].is_null() {
+                    got.speculative = v["speculative"].clone();
+                }
+                let ids: Vec<u32> = v["choices"][0]["token_ids"]
                     .as_array()
-                    .map_or(0, |a| a.len());
-                times.extend(std::iter::repeat_n(now, tokens));
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|x| x.as_u64())
+                            .map(|x| x as u32)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                got.times.extend(std::iter::repeat_n(now, ids.len()));
+                got.tokens.extend(ids);
             }
         }
         false
@@ -148,7 +179,7 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<(Vec<f64>, usize)
             }
             let mut buf = vec![0u8; size + 2];
             r.read_exact(&mut buf).map_err(|e| e.to_string())?;
-            if on_bytes(&buf[..size], &mut times, &mut cached) {
+            if on_bytes(&buf[..size], &mut got) {
                 break;
             }
         }
@@ -156,12 +187,12 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<(Vec<f64>, usize)
         let mut buf = [0u8; 4096];
         loop {
             let n = r.read(&mut buf).map_err(|e| e.to_string())?;
-            if n == 0 || on_bytes(&buf[..n], &mut times, &mut cached) {
+            if n == 0 || on_bytes(&buf[..n], &mut got) {
                 break;
             }
         }
     }
-    Ok((times, cached))
+    Ok(got)
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -212,7 +243,7 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
             for run in 0..=opts.runs {
                 let mut prompt = prefix.clone();
                 prompt.extend(fresh(n));
-                let (times, cached) = stream_completion(addr, &greedy(&prompt, 1))?;
+                let Streamed { times, cached, .. } = stream_completion(addr, &greedy(&prompt, 1))?;
                 let first = *times.first().ok_or("a completion streamed no token")?;
                 if run > 0 {
                     r.ttft_ms.push(first * 1e3);
@@ -229,28 +260,48 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
         }
         let mut repeat = Vec::new();
         for _ in 0..opts.runs {
-            let (times, _) = stream_completion(addr, &greedy(&prefix, 1))?;
+            let times = stream_completion(addr, &greedy(&prefix, 1))?.times;
             repeat.push(times.first().copied().unwrap_or(0.0) * 1e3);
         }
         let mut decode = Vec::new();
         let n = opts.decode_tokens.min(max_seq.saturating_sub(p + 2));
-        for (name, body) in [
-            ("greedy", greedy(&prefix, n)),
+        let mut runs = vec![
+            ("greedy".to_string(), greedy(&prefix, n)),
             (
-                "temperature 0.7, top_p 0.9",
+                "temperature 0.7, top_p 0.9".to_string(),
                 json!({"prompt": prefix, "max_tokens": n, "temperature": 0.7, "top_p": 0.9, "seed": 1}),
             ),
-        ] {
-            let (times, _) = stream_completion(addr, &body)?;
+        ];
+        // With an MTP head: greedy with speculative rounds, up to 4 drafts (the server adapts
+        // the count to what it measures), against the plain greedy tokens.
+        if model.ir().mtp.is_some() {
+            let mut b = greedy(&prefix, n);
+            b["speculative"] = json!(4);
+            runs.push(("greedy, speculative (MTP, up to 4 drafts)".to_string(), b));
+        }
+        let mut plain_tokens = Vec::new();
+        for (name, body) in runs {
+            let got = stream_completion(addr, &body)?;
+            let times = &got.times;
             let gaps: Vec<f64> = times.windows(2).map(|w| (w[1] - w[0]) * 1e3).collect();
+            let mean = match (times.first(), times.last()) {
+                (Some(a), Some(b)) if times.len() > 1 => (b - a) * 1e3 / (times.len() - 1) as f64,
+                _ => 0.0,
+            };
+            if name == "greedy" {
+                plain_tokens = got.tokens.clone();
+            }
             let d = DecodeResult {
-                sampler: name.to_string(),
                 median_gap_ms: median(&gaps),
+                mean_gap_ms: mean,
                 tokens: times.len(),
+                same_as_greedy: (!got.speculative.is_null()).then(|| got.tokens == plain_tokens),
+                speculative: got.speculative,
+                sampler: name,
             };
             eprintln!(
-                "[bench --serve] prefix {p}: streamed decode ({name}) {:.2} ms per token",
-                d.median_gap_ms
+                "[bench --serve] prefix {p}: streamed decode ({}) {:.2} ms per token (median gap), {:.2} ms (mean)",
+                d.sampler, d.median_gap_ms, d.mean_gap_ms
             );
             decode.push(d);
         }
@@ -286,8 +337,21 @@ pub fn render(r: &ServeReport) -> String {
         o += &format!("  {:>8} {:>9.2} ms\n", "repeat", median(&p.repeat_ttft_ms));
         for d in &p.decode {
             o += &format!(
-                "  streamed decode, {}: {:.2} ms per token ({} tokens)\n",
-                d.sampler, d.median_gap_ms, d.tokens
+                "  streamed decode, {}: {:.2} ms per token (median gap; mean {:.2} ms, {} tokens){}\n",
+                d.sampler,
+                d.median_gap_ms,
+                d.mean_gap_ms,
+                d.tokens,
+                match d.same_as_greedy {
+                    Some(same) => format!(
+                        "; drafts accepted {}/{} in {} rounds; tokens {} plain greedy",
+                        d.speculative["accepted"],
+                        d.speculative["drafted"],
+                        d.speculative["rounds"],
+                        if same { "equal" } else { "DIFFER from" }
+                    ),
+                    None => String::new(),
+                }
             );
         }
     }

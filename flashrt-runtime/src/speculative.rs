@@ -428,6 +428,22 @@ impl Session {
         Ok((out, stats))
     }
 
+    /// ONE speculative round at the session's boundary with at most `k` drafts: commits the
+    /// target's own next token and the drafts it accepts (1 ..= `k + 1` tokens, what plain
+    /// greedy decoding would commit next), as [`Session::decode_speculative`] does round by
+    /// round. For callers that hand tokens out as each round ends (a server streaming).
+    pub fn speculative_round(
+        &mut self,
+        k: usize,
+        drafter: &mut dyn Drafter,
+    ) -> Result<(Vec<u32>, SpecStats)> {
+        let mut stats = SpecStats::default();
+        let compiled = self.model().compiled().clone();
+        check_plans(&compiled, k)?;
+        let out = round(self, &compiled, k, drafter, &mut stats)?;
+        Ok((out, stats))
+    }
+
     /// Feed `tokens` one at a time, covering each position for the MTP drafter: before token
     /// `t_P` is fed, one MTP step at position `P - 1` with `(t_P, h_{P-1})` (skipped at
     /// position 0), then one decode step. The target ends exactly as after
@@ -464,24 +480,30 @@ fn decode(
     drafter: &mut dyn Drafter,
     stats: &mut SpecStats,
 ) -> Result<Vec<u32>> {
-    if k > MAX_DRAFT {
-        return Err(Error::Input(format!(
-            "{k} drafts per round requested; at most {MAX_DRAFT} (the verify plans compiled)"
-        )));
-    }
     let compiled = s.model().compiled().clone();
-    if let Some(rows) = (2..=k + 1).find(|&r| multi_row_phase(&compiled, r).is_none()) {
-        return Err(Error::Unsupported(format!(
-            "model {} has no plan for {rows} rows (no verify plans and no prefill bucket that large)",
-            compiled.ir.name
-        )));
-    }
+    check_plans(&compiled, k)?;
     let mut out = Vec::with_capacity(n);
     while out.len() < n {
         let committed = round(s, &compiled, k.min(n - out.len() - 1), drafter, stats)?;
         out.extend_from_slice(&committed);
     }
     Ok(out)
+}
+
+/// `k` drafts per round are allowed and every row count a round needs has a plan.
+fn check_plans(compiled: &Compiled, k: usize) -> Result<()> {
+    if k > MAX_DRAFT {
+        return Err(Error::Input(format!(
+            "{k} drafts per round requested; at most {MAX_DRAFT} (the verify plans compiled)"
+        )));
+    }
+    if let Some(rows) = (2..=k + 1).find(|&r| multi_row_phase(compiled, r).is_none()) {
+        return Err(Error::Unsupported(format!(
+            "model {} has no plan for {rows} rows (no verify plans and no prefill bucket that large)",
+            compiled.ir.name
+        )));
+    }
+    Ok(())
 }
 
 /// One round at the session's boundary with at most `k` drafts; returns the committed tokens.

@@ -559,3 +559,36 @@ fn rollback_is_exact_for_conv_and_mamba2_state_too() {
         }
     }
 }
+
+/// Single rounds (what a server streams round by round) commit what plain greedy decoding
+/// commits, 1 ..= k + 1 tokens each, at every k, and leave the session as plain decoding does.
+#[test]
+fn single_rounds_equal_plain_greedy() {
+    let m = model(512);
+    let v = m.vocab();
+    let prompt = tokens(9, 21, v);
+    let n = 60;
+    let (reference, all) = plain(&m, &prompt, n);
+    let mut s = m.session().unwrap();
+    s.append_with_mtp(&prompt).unwrap();
+    let mut out = Vec::new();
+    let mut i = 0usize;
+    while out.len() < n {
+        let k = (i % 5).min(n - out.len() - 1);
+        let (toks, stats) = s.speculative_round(k, &mut MtpDrafter).unwrap();
+        assert!(
+            !toks.is_empty() && toks.len() <= k + 1,
+            "round {i}: {toks:?}"
+        );
+        assert_eq!(stats.rounds, 1);
+        assert_eq!(stats.tokens(), toks.len() as u64);
+        out.extend(toks);
+        i += 1;
+    }
+    assert_eq!(out, all[prompt.len()..]);
+    assert_same_as_plain(&s, &reference, "single rounds");
+    assert!(
+        s.speculative_round(5, &mut MtpDrafter).is_err(),
+        "k above MAX_DRAFT"
+    );
+}

@@ -367,6 +367,11 @@ pub struct ServeArgs {
     /// Do not store prompt and completion capsules for automatic prefix reuse
     #[arg(long)]
     pub no_auto_cache: bool,
+    /// Speculative decoding with the model's MTP head for greedy completions: at most K drafts
+    /// per round (1..=4; 0: off), shrunk down to plain decoding where drafting is measured to
+    /// cost more than it saves; a request's `speculative` overrides it
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub speculative: usize,
 }
 
 impl ServeArgs {
@@ -385,6 +390,7 @@ impl ServeArgs {
             grace: secs(self.grace),
             files_dir: self.files_dir.clone(),
             auto_cache: !self.no_auto_cache,
+            speculative: self.speculative,
             ..ServeConfig::default()
         };
         if let Some(v) = self.budget_device {
@@ -411,6 +417,20 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode, String> {
     config.eos = loaded.eos();
     config.defaults = loaded.defaults.clone();
     let model = loaded.model.clone();
+    let max_draft = flashrt_runtime::ir::lower::MAX_DRAFT;
+    if args.speculative > max_draft {
+        return Err(format!(
+            "--speculative {}: at most {max_draft} drafts per round",
+            args.speculative
+        ));
+    }
+    if args.speculative > 0 && model.ir().mtp.is_none() {
+        tracing::warn!(
+            "--speculative {}: model {} has no MTP head; decoding stays plain",
+            args.speculative,
+            model.name()
+        );
+    }
     if let Some(plan) = config.fit_memory(&model, args.max_sessions, args.budget_device)? {
         tracing::info!("device memory: {plan}");
     }

@@ -58,6 +58,7 @@ pub mod files;
 pub mod http;
 pub mod memory;
 pub mod metrics;
+pub mod speculate;
 pub mod tenants;
 pub mod text;
 pub mod worker;
@@ -102,6 +103,9 @@ pub struct ServeConfig {
     pub auto_cache: bool,
     /// Stop tokens applied unless a request sets `ignore_eos`.
     pub eos: Vec<u32>,
+    /// Most MTP drafts per round of greedy completions on a model with an MTP head (0: off);
+    /// the server shrinks it, down to plain decoding, where drafting costs more than it saves.
+    pub speculative: usize,
     /// The checkpoint's sampling defaults for what a request leaves out.
     pub defaults: GenerationDefaults,
 }
@@ -124,6 +128,7 @@ impl Default for ServeConfig {
             auto_cache: true,
             eos: Vec::new(),
             defaults: GenerationDefaults::default(),
+            speculative: 0,
         }
     }
 }
@@ -190,6 +195,7 @@ impl Server {
                 auto_cache: cfg.auto_cache,
                 share_prefix_cache: cfg.share_prefix_cache,
                 cancel: cancel.clone(),
+                speculative: cfg.speculative,
             },
         );
         metrics

@@ -138,6 +138,11 @@ pub struct Metrics {
     /// From any request entering the worker's queue to the worker taking it up.
     pub queue_wait: Histogram<TokenBuckets>,
     pub worker_alive: AtomicBool,
+    /// Speculative decoding (MTP): rounds, drafts verified and accepted, drafts per round now.
+    pub spec_rounds: AtomicU64,
+    pub spec_drafted: AtomicU64,
+    pub spec_accepted: AtomicU64,
+    pub spec_k: AtomicU64,
 }
 
 fn get(a: &AtomicU64) -> u64 {
@@ -203,6 +208,30 @@ impl Metrics {
             "counter",
             "Tokens sampled and fed.",
             get(&self.generated_tokens),
+        );
+        one(
+            "flashrt_speculative_rounds_total",
+            "counter",
+            "Speculative rounds (one verify pass each).",
+            get(&self.spec_rounds),
+        );
+        one(
+            "flashrt_speculative_drafted_total",
+            "counter",
+            "MTP drafts verified.",
+            get(&self.spec_drafted),
+        );
+        one(
+            "flashrt_speculative_accepted_total",
+            "counter",
+            "MTP drafts accepted (equal to the target's greedy choice).",
+            get(&self.spec_accepted),
+        );
+        one(
+            "flashrt_speculative_drafts_per_round",
+            "gauge",
+            "Drafts per round the server uses now (0: plain decoding; measured, see speculate.rs).",
+            get(&self.spec_k),
         );
         one(
             "flashrt_sessions",

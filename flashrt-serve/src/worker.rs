@@ -17,11 +17,12 @@
 //! links, only when they are regular files, and never block the worker.
 
 use crate::metrics::Metrics;
+use crate::speculate::SpecTuner;
 use crate::tenants::Tenant;
 use crate::text::{Text, TextStream};
 use flashrt_runtime::sampling::TokenLogprobs;
 use flashrt_runtime::store::{CapsuleInfo, PrefixScope, random_id, valid_id};
-use flashrt_runtime::{CapsuleStore, Error, LogitsMode, Model, SamplerState, Session};
+use flashrt_runtime::{CapsuleStore, Error, LogitsMode, Model, MtpDrafter, SamplerState, Session};
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -121,6 +122,17 @@ struct Generated {
     unfed: Option<u32>,
     /// Per token, when asked for.
     logprobs: Vec<TokenLogprobs>,
+    /// What speculative rounds did, when the request could speculate.
+    spec: Option<flashrt_runtime::SpecStats>,
+}
+
+/// A request's speculative rounds as the summary JSON carries them.
+fn spec_json(s: &Option<flashrt_runtime::SpecStats>) -> Value {
+    match s {
+        None => Value::Null,
+        Some(s) => json!({"rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
+                          "rollbacks": s.rollbacks}),
+    }
 }
 
 /// Generated log-probabilities as the summary JSON carries them (`null` when not asked for).
@@ -150,6 +162,9 @@ pub struct GenReq {
     /// Report each token's log-probability and this many alternatives
     /// ([`flashrt_runtime::sampling::logprobs`]); `None`: none.
     pub logprobs: Option<usize>,
+    /// At most this many MTP drafts per round for greedy decoding (0: plain decoding);
+    /// `None`: the server's `--speculative`.
+    pub speculative: Option<usize>,
 }
 
 /// Session creation.
@@ -242,6 +257,8 @@ pub struct WorkerConfig {
     pub share_prefix_cache: bool,
     /// Set at shutdown once the grace period is over: generations stop at the next token.
     pub cancel: Arc<std::sync::atomic::AtomicBool>,
+    /// Default most MTP drafts per round of greedy completions (0: off; see `speculate`).
+    pub speculative: usize,
 }
 
 struct Slot {
@@ -261,6 +278,8 @@ pub struct Worker {
     session_arena_bytes: u64,
     /// When the job being run entered the queue.
     job_enqueued: Instant,
+    /// Drafts per speculative round, from measured costs.
+    tuner: SpecTuner,
 }
 
 struct Replier(Option<oneshot::Sender<WResult<Out>>>);
@@ -311,6 +330,7 @@ impl Worker {
             cfg,
             session_arena_bytes,
             job_enqueued: Instant::now(),
+            tuner: SpecTuner::new(flashrt_runtime::ir::lower::MAX_DRAFT),
         }
     }
 
@@ -659,6 +679,7 @@ impl Worker {
                     "finish_reason": g.finish,
                     "pos": pos,
                     "logprobs": logprobs_json(&req, &g.logprobs),
+                    "speculative": spec_json(&g.spec),
                 });
                 if let Some(tx) = &stream {
                     let _ = tx.send(Event::Done(summary.clone()));
@@ -937,7 +958,18 @@ impl Worker {
             .map(|t| TextStream::new(&t.tokenizer, &req.stop_strings));
         // When the previous token was handed to the client (first: when the request arrived).
         let mut last = self.job_enqueued;
-        for _ in 0..req.max_tokens {
+        // Speculative rounds (MTP head, greedy, no per-token logprobs): see `speculate`.
+        let spec_max = req
+            .speculative
+            .unwrap_or(self.cfg.speculative)
+            .min(flashrt_runtime::ir::lower::MAX_DRAFT);
+        let speculate = spec_max > 0
+            && self.model.ir().mtp.is_some()
+            && (s.sampler().is_greedy() || s.sampler().top_k == 1)
+            && req.logprobs.is_none()
+            && s.pending().is_none();
+        let mut spec = flashrt_runtime::SpecStats::default();
+        'tokens: while out.len() < req.max_tokens {
             // The token sampled next goes to position `pos` (after the unfed one).
             if s.pos() + unfed.is_some() as usize >= max {
                 break;
@@ -947,7 +979,73 @@ impl Worker {
                 break;
             }
             if let Some(prev) = unfed.take() {
+                let t0 = Instant::now();
                 s.append(&[prev])?;
+                if speculate {
+                    self.tuner.plain_token(t0.elapsed().as_secs_f64());
+                }
+            }
+            // A speculative round: its first token is the target's own choice, streamed
+            // before the round runs; the drafts it accepts follow when it is verified. All its
+            // tokens are fed (the last inside the verify pass).
+            let room = max - s.pos();
+            let k = if speculate && !out.is_empty() {
+                self.tuner.next(spec_max)
+            } else {
+                0
+            };
+            let n = (k + 1).min(req.max_tokens - out.len()).min(room);
+            if k > 0 && n >= 2 {
+                let x = flashrt_runtime::argmax(s.last_logits()).ok_or_else(|| {
+                    ApiError::new(500, "internal", "the logits row has no finite value")
+                })?;
+                if self.emit(
+                    x,
+                    None,
+                    &req.stop,
+                    &mut out,
+                    &mut text,
+                    stream,
+                    &mut last,
+                    &mut finish,
+                ) {
+                    // Stopped (or gone) at the round's first token: not fed, as in plain
+                    // decoding.
+                    unfed = Some(x);
+                    break;
+                }
+                let t0 = Instant::now();
+                let (toks, st) = s.speculative_round(k.min(n - 1), &mut MtpDrafter)?;
+                self.tuner
+                    .round(k.min(n - 1), toks.len(), t0.elapsed().as_secs_f64());
+                spec += st;
+                self.metrics
+                    .spec_rounds
+                    .fetch_add(st.rounds, Ordering::Relaxed);
+                self.metrics
+                    .spec_drafted
+                    .fetch_add(st.drafted, Ordering::Relaxed);
+                self.metrics
+                    .spec_accepted
+                    .fetch_add(st.accepted, Ordering::Relaxed);
+                debug_assert_eq!(toks.first(), Some(&x));
+                for &t in &toks[1..] {
+                    if self.emit(
+                        t,
+                        None,
+                        &req.stop,
+                        &mut out,
+                        &mut text,
+                        stream,
+                        &mut last,
+                        &mut finish,
+                    ) {
+                        // Tokens after a stop were committed too (the session stands after
+                        // the round); only what the client gets is cut.
+                        break 'tokens;
+                    }
+                }
+                continue;
             }
             // The prompt capsule keeps the sampler as it was before this draw.
             let before = (out.is_empty() && cache_prompt.is_some()).then(|| s.sampler().clone());
@@ -959,33 +1057,27 @@ impl Worker {
             if let Some(l) = &lp {
                 logprobs.push(l.clone());
             }
-            out.push(t);
             unfed = Some(t);
-            self.metrics
-                .generated_tokens
-                .fetch_add(1, Ordering::Relaxed);
-            let piece = text.as_mut().map(|ts| ts.push(t)).unwrap_or_default();
-            let gone =
-                stream.is_some_and(|tx| tx.send(Event::Token(Some(t), piece.text, lp)).is_err());
-            let now = Instant::now();
-            if out.len() == 1 {
-                self.metrics.ttft.observe(now - last);
-            } else {
-                self.metrics.inter_token.observe(now - last);
-            }
-            last = now;
+            let stop = self.emit(
+                t,
+                lp,
+                &req.stop,
+                &mut out,
+                &mut text,
+                stream,
+                &mut last,
+                &mut finish,
+            );
             if let (Some(tenant), Some(sampler)) = (cache_prompt, before) {
                 self.store_auto(s, Some(sampler), tenant)?;
             }
-            if gone {
-                finish = "cancelled";
-                break;
-            }
-            if req.stop.contains(&t) || piece.stop {
-                finish = "stop";
+            if stop {
                 break;
             }
         }
+        self.metrics
+            .spec_k
+            .store(self.tuner.k() as u64, Ordering::Relaxed);
         let visible = match text.as_mut() {
             Some(ts) => {
                 let tail = ts.finish();
@@ -1004,7 +1096,46 @@ impl Worker {
             text: visible,
             unfed,
             logprobs,
+            spec: speculate.then_some(spec),
         })
+    }
+
+    /// Hand token `t` to the client (stream event, text, metrics); returns whether generation
+    /// ends with it (`finish` says why).
+    #[allow(clippy::too_many_arguments)]
+    fn emit(
+        &self,
+        t: u32,
+        lp: Option<TokenLogprobs>,
+        stop_ids: &[u32],
+        out: &mut Vec<u32>,
+        text: &mut Option<TextStream>,
+        stream: Option<&mpsc::UnboundedSender<Event>>,
+        last: &mut Instant,
+        finish: &mut &'static str,
+    ) -> bool {
+        out.push(t);
+        self.metrics
+            .generated_tokens
+            .fetch_add(1, Ordering::Relaxed);
+        let piece = text.as_mut().map(|ts| ts.push(t)).unwrap_or_default();
+        let gone = stream.is_some_and(|tx| tx.send(Event::Token(Some(t), piece.text, lp)).is_err());
+        let now = Instant::now();
+        if out.len() == 1 {
+            self.metrics.ttft.observe(now - *last);
+        } else {
+            self.metrics.inter_token.observe(now - *last);
+        }
+        *last = now;
+        if gone {
+            *finish = "cancelled";
+            return true;
+        }
+        if stop_ids.contains(&t) || piece.stop {
+            *finish = "stop";
+            return true;
+        }
+        false
     }
 
     fn complete(
@@ -1091,6 +1222,7 @@ impl Worker {
             "cached_tokens": cached,
             "seed": s.sampler().seed,
             "logprobs": logprobs_json(req, &g.logprobs),
+            "speculative": spec_json(&g.spec),
         }))
     }
 }

@@ -42,6 +42,9 @@ struct CompletionBody {
     #[serde(default)]
     echo: bool,
     logprobs: Option<Value>,
+    /// flashrt: at most this many MTP drafts per round for a greedy request (0: plain
+    /// decoding; default: the server's `--speculative`).
+    speculative: Option<usize>,
     // OpenAI parameters a client may send at their no-op values; anything else is refused,
     // naming the parameter, rather than silently ignored.
     top_logprobs: Option<Value>,
@@ -439,6 +442,18 @@ fn completion_req(st: &AppState, b: &CompletionBody, chat: bool) -> Result<GenRe
         stop: stops(st, b.stop_token_ids.clone(), b.ignore_eos),
         stop_strings,
         logprobs,
+        speculative: match b.speculative {
+            Some(k) if k > flashrt_runtime::ir::lower::MAX_DRAFT => {
+                return Err(ApiError::bad(
+                    "invalid_request",
+                    format!(
+                        "`speculative`: at most {} drafts per round (asked for {k})",
+                        flashrt_runtime::ir::lower::MAX_DRAFT
+                    ),
+                ));
+            }
+            k => k,
+        },
     })
 }
 
@@ -598,6 +613,9 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                     );
                     let mut last: Value = serde_json::from_str(&chunk(c)).unwrap_or_default();
                     last["usage"] = usage(&v);
+                    if !v["speculative"].is_null() {
+                        last["speculative"] = v["speculative"].clone();
+                    }
                     vec![last.to_string(), "[DONE]".to_string()]
                 }
                 Event::Error(e) => vec![e.body().to_string(), "[DONE]".to_string()],
@@ -632,7 +650,7 @@ fn completion_json(st: &AppState, id: &str, created: u64, chat: bool, v: &Value)
         json!({"index": 0, "text": text, "token_ids": ids, "logprobs": logprobs,
                "finish_reason": v["finish_reason"]})
     };
-    json!({
+    let mut body = json!({
         "id": id,
         "object": if chat { "chat.completion" } else { "text_completion" },
         "created": created,
@@ -641,5 +659,10 @@ fn completion_json(st: &AppState, id: &str, created: u64, chat: bool, v: &Value)
         "seed": v["seed"],
         "choices": [choice],
         "usage": usage(v),
-    })
+    });
+    // flashrt: what speculative rounds did for this request, when it could speculate.
+    if !v["speculative"].is_null() {
+        body["speculative"] = v["speculative"].clone();
+    }
+    body
 }

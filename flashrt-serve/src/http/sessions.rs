@@ -101,6 +101,9 @@ pub(super) async fn generate(State(st): St, Path(id): Path<String>, body: Body) 
             stop: stops(&st, b.stop_token_ids, b.ignore_eos),
             stop_strings: Vec::new(),
             logprobs: super::openai::top_logprobs_count(b.logprobs)?,
+            // A session must stand exactly after the tokens it returned; a speculative round
+            // may commit past a stop token, so the sessions API decodes plainly.
+            speculative: Some(0),
         };
         Ok::<_, ApiError>((req, b.stream))
     }
