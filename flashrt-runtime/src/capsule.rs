@@ -34,6 +34,27 @@ pub struct SamplerState {
     /// `0.0`: no min-p cut (candidates below `min_p` times the best one's probability go).
     #[serde(default)]
     pub min_p: f32,
+    /// OpenAI's presence penalty: subtracted once from the logit of every token generated
+    /// since the sampler was set (history positions from `penalty_from`). `0.0`: none.
+    #[serde(default)]
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty: subtracted from a generated token's logit once per
+    /// occurrence. `0.0`: none.
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    /// The repetition penalty of transformers and vLLM, over the whole history (prompt
+    /// included): a positive logit of a token seen is divided by it, a negative one
+    /// multiplied. `1.0`: none.
+    #[serde(default = "one")]
+    pub repetition_penalty: f32,
+    /// The first history position whose tokens count as generated (set by
+    /// `Session::set_sampler`).
+    #[serde(default)]
+    pub penalty_from: usize,
+}
+
+fn one() -> f32 {
+    1.0
 }
 
 impl Default for SamplerState {
@@ -51,6 +72,10 @@ impl SamplerState {
             top_k: 0,
             top_p: 1.0,
             min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            penalty_from: 0,
         }
     }
     pub fn seeded(seed: u64, temperature: f32, top_k: usize, top_p: f32) -> Self {
@@ -61,7 +86,24 @@ impl SamplerState {
             top_k,
             top_p,
             min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            penalty_from: 0,
         }
+    }
+    /// The same sampler with penalties (presence, frequency, repetition).
+    pub fn with_penalties(mut self, presence: f32, frequency: f32, repetition: f32) -> Self {
+        self.presence_penalty = presence;
+        self.frequency_penalty = frequency;
+        self.repetition_penalty = repetition;
+        self
+    }
+    /// Whether any penalty changes the logits before sampling.
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
     }
     /// The same sampler with a min-p cut.
     pub fn with_min_p(mut self, min_p: f32) -> Self {

@@ -13,6 +13,11 @@
 //! state — not on the order of a reduction, the sort routine, the machine or the backend. A
 //! device implementation that follows it chooses the same token from the same row.
 //!
+//! 0. **Penalties** (when set; [`SamplerState::penalize`]), on a copy of the row, token by
+//!    token in id order, each an f32 operation rounded to nearest: for a token anywhere in the
+//!    history, `v / r` if `v > 0` else `v · r` (repetition penalty `r`); then for a token
+//!    generated `c > 0` times since `penalty_from`, `(v − presence) − frequency · c`. The
+//!    steps below run on the penalized row (the device sampler is not used then).
 //! 1. **Greedy** when `temperature <= 0` or `top_k == 1`: the index of the largest logit
 //!    (the first one on ties; NaN never wins). No random number is drawn.
 //! 2. Candidates are the indices whose logit `v` is finite. They are ordered by `v`,
@@ -356,7 +361,56 @@ impl SamplerState {
                 self.min_p
             )));
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(Error::Input(format!("{name} must be in [-2, 2], got {v}")));
+            }
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(Error::Input(format!(
+                "repetition_penalty must be a finite number > 0, got {}",
+                self.repetition_penalty
+            )));
+        }
         Ok(())
+    }
+
+    /// Step 0 of the module docs: `row` with the penalties applied for a session whose token
+    /// history is `history`; `None` when the sampler has no penalty.
+    pub fn penalize(&self, row: &[f32], history: &[u32]) -> Option<Vec<f32>> {
+        if !self.has_penalties() {
+            return None;
+        }
+        let mut out = row.to_vec();
+        let n = row.len();
+        if self.repetition_penalty != 1.0 {
+            let mut seen = vec![false; n];
+            for &t in history {
+                if let Some(x) = seen.get_mut(t as usize) {
+                    *x = true;
+                }
+            }
+            let r = self.repetition_penalty;
+            for (v, _) in out.iter_mut().zip(&seen).filter(|(_, s)| **s) {
+                *v = if *v > 0.0 { *v / r } else { *v * r };
+            }
+        }
+        if self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 {
+            let mut count = std::collections::BTreeMap::<u32, u32>::new();
+            for &t in history.get(self.penalty_from..).unwrap_or(&[]) {
+                if (t as usize) < n {
+                    *count.entry(t).or_default() += 1;
+                }
+            }
+            for (t, c) in count {
+                let v = &mut out[t as usize];
+                *v = (*v - self.presence_penalty) - self.frequency_penalty * c as f32;
+            }
+        }
+        Some(out)
     }
 
     /// The min-p floor of step 5 (at least 1: a weight of 0 is never a candidate).
@@ -859,6 +913,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn penalties_follow_the_spec() {
+        let row = [2.0f32, -1.0, 0.5, 3.0, 1.0];
+        let history = [0u32, 3, 3, 1, 4, 3]; // from position 2 on: 3, 1, 4, 3
+        let mut s = SamplerState::greedy().with_penalties(0.5, 0.25, 2.0);
+        s.penalty_from = 2;
+        let p = s.penalize(&row, &history).unwrap();
+        // token 0: seen (prompt only): 2 / 2 = 1; not generated.
+        // token 1: seen, negative: -1 * 2 = -2; generated once: (-2 - 0.5) - 0.25 = -2.75.
+        // token 2: untouched. token 3: 3 / 2 = 1.5; generated twice: (1.5 - 0.5) - 0.5 = 0.5.
+        // token 4: 1 / 2 = 0.5; once: (0.5 - 0.5) - 0.25 = -0.25.
+        assert_eq!(p, vec![1.0, -2.75, 0.5, 0.5, -0.25]);
+        // Greedy on the penalized row: token 0 (1.0) instead of token 3.
+        assert_eq!(s.clone().sample(&p), Some(0));
+        assert!(SamplerState::greedy().penalize(&row, &history).is_none());
+        assert!(s.validate().is_ok());
+        assert!(
+            SamplerState::greedy()
+                .with_penalties(2.5, 0.0, 1.0)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            SamplerState::greedy()
+                .with_penalties(0.0, 0.0, 0.0)
+                .validate()
+                .is_err()
+        );
+        // Out-of-vocabulary history ids are ignored, not a panic.
+        assert!(s.penalize(&row, &[99, 100]).is_some());
     }
 
     #[test]

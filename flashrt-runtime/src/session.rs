@@ -461,7 +461,10 @@ impl Session {
     pub fn sampler(&self) -> &SamplerState {
         &self.sampler
     }
-    pub fn set_sampler(&mut self, sampler: SamplerState) {
+    /// Use `sampler` from now on; its presence and frequency penalties count the tokens that
+    /// come after this point (`penalty_from` = the current position).
+    pub fn set_sampler(&mut self, mut sampler: SamplerState) {
+        sampler.penalty_from = self.pos;
         self.sampler = sampler;
     }
     /// The next token, chosen but not yet fed, if any.
@@ -653,6 +656,16 @@ impl Session {
             return Err(Error::Input(
                 "no logits to sample from: append tokens first".into(),
             ));
+        }
+        // Penalties: the host samples a penalized copy of the row (step 0 of crate::sampling).
+        if let Some(p) = self.sampler.penalize(
+            &self.logits.as_slice()[(self.logits_rows - 1) * v..self.logits_rows * v],
+            &self.tokens,
+        ) {
+            return self.sampler.sample(&p).ok_or_else(|| Error::Backend {
+                op: "sample".into(),
+                msg: "the logits row has no finite value".into(),
+            });
         }
         // On the device where the row is still there: the same token as the host sampler's
         // (crate::sampling), without a host pass over the row.

@@ -670,11 +670,35 @@ fn the_openai_surface_refuses_what_it_does_not_do() {
         &json!({"model": m.name(), "prompt": [5, 6], "max_tokens": 1}),
     );
     assert_eq!(ok.status, 200);
+    // Penalties outside OpenAI's ranges: a clear 400 naming them.
     for (body, param) in [
         (
-            json!({"prompt": [5], "frequency_penalty": 0.5}),
+            json!({"prompt": [5], "frequency_penalty": 2.5}),
             "frequency_penalty",
         ),
+        (
+            json!({"prompt": [5], "presence_penalty": -3}),
+            "presence_penalty",
+        ),
+        (
+            json!({"prompt": [5], "repetition_penalty": 0}),
+            "repetition_penalty",
+        ),
+    ] {
+        let r = c.post("/v1/completions", &body);
+        assert_eq!(
+            (r.status, r.code().as_str()),
+            (400, "invalid_sampler"),
+            "{body}"
+        );
+        assert!(
+            r.json()["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(param)
+        );
+    }
+    for (body, param) in [
         (
             json!({"prompt": [5], "logit_bias": {"5": 10}}),
             "logit_bias",

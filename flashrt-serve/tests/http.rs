@@ -840,3 +840,44 @@ fn openai_logprobs_match_the_log_softmax() {
     }
     server.shutdown().unwrap();
 }
+
+/// Presence, frequency and repetition penalties over HTTP equal the library's sampler with the
+/// same settings (set after the prompt, so presence and frequency count generated tokens
+/// only), greedy and seeded; a negative presence penalty makes greedy decoding repeat.
+#[test]
+fn penalties_match_the_library() {
+    let m = lfm2();
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let c = Client::new(server.addr(), None);
+    let prompt = tokens(41, 19, v);
+    let local_pen = |sampler: SamplerState, n: usize| {
+        let mut s = m.session().unwrap();
+        s.append(&prompt).unwrap();
+        s.set_sampler(sampler);
+        s.generate(n).unwrap()
+    };
+    for (t, seed, pres, freq, rep) in [
+        (0.0f32, 0u64, -2.0f32, 0.0f32, 1.0f32),
+        (0.0, 0, 0.0, 0.7, 1.3),
+        (0.9, 4, 0.4, 0.3, 1.1),
+    ] {
+        let body = json!({"prompt": prompt, "max_tokens": 24, "temperature": t, "seed": seed,
+                          "presence_penalty": pres, "frequency_penalty": freq,
+                          "repetition_penalty": rep, "ignore_eos": true});
+        let got = ids(&c.ok("/v1/completions", &body)["choices"][0]["token_ids"]);
+        let want = local_pen(
+            SamplerState::seeded(seed, t, 0, 1.0).with_penalties(pres, freq, rep),
+            24,
+        );
+        assert_eq!(got, want, "{body}");
+        if pres == -2.0 {
+            // A negative presence penalty rewards what was generated: greedy decoding repeats.
+            let plain = local(&m, &prompt, SamplerState::greedy(), 24);
+            assert_ne!(got, plain, "the penalty should change greedy decoding");
+            let distinct: std::collections::BTreeSet<_> = got.iter().collect();
+            assert!(distinct.len() < got.len(), "{got:?}");
+        }
+    }
+    server.shutdown().unwrap();
+}

@@ -376,6 +376,9 @@ struct SamplerBody {
     top_p: Option<f32>,
     min_p: Option<f32>,
     seed: Option<u64>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
 }
 
 impl SamplerBody {
@@ -395,7 +398,12 @@ impl SamplerBody {
             self.top_k.unwrap_or(d.top_k),
             self.top_p.unwrap_or(d.top_p),
         )
-        .with_min_p(self.min_p.unwrap_or(0.0));
+        .with_min_p(self.min_p.unwrap_or(0.0))
+        .with_penalties(
+            self.presence_penalty.unwrap_or(0.0),
+            self.frequency_penalty.unwrap_or(0.0),
+            self.repetition_penalty.unwrap_or(1.0),
+        );
         s.validate()
             .map_err(|e| ApiError::bad("invalid_sampler", e.to_string()))?;
         Ok(s)

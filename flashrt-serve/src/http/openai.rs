@@ -45,12 +45,12 @@ struct CompletionBody {
     /// flashrt: at most this many MTP drafts per round for a greedy request (0: plain
     /// decoding; default: the server's `--speculative`).
     speculative: Option<usize>,
+    top_logprobs: Option<Value>,
+    frequency_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
     // OpenAI parameters a client may send at their no-op values; anything else is refused,
     // naming the parameter, rather than silently ignored.
-    top_logprobs: Option<Value>,
-    frequency_penalty: Option<f64>,
-    presence_penalty: Option<f64>,
-    repetition_penalty: Option<f64>,
     logit_bias: Option<Value>,
     best_of: Option<usize>,
     suffix: Option<Value>,
@@ -72,17 +72,7 @@ impl CompletionBody {
                 format!("`{p}` is not supported by this server ({why})"),
             ))
         };
-        let nonzero = |v: Option<f64>| v.is_some_and(|x| x != 0.0);
         let set = |v: &Option<Value>| v.as_ref().is_some_and(|x| !x.is_null());
-        if nonzero(self.frequency_penalty) {
-            return refuse("frequency_penalty", "no penalties yet; leave it 0");
-        }
-        if nonzero(self.presence_penalty) {
-            return refuse("presence_penalty", "no penalties yet; leave it 0");
-        }
-        if self.repetition_penalty.is_some_and(|x| x != 1.0) {
-            return refuse("repetition_penalty", "no penalties yet; leave it 1");
-        }
         if self
             .logit_bias
             .as_ref()
@@ -434,6 +424,9 @@ fn completion_req(st: &AppState, b: &CompletionBody, chat: bool) -> Result<GenRe
         top_p: b.top_p,
         min_p: b.min_p,
         seed: b.seed,
+        presence_penalty: b.presence_penalty,
+        frequency_penalty: b.frequency_penalty,
+        repetition_penalty: b.repetition_penalty,
     }
     .build(st)?;
     Ok(GenReq {

@@ -79,6 +79,7 @@ impl Worker {
         let speculate = spec_max > 0
             && self.model.ir().mtp.is_some()
             && (s.sampler().is_greedy() || s.sampler().top_k == 1)
+            && !s.sampler().has_penalties()
             && req.logprobs.is_none()
             && s.pending().is_none();
         let mut spec = flashrt_runtime::SpecStats::default();
