@@ -40,6 +40,8 @@ pub struct SuffixResult {
     pub ttft_ms: Vec<f64>,
     /// `cached_tokens` of each run (the stored prefix when reuse worked).
     pub cached_tokens: Vec<usize>,
+    /// The steps the chunk planner runs the suffix as (`plan[rows]`).
+    pub steps: Vec<String>,
 }
 
 #[derive(Serialize)]
@@ -67,6 +69,8 @@ pub struct PrefixResult {
 
 #[derive(Serialize)]
 pub struct ServeReport {
+    /// The chunk planner's costs the server used.
+    pub chunk_costs: String,
     pub prefixes: Vec<PrefixResult>,
 }
 
@@ -209,7 +213,9 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
         bind: SocketAddr::from(([127, 0, 0, 1], 0)),
         ..flashrt_serve::ServeConfig::default()
     };
-    // The device tier as `flashrt serve` sizes it by default.
+    // Chunk costs and the device tier as `flashrt serve` finds them.
+    let costs = flashrt_serve::calibrate_chunking(model)?;
+    eprintln!("[bench --serve] chunk planner: {costs}");
     if let Some(plan) = cfg.fit_memory(model, Some(4), None)? {
         eprintln!("[bench --serve] device memory: {plan}");
     }
@@ -239,6 +245,11 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
                 suffix: n,
                 ttft_ms: Vec::new(),
                 cached_tokens: Vec::new(),
+                steps: model
+                    .plan_chunks(n)
+                    .iter()
+                    .map(|(phase, rows)| format!("{}[{rows}]", phase.label()))
+                    .collect(),
             };
             for run in 0..=opts.runs {
                 let mut prompt = prefix.clone();
@@ -251,10 +262,11 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
                 }
             }
             eprintln!(
-                "[bench --serve] prefix {p} + {n}: TTFT {:.2} ms (median of {}), cached {:?}",
+                "[bench --serve] prefix {p} + {n}: TTFT {:.2} ms (median of {}), cached {:?}, steps {}",
                 median(&r.ttft_ms),
                 opts.runs,
-                r.cached_tokens
+                r.cached_tokens,
+                r.steps.join(" + ")
             );
             suffixes.push(r);
         }
@@ -313,7 +325,10 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
         });
     }
     server.shutdown()?;
-    Ok(ServeReport { prefixes })
+    Ok(ServeReport {
+        chunk_costs: costs.to_string(),
+        prefixes,
+    })
 }
 
 /// The report as a table.

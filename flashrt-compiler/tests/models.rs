@@ -42,13 +42,10 @@ fn every_model_file_checks_and_lowers() {
         // Checked IR satisfies everything the lowering assumes.
         for dtype in [DType::F32, ir.dtype] {
             let compiled = compile(&ir, Target { dtype });
-            // Prefill buckets and decode; models with an MTP head add verify[1..=MAX_DRAFT]
-            // and the drafter.
-            let mtp_plans = if ir.mtp.is_some() {
-                flashrt_ir::lower::MAX_DRAFT + 1
-            } else {
-                0
-            };
+            // Prefill buckets, decode and verify[1..=MAX_DRAFT] (every model file's largest
+            // bucket holds their rows); models with an MTP head add the drafter.
+            let verify = flashrt_ir::lower::MAX_DRAFT;
+            let mtp_plans = verify + usize::from(ir.mtp.is_some());
             assert_eq!(
                 compiled.plans.len(),
                 ir.prefill_buckets.len() + 1 + mtp_plans
@@ -134,7 +131,7 @@ fn qwen36_27b_shape() {
         (ir.vocab, ir.hidden, ir.dtype, ir.max_seq),
         (248320, 5120, DType::Bf16, 32768)
     );
-    assert_eq!(ir.prefill_buckets, [64, 512, 2048, 4096]);
+    assert_eq!(ir.prefill_buckets, [64, 256, 512, 1024, 2048, 4096]);
     assert_eq!(
         ir.norm,
         NormIr {

@@ -90,9 +90,13 @@ pub fn compile(ir: &ModelIr, target: Target) -> Compiled {
         .map(|&bucket| Phase::Prefill { bucket })
         .collect();
     phases.push(Phase::Decode);
-    if ir.mtp.is_some() {
-        phases.extend((1..=MAX_DRAFT).map(|k| Phase::Verify { k }));
-    }
+    // Verify plans serve speculative rounds (models with an MTP head) and short suffixes of
+    // every model: 2 ..= MAX_DRAFT + 1 rows computed the way a decode step computes them.
+    phases.extend(
+        (1..=MAX_DRAFT)
+            .filter(|&k| k < max_rows)
+            .map(|k| Phase::Verify { k }),
+    );
     let mut plans: Vec<Plan> = phases
         .into_iter()
         .map(|phase| Plan {
@@ -114,7 +118,7 @@ pub fn compile(ir: &ModelIr, target: Target) -> Compiled {
     }
 }
 
-/// Verify plans are compiled for 1..=MAX_DRAFT drafted tokens.
+/// Verify plans are compiled for 1..=MAX_DRAFT drafted tokens (rows up to the largest bucket).
 pub const MAX_DRAFT: usize = 4;
 
 /// Scratch buffers are referred to by a placeholder id (`u32::MAX - slot`) until their widths

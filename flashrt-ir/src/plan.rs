@@ -443,8 +443,9 @@ pub enum Phase {
     Prefill { bucket: usize },
     /// One token.
     Decode,
-    /// Target-model verification of `k` drafted tokens: `k + 1` rows (the last committed
-    /// token plus the drafts), logits for every row. Models with an MTP head only.
+    /// `k + 1` rows computed as decode steps compute them: target-model verification of `k`
+    /// drafted tokens (the last committed token plus the drafts), and short suffixes of any
+    /// model (see `flashrt_runtime`'s chunk planner). Logits for every row.
     Verify { k: usize },
     /// One step of the MTP drafter: one row whose token is the newest token, whose hidden
     /// input is the `mtp.hidden` state region; emits draft logits and replaces `mtp.hidden`

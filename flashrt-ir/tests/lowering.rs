@@ -149,7 +149,28 @@ fn phases_cover_buckets_decode_and_mtp() {
         .map(|&bucket| Phase::Prefill { bucket })
         .collect();
     expected.push(Phase::Decode);
+    // Verify plans serve short suffixes of every model, not only speculation.
+    expected.extend([1, 2, 3, 4].map(|k| Phase::Verify { k }));
     assert_eq!(phases, expected);
+    assert!(plain.ir.mtp.is_none() && !phases.contains(&Phase::MtpDraft));
+
+    // A largest bucket of 3 rows holds verify[1] and verify[2] only.
+    let mut small = fixture_ir("lfm2-public");
+    small.prefill_buckets = vec![3];
+    let phases: Vec<Phase> = compile(&small, Target { dtype: DType::F32 })
+        .plans
+        .iter()
+        .map(|p| p.phase)
+        .collect();
+    assert_eq!(
+        phases,
+        [
+            Phase::Prefill { bucket: 3 },
+            Phase::Decode,
+            Phase::Verify { k: 1 },
+            Phase::Verify { k: 2 }
+        ]
+    );
 
     let mtp = compile(&with_mtp(), Target { dtype: DType::Bf16 });
     for k in 1..=lower::MAX_DRAFT {

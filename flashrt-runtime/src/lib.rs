@@ -26,6 +26,8 @@
 //!   host bytes, which every backend restores through one generic path.
 //! * [`store`]: a capsule store with byte budgets per tier (device, host, disk), LRU eviction
 //!   down the tiers, KV rows shared along a conversation, and longest-prefix lookup.
+//! * [`chunking`]: the chunk planner: which decode, verify and prefill plans run an append
+//!   of `n` tokens, chosen to minimise a per-plan cost measured on the device (or derived).
 //! * [`speculative`]: speculative greedy decoding (MTP drafts, one verify pass per round)
 //!   with exact rollback of recurrent, conv and MTP state; drafters and acceptance statistics.
 //!
@@ -39,6 +41,7 @@
 pub mod backend;
 pub mod capsule;
 pub mod capsule_file;
+pub mod chunking;
 pub mod error;
 pub mod host_state;
 pub mod init;
@@ -59,6 +62,7 @@ pub use backend::{
     WeightSink,
 };
 pub use capsule::{Capsule, CapsuleMeta, Counters, LogitsRow, Region, SamplerState};
+pub use chunking::{ChunkCosts, CostSource, PlanCost};
 pub use error::{Error, Result};
 pub use host_state::HostSaved;
 pub use init::random_weights;

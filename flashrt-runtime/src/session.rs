@@ -7,21 +7,23 @@
 //!
 //! # Chunking
 //!
-//! [`Session::append`] splits its input into chunks of the largest prefill bucket and runs
-//! each chunk with the plan of the smallest bucket that holds it; a single token uses the
-//! decode plan. On the CPU backend every op is chunking-invariant (see
+//! [`Session::append`] runs its input as the sequence of decode, verify and prefill steps the
+//! model's chunk planner predicts cheapest ([`crate::chunking`]): a single token is a decode
+//! step, a few tokens a verify pass, a long suffix the buckets that cover it at least cost
+//! rather than one padded bucket. On the CPU backend every op is chunking-invariant (see
 //! [`crate::backend::cpu`]), so the logits and state after any sequence of appends equal
 //! those of one cold prefill of the concatenated tokens, bit for bit.
 
 use crate::backend::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, StepLogits};
 use crate::capsule::{Capsule, CapsuleMeta, Counters, LogitsRow, SamplerState};
+use crate::chunking::{ChunkCosts, CostSource, PlanCost, token_plans};
 use crate::error::{Error, Result};
 use crate::loader;
 use flashrt_ir::hf::{HfOptions, ir_from_hf_config};
 use flashrt_ir::{BufferId, Compiled, ModelIr, Phase, Role, compile};
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 /// Where a model's weights come from.
 pub enum WeightSource {
@@ -38,6 +40,9 @@ struct ModelInner {
     device: Arc<dyn DeviceModel>,
     compiled: Arc<Compiled>,
     weights_digest: String,
+    /// The chunk planner's costs ([`crate::chunking`]): derived at load, measured by
+    /// [`Model::calibrate_chunking`].
+    chunking: RwLock<ChunkCosts>,
 }
 
 /// The largest `max_seq` (at most `ir.max_seq`, a multiple of 1024 when it has to shrink)
@@ -199,12 +204,14 @@ impl Model {
         compiled: Arc<Compiled>,
         weights_digest: String,
     ) -> Model {
+        let chunking = RwLock::new(ChunkCosts::derived(&compiled, device.pads_rows()));
         Model {
             inner: Arc::new(ModelInner {
                 backend,
                 device,
                 compiled,
                 weights_digest,
+                chunking,
             }),
         }
     }
@@ -276,6 +283,118 @@ impl Model {
     /// Device bytes all sessions share, allocated once ([`DeviceModel::shared_bytes`]).
     pub fn shared_bytes(&self) -> usize {
         self.inner.device.shared_bytes()
+    }
+
+    /// Whether a step costs its plan's full rows ([`DeviceModel::pads_rows`]).
+    pub fn pads_rows(&self) -> bool {
+        self.inner.device.pads_rows()
+    }
+
+    /// The chunk planner's current costs.
+    pub fn chunk_costs(&self) -> ChunkCosts {
+        self.inner
+            .chunking
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Replace the chunk planner's costs (every plan must be one of the model's decode,
+    /// verify or prefill plans, and the table must cover a decode step).
+    pub fn set_chunk_costs(&self, costs: ChunkCosts) -> Result<()> {
+        let c = &self.inner.compiled;
+        if let Some(p) = costs
+            .plans()
+            .iter()
+            .find(|p| !token_plans(c).any(|q| q == p.phase))
+        {
+            return Err(Error::Input(format!(
+                "model {} has no token plan {}",
+                c.ir.name,
+                p.phase.label()
+            )));
+        }
+        if !costs.plans().iter().any(|p| p.phase == Phase::Decode) {
+            return Err(Error::Input("a cost table needs the decode plan".into()));
+        }
+        if let Some(p) = costs
+            .plans()
+            .iter()
+            .find(|p| !(p.fixed.is_finite() && p.per_row.is_finite() && p.fixed + p.per_row > 0.0))
+        {
+            return Err(Error::Input(format!(
+                "plan {}: a cost must be finite and positive",
+                p.phase.label()
+            )));
+        }
+        *self
+            .inner
+            .chunking
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = costs;
+        Ok(())
+    }
+
+    /// Which plans run an append of `n` tokens, over how many rows each (in order).
+    pub fn plan_chunks(&self, n: usize) -> Vec<(Phase, usize)> {
+        self.inner
+            .chunking
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .plan(n)
+    }
+
+    /// Time every decode, verify and prefill plan on a scratch session and make the chunk
+    /// planner use the measurements (milliseconds, `fixed + per_row · rows` from a full and a
+    /// one-row step, the median of `runs` each after two untimed steps, which on the CUDA
+    /// backend also capture every plan's graph). `progress` gets one line per plan. Needs one
+    /// session's memory for the duration.
+    pub fn calibrate_chunking(
+        &self,
+        runs: usize,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<ChunkCosts> {
+        let runs = runs.max(1);
+        let compiled = self.inner.compiled.clone();
+        let mut dev = self.inner.device.new_session()?;
+        let mut plans = Vec::new();
+        for phase in token_plans(&compiled) {
+            dev.reset()?;
+            let mut time = |rows: usize, n: usize| -> Result<f64> {
+                let tokens = vec![0u32; rows];
+                let mut t = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let start = std::time::Instant::now();
+                    dev.step_read(phase, &tokens, 0, StepLogits::Last)?;
+                    t.push(start.elapsed().as_secs_f64() * 1e3);
+                }
+                t.sort_by(f64::total_cmp);
+                Ok(t[t.len() / 2])
+            };
+            time(phase.rows(), 2)?;
+            let full = time(phase.rows(), runs)?;
+            let (fixed, per_row) = if phase.rows() > 1 {
+                let one = time(1, runs)?;
+                let per_row = ((full - one) / (phase.rows() - 1) as f64).max(0.0);
+                ((full - per_row * phase.rows() as f64).max(1e-6), per_row)
+            } else {
+                (full, 0.0)
+            };
+            progress(&format!(
+                "{}: {full:.3} ms ({} rows), {:.3} ms (1 row)",
+                phase.label(),
+                phase.rows(),
+                fixed + per_row
+            ));
+            plans.push(PlanCost {
+                phase,
+                fixed,
+                per_row,
+            });
+        }
+        let costs = ChunkCosts::new(plans, CostSource::Measured);
+        self.set_chunk_costs(costs.clone())?;
+        Ok(costs)
     }
 
     /// A fresh session (zeroed state, position 0).
@@ -533,27 +652,18 @@ impl Session {
         Ok(())
     }
 
-    /// Feed tokens: prefill chunks (largest bucket, smallest fitting plan), single tokens
-    /// through the decode plan. Clears the pending token.
+    /// Feed tokens: a sequence of decode, verify and prefill steps chosen by the model's chunk
+    /// planner ([`Model::plan_chunks`], [`crate::chunking`]). Clears the pending token.
     pub fn append(&mut self, tokens: &[u32]) -> Result<()> {
         self.validate(tokens)?;
-        let buckets = self.model.ir().prefill_buckets.clone();
-        let largest = buckets.iter().copied().max().unwrap_or(1).max(1);
+        let steps = self.model.plan_chunks(tokens.len());
         self.logits.clear();
         self.logits_rows = 0;
-        let n_chunks = tokens.len().div_ceil(largest);
-        for (ci, chunk) in tokens.chunks(largest).enumerate() {
-            let phase = if chunk.len() == 1 {
-                Phase::Decode
-            } else {
-                Phase::Prefill {
-                    bucket: buckets
-                        .iter()
-                        .copied()
-                        .find(|&b| b >= chunk.len())
-                        .unwrap_or(largest),
-                }
-            };
+        let n_chunks = steps.len();
+        let mut at = 0;
+        for (ci, &(phase, rows)) in steps.iter().enumerate() {
+            let chunk = &tokens[at..at + rows];
+            at += rows;
             let keep_all = self.logits_mode == LogitsMode::All;
             let want = if keep_all {
                 StepLogits::All
@@ -585,7 +695,7 @@ impl Session {
             self.counters.steps += 1;
             match phase {
                 Phase::Decode => self.counters.decode_tokens += 1,
-                // `append` only chooses prefill and decode plans.
+                // The planner never chooses the drafter's plan.
                 Phase::Prefill { .. } | Phase::Verify { .. } | Phase::MtpDraft => {
                     self.counters.prefill_tokens += chunk.len() as u64
                 }

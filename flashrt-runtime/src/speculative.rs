@@ -11,8 +11,9 @@
 //! 3. A [`Drafter`] proposes up to `k <= MAX_DRAFT` tokens `d_1 .. d_k` for positions
 //!    `P+1 .. P+k` ([`MtpDrafter`]: `k + 1` runs of the [`Phase::MtpDraft`] plan).
 //! 4. One target pass over the `k + 1` rows `[x, d_1 .. d_k]` at position `P` with the
-//!    [`Phase::Verify`] plan (`Verify { k }`; models without an MTP head have no verify plans
-//!    and use the smallest prefill bucket that holds `k + 1` rows — same ops, so same result).
+//!    [`Phase::Verify`] plan (`Verify { k }`, compiled for every model whose largest bucket
+//!    holds `k + 1` rows; otherwise the smallest prefill bucket that holds them — same ops,
+//!    so same result).
 //!    Row `i`'s logits are `L_{P+i}`, what plain decoding would have after feeding row `i`.
 //! 5. Accept the longest prefix with `d_{i+1} == argmax(L_{P+i})`; call its length `a`. The
 //!    round commits `[x, d_1 .. d_a]` (`a + 1` tokens) and its last logits are `L_{P+a}`, whose

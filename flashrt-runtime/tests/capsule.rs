@@ -4,8 +4,9 @@
 mod common;
 
 use common::*;
+use flashrt_runtime::ir::Phase;
 use flashrt_runtime::ir::hf::HfOptions;
-use flashrt_runtime::{Error, LogitsMode, Model, Session};
+use flashrt_runtime::{ChunkCosts, CostSource, Error, LogitsMode, Model, PlanCost, Session};
 
 const BUCKETS: [usize; 2] = [4, 16];
 
@@ -182,6 +183,133 @@ fn restore_and_append_at_any_boundary_equals_cold_prefill_bitwise() {
         assert_eq!(rows, cold_logits, "{name}: ragged appends");
         assert_eq!(state_of(&t), cold_state, "{name}: ragged appends state");
     }
+}
+
+/// Cost tables that make the chunk planner choose very different steps for the same tokens:
+/// the derived CPU table (fewest chunks), a padded device's derived table, one where verify
+/// passes are cheapest and one where the smallest bucket is.
+fn cost_tables(m: &Model) -> Vec<(&'static str, ChunkCosts)> {
+    let table = |f: &dyn Fn(Phase) -> f64| {
+        ChunkCosts::new(
+            m.chunk_costs()
+                .plans()
+                .iter()
+                .map(|p| PlanCost {
+                    phase: p.phase,
+                    fixed: f(p.phase),
+                    per_row: 0.0,
+                })
+                .collect(),
+            CostSource::Given,
+        )
+    };
+    vec![
+        ("derived", m.chunk_costs()),
+        ("padded", ChunkCosts::derived(m.compiled(), true)),
+        (
+            "verify",
+            table(&|p| match p {
+                Phase::Verify { .. } => 1.0,
+                Phase::Decode => 1.5,
+                _ => 50.0,
+            }),
+        ),
+        (
+            "small bucket",
+            table(&|p| match p {
+                Phase::Prefill { bucket: 4 } => 1.0,
+                Phase::Prefill { .. } | Phase::Verify { .. } => 100.0,
+                _ => 0.8,
+            }),
+        ),
+    ]
+}
+
+/// The chunk planner's choice never changes a bit on the reference backend: for every cost
+/// table, restore + append at any boundary equals a cold prefill, and the session runs
+/// exactly the steps the planner chose.
+#[test]
+fn every_chunk_plan_gives_the_same_bits() {
+    for (name, m) in models() {
+        let v = m.vocab();
+        let all = tokens(19, 45, v);
+        let mut cold = m.session().unwrap();
+        cold.append(&all).unwrap();
+        let cold_logits = cold.logits().to_vec();
+        let cold_state = state_of(&cold);
+        for (label, table) in cost_tables(&m) {
+            m.set_chunk_costs(table).unwrap();
+            let plan = m.plan_chunks(45);
+            let verify = plan.iter().any(|(p, _)| matches!(p, Phase::Verify { .. }));
+            assert_eq!(label == "verify", verify, "{name} {label}: {plan:?}");
+            for split in [1, 3, 8, 21, 40, 43, 44] {
+                let mut s = m.session().unwrap();
+                s.append(&all[..split]).unwrap();
+                let cap = s.snapshot().unwrap();
+                s.append(&tokens(7, 9, v)).unwrap();
+                s.restore(&cap).unwrap();
+                let before = s.counters().steps;
+                s.append(&all[split..]).unwrap();
+                assert_eq!(
+                    (s.counters().steps - before) as usize,
+                    m.plan_chunks(45 - split).len(),
+                    "{name} {label} split {split}: steps run"
+                );
+                assert_eq!(
+                    s.logits(),
+                    &cold_logits[split * v..],
+                    "{name} {label} split {split}: logits not bitwise equal"
+                );
+                assert_eq!(
+                    state_of(&s),
+                    cold_state,
+                    "{name} {label} split {split}: state not bitwise equal"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn chunk_cost_tables_are_checked() {
+    let m = load(FIXTURES[0], &BUCKETS);
+    let bad = |plans: Vec<PlanCost>| m.set_chunk_costs(ChunkCosts::new(plans, CostSource::Given));
+    let decode = PlanCost {
+        phase: Phase::Decode,
+        fixed: 1.0,
+        per_row: 0.0,
+    };
+    let e = bad(vec![
+        decode,
+        PlanCost {
+            phase: Phase::Prefill { bucket: 64 },
+            ..decode
+        },
+    ])
+    .unwrap_err();
+    assert!(e.to_string().contains("no token plan prefill[64]"), "{e}");
+    let e = bad(vec![PlanCost {
+        phase: Phase::Prefill { bucket: 16 },
+        ..decode
+    }])
+    .unwrap_err();
+    assert!(e.to_string().contains("needs the decode plan"), "{e}");
+    let e = bad(vec![PlanCost {
+        fixed: f64::NAN,
+        ..decode
+    }])
+    .unwrap_err();
+    assert!(e.to_string().contains("finite and positive"), "{e}");
+    // Timing every plan installs a measured table over all of them.
+    let mut lines = 0;
+    let measured = m.calibrate_chunking(1, &mut |_| lines += 1).unwrap();
+    assert_eq!(measured.source(), CostSource::Measured);
+    assert_eq!(measured.plans().len(), BUCKETS.len() + 1 + 4, "{measured}");
+    assert_eq!(lines, measured.plans().len());
+    assert_eq!(m.chunk_costs(), measured);
+    // A decode-only table is valid: every append runs token by token.
+    bad(vec![decode]).unwrap();
+    assert_eq!(m.plan_chunks(3), vec![(Phase::Decode, 1); 3]);
 }
 
 #[test]

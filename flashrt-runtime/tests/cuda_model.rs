@@ -1009,3 +1009,88 @@ fn sessions_share_arenas_without_crosstalk() {
         model.compiled().layout.arena_bytes(Role::State)
     );
 }
+
+/// Issue 13 on the GPU: a suffix of 2 to 5 tokens runs as one verify pass, whose rows round as
+/// decode steps round (one GEMM shape, one attention split count for every phase of at most
+/// MAX_DRAFT + 1 rows), so its last logits and the state it leaves equal feeding the tokens
+/// one at a time, bit for bit. Then every plan is timed (`calibrate_chunking`), and a long
+/// suffix split by the measured costs still tracks a cold prefill within the bf16 bound of
+/// `unaligned_restore_and_forks_match_cold_prefill_on_gpu`.
+#[test]
+fn short_suffixes_run_as_verify_passes_on_gpu() {
+    let Some(gpu) = cuda("short_suffixes_run_as_verify_passes_on_gpu") else {
+        return;
+    };
+    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 256);
+    assert!(
+        ir.mtp.is_none(),
+        "verify plans serve models without an MTP head too"
+    );
+    let model = model_on(gpu, &ir, None);
+    let vocab = model.vocab();
+    let head = prompt(40, vocab, 31);
+    let mut base = model.session().unwrap();
+    base.append(&head).unwrap();
+    let cap = base.snapshot().unwrap();
+    let state = |s: &Session| -> Vec<(String, Vec<u8>)> {
+        s.model()
+            .compiled()
+            .layout
+            .state_buffers()
+            .map(|b| (b.name.clone(), s.read_region(&b.name).unwrap()))
+            .collect()
+    };
+    for n in 2..=5usize {
+        assert_eq!(
+            model.plan_chunks(n),
+            vec![(Phase::Verify { k: n - 1 }, n)],
+            "derived costs put {n} tokens in one verify pass"
+        );
+        let suffix = prompt(n, vocab, 40 + n as u64);
+        let mut pass = model.fork(&cap).unwrap();
+        pass.append(&suffix).unwrap();
+        let mut steps = model.fork(&cap).unwrap();
+        for &t in &suffix {
+            steps.append(&[t]).unwrap();
+        }
+        assert!(
+            pass.last_logits() == steps.last_logits(),
+            "{n} tokens: verify pass logits differ from {n} decode steps"
+        );
+        assert!(
+            state(&pass) == state(&steps),
+            "{n} tokens: verify pass state differs from {n} decode steps"
+        );
+        println!("{n} tokens: one verify pass == {n} decode steps (logits and state, bitwise)");
+    }
+
+    let costs = model
+        .calibrate_chunking(2, &mut |line| println!("  {line}"))
+        .unwrap();
+    assert_eq!(costs.source(), flashrt_runtime::CostSource::Measured);
+    assert_eq!(
+        costs.plans().len(),
+        2 + 1 + 4,
+        "two buckets, decode, four verify plans"
+    );
+    assert!(
+        costs
+            .plans()
+            .iter()
+            .all(|p| p.fixed > 0.0 && p.per_row >= 0.0)
+    );
+    println!("measured: {costs}");
+    let tail = prompt(41, vocab, 77);
+    let steps = model.plan_chunks(tail.len());
+    assert_eq!(steps.iter().map(|s| s.1).sum::<usize>(), 41);
+    let mut s = model.fork(&cap).unwrap();
+    s.set_logits_mode(LogitsMode::All);
+    s.append(&tail).unwrap();
+    let mut cold = model.session().unwrap();
+    cold.set_logits_mode(LogitsMode::All);
+    let whole: Vec<u32> = head.iter().chain(&tail).copied().collect();
+    cold.append(&whole).unwrap();
+    let err = rel_err_of(s.logits(), &cold.logits()[head.len() * vocab..]);
+    println!("41 tokens as {steps:?}: logits rel err {err:.3e} vs cold prefill");
+    assert!(err <= 3e-2, "rel err {err:.3e}");
+}

@@ -153,6 +153,25 @@ impl ServeConfig {
     }
 }
 
+/// On a device whose steps cost their plan's full rows (CUDA), time every decode, verify and
+/// prefill plan once at start-up so suffixes are chunked by measured cost
+/// ([`Model::calibrate_chunking`]; this also captures every plan's graph before the first
+/// client). Elsewhere the derived costs stay. Returns the table in use.
+pub fn calibrate_chunking(model: &Model) -> Result<flashrt_runtime::ChunkCosts, String> {
+    if !model.pads_rows() {
+        return Ok(model.chunk_costs());
+    }
+    let start = std::time::Instant::now();
+    let costs = model
+        .calibrate_chunking(3, &mut |line| tracing::debug!("chunk costs: {line}"))
+        .map_err(|e| format!("timing the plans: {e}"))?;
+    tracing::info!(
+        "chunk planner: {costs} (measured in {:.1} s)",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(costs)
+}
+
 /// A running server: an HTTP thread (tokio, current-thread) and the model worker thread.
 pub struct Server {
     addr: SocketAddr,

@@ -533,6 +533,12 @@ pub trait DeviceModel: Send + Sync {
     fn shared_bytes(&self) -> usize {
         0
     }
+    /// Whether a step costs its plan's full rows whatever it is given (captured graphs over
+    /// padded rows: the CUDA backend), rather than the rows it computes (the CPU reference).
+    /// The chunk planner's derived costs follow it ([`crate::chunking`]).
+    fn pads_rows(&self) -> bool {
+        true
+    }
 }
 
 /// One session's arenas on the device.

@@ -566,6 +566,10 @@ impl DeviceModel for CpuModel {
     fn backend_name(&self) -> String {
         format!("cpu (f32 reference, {} threads)", self.inner.threads)
     }
+    /// A step computes the rows it is given, not its plan's.
+    fn pads_rows(&self) -> bool {
+        false
+    }
     fn new_session(&self) -> Result<Box<dyn DeviceSession>> {
         let m = &self.inner;
         let layout = &m.compiled.layout;
