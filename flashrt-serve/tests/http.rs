@@ -453,11 +453,13 @@ fn hostile_input_gets_a_clear_4xx_and_the_server_keeps_serving() {
         400,
         "invalid_tokens",
     );
-    assert_4xx(
-        &c.post("/v1/completions", &json!({"prompt": [1], "n": 3})),
-        400,
-        "unsupported",
-    );
+    for n in [0, 17] {
+        assert_4xx(
+            &c.post("/v1/completions", &json!({"prompt": [1], "n": n})),
+            400,
+            "invalid_request",
+        );
+    }
     assert_4xx(
         &c.post("/v1/completions", &json!({"prompt": []})),
         400,
@@ -879,5 +881,96 @@ fn penalties_match_the_library() {
             assert!(distinct.len() < got.len(), "{got:?}");
         }
     }
+    server.shutdown().unwrap();
+}
+
+/// OpenAI `n`: the choices come from one prefilled prompt, choice `i` sampling with seed
+/// `seed + i`, so each equals a single completion with that seed (and what the library samples
+/// with it); streamed, every chunk says its choice, each choice ends with its own finish
+/// reason, and the usage counts every choice's tokens.
+#[test]
+fn n_choices_equal_separately_seeded_completions() {
+    let m = lfm2();
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let c = Client::new(server.addr(), None);
+    let prompt = tokens(77, 23, v);
+    let body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0.8, "seed": 5,
+                      "n": 4, "ignore_eos": true});
+    let r = c.ok("/v1/completions", &body);
+    let choices = r["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    let mut all = Vec::new();
+    for (i, ch) in choices.iter().enumerate() {
+        assert_eq!(ch["index"], i);
+        assert_eq!(ch["seed"], 5 + i as u64);
+        let got = ids(&ch["token_ids"]);
+        let single = c.ok(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0.8, "seed": 5 + i,
+                    "ignore_eos": true}),
+        );
+        assert_eq!(got, ids(&single["choices"][0]["token_ids"]), "choice {i}");
+        assert_eq!(
+            got,
+            local(
+                &m,
+                &prompt,
+                SamplerState::seeded(5 + i as u64, 0.8, 0, 1.0),
+                12
+            ),
+            "choice {i} against the library"
+        );
+        all.push(got);
+    }
+    let distinct: std::collections::BTreeSet<_> = all.iter().collect();
+    assert_eq!(distinct.len(), 4, "four distinct continuations: {all:?}");
+    assert_eq!(r["usage"]["completion_tokens"], 48);
+    assert_eq!(r["usage"]["prompt_tokens"], 23);
+    assert_eq!(r["seed"], 5);
+
+    // Streamed: the same tokens per choice, one finish chunk each, usage last.
+    let mut sbody = body.clone();
+    sbody["n"] = json!(3);
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let ev = c.post("/v1/completions", &sbody).events();
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let mut per = vec![Vec::new(); 3];
+    let mut finished = vec![0; 3];
+    for ch in &chunks[..chunks.len() - 1] {
+        let choice = &ch["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        per[i].extend(ids(&choice["token_ids"]));
+        if !choice["finish_reason"].is_null() {
+            assert_eq!(choice["finish_reason"], "length");
+            finished[i] += 1;
+        }
+    }
+    assert_eq!(per, all[..3].to_vec());
+    assert_eq!(finished, [1, 1, 1]);
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 36);
+
+    // Chat: every choice's first delta names the role.
+    let ev = c
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 3,
+                    "temperature": 0.8, "seed": 9, "n": 2, "stream": true}),
+        )
+        .events();
+    let roles: Vec<u64> = ev
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter(|v| v["choices"][0]["delta"]["role"] == "assistant")
+        .map(|v| v["choices"][0]["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(roles, [0, 1]);
     server.shutdown().unwrap();
 }

@@ -392,10 +392,11 @@ fn completion_req(st: &AppState, b: &CompletionBody, chat: bool) -> Result<GenRe
         ));
     }
     b.check_unsupported()?;
-    if b.n.is_some_and(|n| n != 1) {
+    let n = b.n.unwrap_or(1);
+    if !(1..=MAX_CHOICES).contains(&n) {
         return Err(ApiError::bad(
-            "unsupported",
-            "n must be 1 (a batch-1 server)",
+            "invalid_request",
+            format!("`n` must be 1 to {MAX_CHOICES} (got {n})"),
         ));
     }
     if b.echo {
@@ -447,8 +448,12 @@ fn completion_req(st: &AppState, b: &CompletionBody, chat: bool) -> Result<GenRe
             }
             k => k,
         },
+        n,
     })
 }
+
+/// Most choices one completion request may ask for (`n`).
+pub const MAX_CHOICES: usize = 16;
 
 pub(super) async fn completions(State(st): St, body: Body) -> Response {
     openai(st, body, false).await
@@ -524,7 +529,7 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                 let t = TokenCount::default();
                 t.set(
                     v["prompt_tokens"].as_u64().unwrap_or(0),
-                    v["tokens"].as_array().map_or(0, |a| a.len() as u64),
+                    completion_tokens(&v),
                 );
                 r.extensions_mut().insert(t);
                 r
@@ -549,6 +554,7 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
     let st2 = st.clone();
     let mut first = true;
     let mut offset = 0usize;
+    let mut index = 0usize;
     let count = TokenCount::default();
     let count2 = count.clone();
     let mut r = sse(
@@ -569,9 +575,9 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                     if first {
                         delta["role"] = json!("assistant");
                     }
-                    json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish})
+                    json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
                 } else {
-                    json!({"index": 0, "text": piece, "token_ids": tokens, "logprobs": lp, "finish_reason": finish})
+                    json!({"index": index, "text": piece, "token_ids": tokens, "logprobs": lp, "finish_reason": finish})
                 }
             };
             let chunk = |c: Value| {
@@ -590,13 +596,14 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                     first = false;
                     vec![chunk(c)]
                 }
-                Event::Done(v) => {
-                    count2.set(
-                        v["prompt_tokens"].as_u64().unwrap_or(0),
-                        v["tokens"].as_array().map_or(0, |a| a.len() as u64),
-                    );
-                    // The last chunk carries the finish reason and, like OpenAI's
-                    // `include_usage`, the usage.
+                Event::Choice(i) => {
+                    index = i;
+                    first = true;
+                    offset = 0;
+                    vec![]
+                }
+                Event::ChoiceEnd(v) => {
+                    // n > 1: each choice's last chunk carries its finish reason.
                     let c = choice(
                         String::new(),
                         vec![],
@@ -604,7 +611,30 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                         first,
                         Value::Null,
                     );
-                    let mut last: Value = serde_json::from_str(&chunk(c)).unwrap_or_default();
+                    vec![chunk(c)]
+                }
+                Event::Done(v) => {
+                    count2.set(
+                        v["prompt_tokens"].as_u64().unwrap_or(0),
+                        completion_tokens(&v),
+                    );
+                    // The last chunk carries the finish reason (n = 1; with more choices their
+                    // own last chunks did) and, like OpenAI's `include_usage`, the usage.
+                    let mut last: Value = if v["choices"].is_array() {
+                        serde_json::from_str(&chunk(Value::Null)).unwrap_or_default()
+                    } else {
+                        let c = choice(
+                            String::new(),
+                            vec![],
+                            v["finish_reason"].clone(),
+                            first,
+                            Value::Null,
+                        );
+                        serde_json::from_str(&chunk(c)).unwrap_or_default()
+                    };
+                    if v["choices"].is_array() {
+                        last["choices"] = json!([]);
+                    }
                     last["usage"] = usage(&v);
                     if !v["speculative"].is_null() {
                         last["speculative"] = v["speculative"].clone();
@@ -619,14 +649,47 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
     r
 }
 
+/// Generated tokens of a worker summary: one choice's, or all choices' (`n` > 1).
+fn completion_tokens(v: &Value) -> u64 {
+    v["completion_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| v["tokens"].as_array().map_or(0, |a| a.len() as u64))
+}
+
 fn usage(v: &Value) -> Value {
     let p = v["prompt_tokens"].as_u64().unwrap_or(0);
-    let c = v["tokens"].as_array().map_or(0, |a| a.len() as u64);
+    let c = completion_tokens(v);
     json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
            "prompt_tokens_details": {"cached_tokens": v["cached_tokens"]}})
 }
 
 fn completion_json(st: &AppState, id: &str, created: u64, chat: bool, v: &Value) -> Value {
+    let choices: Vec<Value> = match v["choices"].as_array() {
+        // n > 1: each choice as the worker summarised it.
+        Some(cs) => cs.iter().map(|c| choice_json(st, chat, c)).collect(),
+        None => vec![choice_json(st, chat, v)],
+    };
+    let mut body = json!({
+        "id": id,
+        "object": if chat { "chat.completion" } else { "text_completion" },
+        "created": created,
+        "model": st.model_name,
+        "system_fingerprint": st.fingerprint,
+        "seed": v["seed"],
+        "choices": choices,
+        "usage": usage(v),
+    });
+    // flashrt: what speculative rounds did for this request, when it could speculate.
+    if !v["speculative"].is_null() {
+        body["speculative"] = v["speculative"].clone();
+    }
+    body
+}
+
+/// One choice of a completion body from its worker summary (`tokens`, `text`,
+/// `finish_reason`, `logprobs`, and `index` when there are several).
+fn choice_json(st: &AppState, chat: bool, v: &Value) -> Value {
+    let index = v["index"].as_u64().unwrap_or(0);
     let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap_or_default();
     // The worker's text: decoded incrementally and cut at a stop string, exactly what a
     // streamed answer carries.
@@ -636,26 +699,16 @@ fn completion_json(st: &AppState, id: &str, created: u64, chat: bool, v: &Value)
         Some(l) => completion_logprobs(st, &l, &mut 0),
         None => Value::Null,
     };
-    let choice = if chat {
-        json!({"index": 0, "message": {"role": "assistant", "content": text, "token_ids": ids},
+    let mut choice = if chat {
+        json!({"index": index, "message": {"role": "assistant", "content": text, "token_ids": ids},
                "logprobs": logprobs, "finish_reason": v["finish_reason"]})
     } else {
-        json!({"index": 0, "text": text, "token_ids": ids, "logprobs": logprobs,
+        json!({"index": index, "text": text, "token_ids": ids, "logprobs": logprobs,
                "finish_reason": v["finish_reason"]})
     };
-    let mut body = json!({
-        "id": id,
-        "object": if chat { "chat.completion" } else { "text_completion" },
-        "created": created,
-        "model": st.model_name,
-        "system_fingerprint": st.fingerprint,
-        "seed": v["seed"],
-        "choices": [choice],
-        "usage": usage(v),
-    });
-    // flashrt: what speculative rounds did for this request, when it could speculate.
-    if !v["speculative"].is_null() {
-        body["speculative"] = v["speculative"].clone();
+    // flashrt: the seed each of several choices sampled with.
+    if v["index"].is_u64() {
+        choice["seed"] = v["seed"].clone();
     }
-    body
+    choice
 }

@@ -104,6 +104,7 @@ pub(super) async fn generate(State(st): St, Path(id): Path<String>, body: Body) 
             // A session must stand exactly after the tokens it returned; a speculative round
             // may commit past a stop token, so the sessions API decodes plainly.
             speculative: Some(0),
+            n: 1,
         };
         Ok::<_, ApiError>((req, b.stream))
     }
@@ -148,6 +149,8 @@ pub(super) async fn generate(State(st): St, Path(id): Path<String>, body: Body) 
                 Event::Token(None, text, _) => vec![json!({"text": text}).to_string()],
                 Event::Done(v) => vec![json!({"done": true, "result": v}).to_string()],
                 Event::Error(e) => vec![e.body().to_string()],
+                // Completions only.
+                Event::Choice(_) | Event::ChoiceEnd(_) => vec![],
             }),
         ),
         Err(e) => e.into_response(),

@@ -311,7 +311,8 @@ impl Worker {
     ) -> WResult<Value> {
         let cached = self.reuse_prefix(s, prompt, t)?;
         self.prefill(s, &prompt[cached..])?;
-        s.set_sampler(req.sampler.clone().unwrap_or_default());
+        let sampler = req.sampler.clone().unwrap_or_default();
+        s.set_sampler(sampler.clone());
         if stream.is_some() {
             rep.send(Ok(Out::Stream));
         }
@@ -321,6 +322,9 @@ impl Worker {
             && let Some(t) = cache_prompt
         {
             self.store_auto(s, None, t)?;
+        }
+        if req.n > 1 {
+            return self.complete_choices(s, prompt, req, stream, cache_prompt, cached, &sampler);
         }
         let g = self.generate(s, req, stream, cache_prompt)?;
         // The session stands before the last token (never fed: nothing will read it), so the
@@ -338,5 +342,80 @@ impl Worker {
             "logprobs": logprobs_json(req, &g.logprobs),
             "speculative": spec_json(&g.spec),
         }))
+    }
+
+    /// `n` > 1 choices from the prefilled prompt: the session's boundary is kept as a capsule
+    /// (one device copy before the first token) and each choice after the first starts from
+    /// it, with seed `seed + i`. The choices run one after another (the small-batch scheduler
+    /// will step them together); streamed, each choice's tokens follow an [`Event::Choice`]
+    /// marker and end with an [`Event::ChoiceEnd`]. Only the prompt boundary is stored
+    /// automatically (a follow-up could continue any choice).
+    #[allow(clippy::too_many_arguments)]
+    fn complete_choices(
+        &mut self,
+        s: &mut Session,
+        prompt: &[u32],
+        req: &GenReq,
+        stream: Option<&mpsc::UnboundedSender<Event>>,
+        cache_prompt: Option<&Tenant>,
+        cached: usize,
+        sampler: &SamplerState,
+    ) -> WResult<Value> {
+        let boundary = s.snapshot()?;
+        let mut choices = Vec::with_capacity(req.n);
+        let mut completion_tokens = 0;
+        let mut spec: Option<flashrt_runtime::SpecStats> = None;
+        for i in 0..req.n {
+            if i > 0 {
+                if let Some(tx) = stream
+                    && tx.send(Event::Choice(i)).is_err()
+                {
+                    break;
+                }
+                s.restore(&boundary)?;
+                s.set_sampler(choice_sampler(sampler, i));
+            }
+            let g = self.generate(s, req, stream, if i == 0 { cache_prompt } else { None })?;
+            completion_tokens += g.tokens.len();
+            if let Some(st) = g.spec {
+                *spec.get_or_insert_with(Default::default) += st;
+            }
+            if let Some(tx) = stream {
+                let _ = tx.send(Event::ChoiceEnd(
+                    json!({"index": i, "finish_reason": g.finish}),
+                ));
+            }
+            let cancelled = g.finish == "cancelled";
+            choices.push(json!({
+                "index": i,
+                "tokens": g.tokens,
+                "text": g.text,
+                "finish_reason": g.finish,
+                "seed": choice_sampler(sampler, i).seed,
+                "logprobs": logprobs_json(req, &g.logprobs),
+            }));
+            if cancelled {
+                break;
+            }
+        }
+        Ok(json!({
+            "choices": choices,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens": prompt.len(),
+            "cached_tokens": cached,
+            "seed": sampler.seed,
+            "speculative": spec_json(&spec),
+        }))
+    }
+}
+
+/// Choice `i`'s sampler: the request's, seeded with `seed + i` (wrapping) from the start of
+/// its RNG stream.
+pub(super) fn choice_sampler(base: &SamplerState, i: usize) -> SamplerState {
+    let fresh = SamplerState::seeded(base.seed.wrapping_add(i as u64), 0.0, 0, 1.0);
+    SamplerState {
+        seed: fresh.seed,
+        rng: fresh.rng,
+        ..base.clone()
     }
 }

@@ -111,6 +111,11 @@ pub enum Event {
     /// possible stop string is incomplete). `None`: the text still held back at the end.
     /// With its log-probabilities when the request asked for them.
     Token(Option<u32>, String, Option<TokenLogprobs>),
+    /// Completions with `n` > 1: the tokens that follow belong to choice `.0` (choice 0 has
+    /// none: it starts the stream).
+    Choice(usize),
+    /// Completions with `n` > 1: choice `index` ended (`{"index", "finish_reason"}`).
+    ChoiceEnd(Value),
     /// The end: a summary (`tokens`, `finish_reason`, `pos`, usage).
     Done(Value),
     /// A failure after the stream started.
@@ -134,6 +139,10 @@ pub struct GenReq {
     /// At most this many MTP drafts per round for greedy decoding (0: plain decoding);
     /// `None`: the server's `--speculative`.
     pub speculative: Option<usize>,
+    /// Completions: this many choices from the one prefilled prompt (0 and 1: one). Choice
+    /// `i` samples with seed `seed + i` (wrapping), so it equals a single completion with
+    /// that seed.
+    pub n: usize,
 }
 
 /// Session creation.
