@@ -40,7 +40,54 @@ pub(super) fn logprobs_json(req: &GenReq, l: &[TokenLogprobs]) -> Value {
         .collect()
 }
 
+/// A generation in progress: what [`Worker::gen_step`] carries from one token to the next, so
+/// the scheduler can interleave several (see `schedule.rs`).
+pub(super) struct GenState {
+    out: Vec<u32>,
+    logprobs: Vec<TokenLogprobs>,
+    finish: &'static str,
+    /// The last token chosen and streamed, fed when the next one is wanted.
+    unfed: Option<u32>,
+    text: Option<TextStream>,
+    /// When the previous token was handed to the client (first: when the request arrived).
+    last: Instant,
+    spec_max: usize,
+    speculate: bool,
+    spec: flashrt_runtime::SpecStats,
+    done: bool,
+}
+
 impl Worker {
+    /// A generation of `req` from `s`'s boundary, for a request that arrived at `enqueued`.
+    pub(super) fn gen_start(&self, s: &Session, req: &GenReq, enqueued: Instant) -> GenState {
+        // Speculative rounds (MTP head, greedy, no per-token logprobs): see `speculate`.
+        let spec_max = req
+            .speculative
+            .unwrap_or(self.cfg.speculative)
+            .min(flashrt_runtime::ir::lower::MAX_DRAFT);
+        let speculate = spec_max > 0
+            && self.model.ir().mtp.is_some()
+            && (s.sampler().is_greedy() || s.sampler().top_k == 1)
+            && !s.sampler().has_penalties()
+            && req.logprobs.is_none()
+            && s.pending().is_none();
+        GenState {
+            out: Vec::new(),
+            logprobs: Vec::new(),
+            finish: "length",
+            unfed: None,
+            text: self
+                .text
+                .as_ref()
+                .map(|t| TextStream::new(&t.tokenizer, &req.stop_strings)),
+            last: enqueued,
+            spec_max,
+            speculate,
+            spec: flashrt_runtime::SpecStats::default(),
+            done: false,
+        }
+    }
+
     /// Sample up to `req.max_tokens` tokens. Each token is streamed the moment it is chosen and
     /// fed to the session only when the next one is wanted, so no step runs after the last
     /// token: the session is left at the boundary before it, and the last token comes back
@@ -60,139 +107,115 @@ impl Worker {
         stream: Option<&mpsc::UnboundedSender<Event>>,
         cache_prompt: Option<&Tenant>,
     ) -> WResult<Generated> {
-        let mut out = Vec::new();
-        let mut logprobs = Vec::new();
+        let mut g = self.gen_start(s, req, self.job_enqueued);
+        while !self.gen_step(s, &mut g, req, stream, cache_prompt)? {}
+        Ok(self.gen_end(g, stream))
+    }
+
+    /// One token of `g` (or one speculative round): returns whether the generation has ended.
+    pub(super) fn gen_step(
+        &mut self,
+        s: &mut Session,
+        g: &mut GenState,
+        req: &GenReq,
+        stream: Option<&mpsc::UnboundedSender<Event>>,
+        cache_prompt: Option<&Tenant>,
+    ) -> WResult<bool> {
+        if g.done || g.out.len() >= req.max_tokens {
+            g.done = true;
+            return Ok(true);
+        }
+        g.done = true;
         let max = self.model.max_seq();
-        let mut finish = "length";
-        let mut unfed: Option<u32> = None;
-        let mut text = self
-            .text
-            .as_ref()
-            .map(|t| TextStream::new(&t.tokenizer, &req.stop_strings));
-        // When the previous token was handed to the client (first: when the request arrived).
-        let mut last = self.job_enqueued;
-        // Speculative rounds (MTP head, greedy, no per-token logprobs): see `speculate`.
-        let spec_max = req
-            .speculative
-            .unwrap_or(self.cfg.speculative)
-            .min(flashrt_runtime::ir::lower::MAX_DRAFT);
-        let speculate = spec_max > 0
-            && self.model.ir().mtp.is_some()
-            && (s.sampler().is_greedy() || s.sampler().top_k == 1)
-            && !s.sampler().has_penalties()
-            && req.logprobs.is_none()
-            && s.pending().is_none();
-        let mut spec = flashrt_runtime::SpecStats::default();
-        'tokens: while out.len() < req.max_tokens {
-            // The token sampled next goes to position `pos` (after the unfed one).
-            if s.pos() + unfed.is_some() as usize >= max {
-                break;
-            }
-            if self.cfg.cancel.load(Ordering::Relaxed) {
-                finish = "cancelled";
-                break;
-            }
-            if let Some(prev) = unfed.take() {
-                let t0 = Instant::now();
-                s.append(&[prev])?;
-                if speculate {
-                    self.tuner.plain_token(t0.elapsed().as_secs_f64());
-                }
-            }
-            // A speculative round: its first token is the target's own choice, streamed
-            // before the round runs; the drafts it accepts follow when it is verified. All its
-            // tokens are fed (the last inside the verify pass).
-            let room = max - s.pos();
-            let k = if speculate && !out.is_empty() {
-                self.tuner.next(spec_max)
-            } else {
-                0
-            };
-            let n = (k + 1).min(req.max_tokens - out.len()).min(room);
-            if k > 0 && n >= 2 {
-                let x = flashrt_runtime::argmax(s.last_logits()).ok_or_else(|| {
-                    ApiError::new(500, "internal", "the logits row has no finite value")
-                })?;
-                if self.emit(
-                    x,
-                    None,
-                    &req.stop,
-                    &mut out,
-                    &mut text,
-                    stream,
-                    &mut last,
-                    &mut finish,
-                ) {
-                    // Stopped (or gone) at the round's first token: not fed, as in plain
-                    // decoding.
-                    unfed = Some(x);
-                    break;
-                }
-                let t0 = Instant::now();
-                let (toks, st) = s.speculative_round(k.min(n - 1), &mut MtpDrafter)?;
-                self.tuner
-                    .round(k.min(n - 1), toks.len(), t0.elapsed().as_secs_f64());
-                spec += st;
-                self.metrics
-                    .spec_rounds
-                    .fetch_add(st.rounds, Ordering::Relaxed);
-                self.metrics
-                    .spec_drafted
-                    .fetch_add(st.drafted, Ordering::Relaxed);
-                self.metrics
-                    .spec_accepted
-                    .fetch_add(st.accepted, Ordering::Relaxed);
-                debug_assert_eq!(toks.first(), Some(&x));
-                for &t in &toks[1..] {
-                    if self.emit(
-                        t,
-                        None,
-                        &req.stop,
-                        &mut out,
-                        &mut text,
-                        stream,
-                        &mut last,
-                        &mut finish,
-                    ) {
-                        // Tokens after a stop were committed too (the session stands after
-                        // the round); only what the client gets is cut.
-                        break 'tokens;
-                    }
-                }
-                continue;
-            }
-            // The prompt capsule keeps the sampler as it was before this draw.
-            let before = (out.is_empty() && cache_prompt.is_some()).then(|| s.sampler().clone());
-            let t = s.sample_next()?;
-            // From the row the token was chosen from (sampling does not change it).
-            let lp = req
-                .logprobs
-                .and_then(|k| flashrt_runtime::sampling::logprobs(s.last_logits(), t, k));
-            if let Some(l) = &lp {
-                logprobs.push(l.clone());
-            }
-            unfed = Some(t);
-            let stop = self.emit(
-                t,
-                lp,
-                &req.stop,
-                &mut out,
-                &mut text,
-                stream,
-                &mut last,
-                &mut finish,
-            );
-            if let (Some(tenant), Some(sampler)) = (cache_prompt, before) {
-                self.store_auto(s, Some(sampler), tenant)?;
-            }
-            if stop {
-                break;
+        // The token sampled next goes to position `pos` (after the unfed one).
+        if s.pos() + g.unfed.is_some() as usize >= max {
+            return Ok(true);
+        }
+        if self.cfg.cancel.load(Ordering::Relaxed) {
+            g.finish = "cancelled";
+            return Ok(true);
+        }
+        if let Some(prev) = g.unfed.take() {
+            let t0 = Instant::now();
+            s.append(&[prev])?;
+            if g.speculate {
+                self.tuner.plain_token(t0.elapsed().as_secs_f64());
             }
         }
+        // A speculative round: its first token is the target's own choice, streamed before
+        // the round runs; the drafts it accepts follow when it is verified. All its tokens are
+        // fed (the last inside the verify pass).
+        let room = max - s.pos();
+        let k = if g.speculate && !g.out.is_empty() {
+            self.tuner.next(g.spec_max)
+        } else {
+            0
+        };
+        let n = (k + 1).min(req.max_tokens - g.out.len()).min(room);
+        if k > 0 && n >= 2 {
+            let x = flashrt_runtime::argmax(s.last_logits()).ok_or_else(|| {
+                ApiError::new(500, "internal", "the logits row has no finite value")
+            })?;
+            if self.emit(x, None, &req.stop, g, stream) {
+                // Stopped (or gone) at the round's first token: not fed, as in plain
+                // decoding.
+                g.unfed = Some(x);
+                return Ok(true);
+            }
+            let t0 = Instant::now();
+            let (toks, st) = s.speculative_round(k.min(n - 1), &mut MtpDrafter)?;
+            self.tuner
+                .round(k.min(n - 1), toks.len(), t0.elapsed().as_secs_f64());
+            g.spec += st;
+            self.metrics
+                .spec_rounds
+                .fetch_add(st.rounds, Ordering::Relaxed);
+            self.metrics
+                .spec_drafted
+                .fetch_add(st.drafted, Ordering::Relaxed);
+            self.metrics
+                .spec_accepted
+                .fetch_add(st.accepted, Ordering::Relaxed);
+            debug_assert_eq!(toks.first(), Some(&x));
+            for &t in &toks[1..] {
+                if self.emit(t, None, &req.stop, g, stream) {
+                    // Tokens after a stop were committed too (the session stands after the
+                    // round); only what the client gets is cut.
+                    return Ok(true);
+                }
+            }
+            g.done = false;
+            return Ok(false);
+        }
+        // The prompt capsule keeps the sampler as it was before this draw.
+        let before = (g.out.is_empty() && cache_prompt.is_some()).then(|| s.sampler().clone());
+        let t = s.sample_next()?;
+        // From the row the token was chosen from (sampling does not change it).
+        let lp = req
+            .logprobs
+            .and_then(|k| flashrt_runtime::sampling::logprobs(s.last_logits(), t, k));
+        if let Some(l) = &lp {
+            g.logprobs.push(l.clone());
+        }
+        g.unfed = Some(t);
+        let stop = self.emit(t, lp, &req.stop, g, stream);
+        if let (Some(tenant), Some(sampler)) = (cache_prompt, before) {
+            self.store_auto(s, Some(sampler), tenant)?;
+        }
+        g.done = stop || g.out.len() >= req.max_tokens;
+        Ok(g.done)
+    }
+
+    /// What an ended generation produced; streams the text still held back.
+    pub(super) fn gen_end(
+        &mut self,
+        mut g: GenState,
+        stream: Option<&mpsc::UnboundedSender<Event>>,
+    ) -> Generated {
         self.metrics
             .spec_k
             .store(self.tuner.k() as u64, Ordering::Relaxed);
-        let visible = match text.as_mut() {
+        let visible = match g.text.as_mut() {
             Some(ts) => {
                 let tail = ts.finish();
                 if let Some(tx) = stream
@@ -204,49 +227,45 @@ impl Worker {
             }
             None => String::new(),
         };
-        Ok(Generated {
-            tokens: out,
-            finish,
+        Generated {
+            tokens: g.out,
+            finish: g.finish,
             text: visible,
-            unfed,
-            logprobs,
-            spec: speculate.then_some(spec),
-        })
+            unfed: g.unfed,
+            logprobs: g.logprobs,
+            spec: g.speculate.then_some(g.spec),
+        }
     }
 
     /// Hand token `t` to the client (stream event, text, metrics); returns whether generation
-    /// ends with it (`finish` says why).
-    #[allow(clippy::too_many_arguments)]
+    /// ends with it (`g.finish` says why).
     fn emit(
         &self,
         t: u32,
         lp: Option<TokenLogprobs>,
         stop_ids: &[u32],
-        out: &mut Vec<u32>,
-        text: &mut Option<TextStream>,
+        g: &mut GenState,
         stream: Option<&mpsc::UnboundedSender<Event>>,
-        last: &mut Instant,
-        finish: &mut &'static str,
     ) -> bool {
-        out.push(t);
+        g.out.push(t);
         self.metrics
             .generated_tokens
             .fetch_add(1, Ordering::Relaxed);
-        let piece = text.as_mut().map(|ts| ts.push(t)).unwrap_or_default();
+        let piece = g.text.as_mut().map(|ts| ts.push(t)).unwrap_or_default();
         let gone = stream.is_some_and(|tx| tx.send(Event::Token(Some(t), piece.text, lp)).is_err());
         let now = Instant::now();
-        if out.len() == 1 {
-            self.metrics.ttft.observe(now - *last);
+        if g.out.len() == 1 {
+            self.metrics.ttft.observe(now - g.last);
         } else {
-            self.metrics.inter_token.observe(now - *last);
+            self.metrics.inter_token.observe(now - g.last);
         }
-        *last = now;
+        g.last = now;
         if gone {
-            *finish = "cancelled";
+            g.finish = "cancelled";
             return true;
         }
         if stop_ids.contains(&t) || piece.stop {
-            *finish = "stop";
+            g.finish = "stop";
             return true;
         }
         false
