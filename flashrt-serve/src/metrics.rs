@@ -117,6 +117,9 @@ pub struct Metrics {
     pub generated_tokens: AtomicU64,
     pub sessions: AtomicU64,
     pub session_bytes: AtomicU64,
+    /// Completions generating now (interleaved token by token), and waiting for a slot.
+    pub generating: AtomicU64,
+    pub waiting: AtomicU64,
     pub capsules: [AtomicU64; 3],
     pub tier_bytes: [AtomicU64; 3],
     pub tier_budget: [AtomicU64; 3],
@@ -238,6 +241,18 @@ impl Metrics {
             "gauge",
             "Open sessions.",
             get(&self.sessions),
+        );
+        one(
+            "flashrt_generating",
+            "gauge",
+            "Completions generating now, a token each in turn.",
+            get(&self.generating),
+        );
+        one(
+            "flashrt_generation_waiting",
+            "gauge",
+            "Completions prefilled by none yet: waiting for one of the generating ones to end.",
+            get(&self.waiting),
         );
         one(
             "flashrt_session_bytes",

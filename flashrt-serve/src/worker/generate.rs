@@ -1,7 +1,6 @@
 //! Generation: the token loop of completions and of session `generate` (plain steps, the
-//! device or host sampler, logprobs, speculative rounds with the MTP head), and the
-//! completion command around it (prefix reuse, prefill and the automatic capsules, through
-//! the worker's helpers in `mod.rs`).
+//! device or host sampler, logprobs, speculative rounds with the MTP head) as a resumable
+//! state, one token per [`Worker::gen_step`]; `schedule.rs` interleaves completions with it.
 
 use super::*;
 
@@ -109,7 +108,7 @@ impl Worker {
     ) -> WResult<Generated> {
         let mut g = self.gen_start(s, req, self.job_enqueued);
         while !self.gen_step(s, &mut g, req, stream, cache_prompt)? {}
-        Ok(self.gen_end(g, stream))
+        Ok(self.gen_end(&mut g, stream))
     }
 
     /// One token of `g` (or one speculative round): returns whether the generation has ended.
@@ -209,7 +208,7 @@ impl Worker {
     /// What an ended generation produced; streams the text still held back.
     pub(super) fn gen_end(
         &mut self,
-        mut g: GenState,
+        g: &mut GenState,
         stream: Option<&mpsc::UnboundedSender<Event>>,
     ) -> Generated {
         self.metrics
@@ -228,11 +227,11 @@ impl Worker {
             None => String::new(),
         };
         Generated {
-            tokens: g.out,
+            tokens: std::mem::take(&mut g.out),
             finish: g.finish,
             text: visible,
             unfed: g.unfed,
-            logprobs: g.logprobs,
+            logprobs: std::mem::take(&mut g.logprobs),
             spec: g.speculate.then_some(g.spec),
         }
     }
@@ -269,162 +268,6 @@ impl Worker {
             return true;
         }
         false
-    }
-
-    pub(super) fn complete(
-        &mut self,
-        prompt: Vec<u32>,
-        req: GenReq,
-        stream: Option<mpsc::UnboundedSender<Event>>,
-        t: &Tenant,
-        rep: &mut Replier,
-    ) -> WResult<Out> {
-        if prompt.is_empty() {
-            return Err(ApiError::bad("invalid_tokens", "the prompt is empty"));
-        }
-        self.validate_tokens(&prompt, 0)?;
-        if prompt.len() >= self.model.max_seq() && req.max_tokens > 0 {
-            return Err(ApiError::bad(
-                "context_length_exceeded",
-                format!(
-                    "the prompt has {} tokens; the model holds {} (max_seq), leaving no room to generate",
-                    prompt.len(),
-                    self.model.max_seq()
-                ),
-            ));
-        }
-        if let Some(sm) = &req.sampler {
-            sm.validate()?;
-        }
-        let mut s = match self.scratch.take() {
-            Some(s) => s,
-            None => self.fresh_session()?,
-        };
-        let r = self.complete_in(&mut s, &prompt, &req, stream.as_ref(), t, rep);
-        self.scratch = Some(s);
-        match r {
-            Ok(v) => {
-                if let Some(tx) = &stream {
-                    let _ = tx.send(Event::Done(v.clone()));
-                }
-                Ok(Out::Json(v))
-            }
-            Err(e) => {
-                if let Some(tx) = &stream {
-                    let _ = tx.send(Event::Error(e.clone()));
-                }
-                // Whatever state the scratch session is in, the next request resets it.
-                Err(e)
-            }
-        }
-    }
-
-    fn complete_in(
-        &mut self,
-        s: &mut Session,
-        prompt: &[u32],
-        req: &GenReq,
-        stream: Option<&mpsc::UnboundedSender<Event>>,
-        t: &Tenant,
-        rep: &mut Replier,
-    ) -> WResult<Value> {
-        let cached = self.reuse_prefix(s, prompt, t)?;
-        self.prefill(s, &prompt[cached..])?;
-        let sampler = req.sampler.clone().unwrap_or_default();
-        s.set_sampler(sampler.clone());
-        if stream.is_some() {
-            rep.send(Ok(Out::Stream));
-        }
-        // A new prompt boundary is stored, after its first token is out.
-        let cache_prompt = (self.cfg.auto_cache && cached < prompt.len()).then_some(t);
-        if req.max_tokens == 0
-            && let Some(t) = cache_prompt
-        {
-            self.store_auto(s, None, t)?;
-        }
-        if req.n > 1 {
-            return self.complete_choices(s, prompt, req, stream, cache_prompt, cached, &sampler);
-        }
-        let g = self.generate(s, req, stream, cache_prompt)?;
-        // The session stands before the last token (never fed: nothing will read it), so the
-        // capsule worth keeping for a follow-up holds the prompt and all but that token.
-        if self.cfg.auto_cache && g.tokens.len() > 1 && g.finish != "cancelled" {
-            self.store_auto(s, None, t)?;
-        }
-        Ok(json!({
-            "tokens": g.tokens,
-            "text": g.text,
-            "finish_reason": g.finish,
-            "prompt_tokens": prompt.len(),
-            "cached_tokens": cached,
-            "seed": s.sampler().seed,
-            "logprobs": logprobs_json(req, &g.logprobs),
-            "speculative": spec_json(&g.spec),
-        }))
-    }
-
-    /// `n` > 1 choices from the prefilled prompt: the session's boundary is kept as a capsule
-    /// (one device copy before the first token) and each choice after the first starts from
-    /// it, with seed `seed + i`. The choices run one after another (the small-batch scheduler
-    /// will step them together); streamed, each choice's tokens follow an [`Event::Choice`]
-    /// marker and end with an [`Event::ChoiceEnd`]. Only the prompt boundary is stored
-    /// automatically (a follow-up could continue any choice).
-    #[allow(clippy::too_many_arguments)]
-    fn complete_choices(
-        &mut self,
-        s: &mut Session,
-        prompt: &[u32],
-        req: &GenReq,
-        stream: Option<&mpsc::UnboundedSender<Event>>,
-        cache_prompt: Option<&Tenant>,
-        cached: usize,
-        sampler: &SamplerState,
-    ) -> WResult<Value> {
-        let boundary = s.snapshot()?;
-        let mut choices = Vec::with_capacity(req.n);
-        let mut completion_tokens = 0;
-        let mut spec: Option<flashrt_runtime::SpecStats> = None;
-        for i in 0..req.n {
-            if i > 0 {
-                if let Some(tx) = stream
-                    && tx.send(Event::Choice(i)).is_err()
-                {
-                    break;
-                }
-                s.restore(&boundary)?;
-                s.set_sampler(choice_sampler(sampler, i));
-            }
-            let g = self.generate(s, req, stream, if i == 0 { cache_prompt } else { None })?;
-            completion_tokens += g.tokens.len();
-            if let Some(st) = g.spec {
-                *spec.get_or_insert_with(Default::default) += st;
-            }
-            if let Some(tx) = stream {
-                let _ = tx.send(Event::ChoiceEnd(
-                    json!({"index": i, "finish_reason": g.finish}),
-                ));
-            }
-            let cancelled = g.finish == "cancelled";
-            choices.push(json!({
-                "index": i,
-                "tokens": g.tokens,
-                "text": g.text,
-                "finish_reason": g.finish,
-                "seed": choice_sampler(sampler, i).seed,
-                "logprobs": logprobs_json(req, &g.logprobs),
-            }));
-            if cancelled {
-                break;
-            }
-        }
-        Ok(json!({
-            "choices": choices,
-            "completion_tokens": completion_tokens,
-            "prompt_tokens": prompt.len(),
-            "cached_tokens": cached,
-            "seed": sampler.seed,
-            "speculative": spec_json(&spec),
-        }))
     }
 }
 

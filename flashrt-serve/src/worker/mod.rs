@@ -20,6 +20,9 @@ mod generate;
 
 use generate::{logprobs_json, spec_json};
 
+mod schedule;
+pub use schedule::MAX_GENERATING;
+
 use crate::metrics::Metrics;
 use crate::speculate::SpecTuner;
 use crate::tenants::Tenant;
@@ -249,7 +252,10 @@ pub struct Worker {
     model: Model,
     store: CapsuleStore,
     sessions: HashMap<String, Slot>,
-    scratch: Option<Session>,
+    /// Idle sessions for completions (at most one kept between rounds).
+    pool: Vec<Session>,
+    /// Completions generating and waiting (`schedule.rs`).
+    sched: schedule::Schedule,
     metrics: Arc<Metrics>,
     text: Option<Arc<Text>>,
     cfg: WorkerConfig,
@@ -302,7 +308,8 @@ impl Worker {
             model,
             store,
             sessions: HashMap::new(),
-            scratch: None,
+            pool: Vec::new(),
+            sched: schedule::Schedule::default(),
             metrics,
             text,
             cfg,
@@ -312,51 +319,82 @@ impl Worker {
         }
     }
 
-    /// Serve jobs until a [`Cmd::Shutdown`] or until every sender is gone.
+    /// Serve jobs until a [`Cmd::Shutdown`] or until every sender is gone. Between jobs,
+    /// every generating completion advances by a token (`schedule.rs`); the queue is waited
+    /// on only while nothing generates.
     pub fn run(mut self, rx: std::sync::mpsc::Receiver<Job>) {
         self.metrics.worker_alive.store(true, Ordering::SeqCst);
-        while let Ok(job) = rx.recv() {
-            self.job_enqueued = job.enqueued;
-            self.metrics.queue_wait.observe(job.enqueued.elapsed());
-            let shutdown = matches!(job.cmd, Cmd::Shutdown);
-            let touched = match &job.cmd {
-                Cmd::Append { session, .. }
-                | Cmd::Generate { session, .. }
-                | Cmd::Restore { session, .. }
-                | Cmd::Rollback { session, .. } => Some(session.clone()),
-                _ => None,
-            };
-            let mut rep = Replier(Some(job.reply));
-            let tenant = job.tenant;
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                self.handle(job.cmd, &tenant, &mut rep)
-            }));
-            let r = r.unwrap_or_else(|_| {
-                // The session may be half-updated: drop it rather than serve garbage.
-                if let Some(s) = touched {
-                    self.sessions.remove(&s);
+        loop {
+            let job = if self.sched.is_idle() {
+                match rx.recv() {
+                    Ok(job) => Some(job),
+                    Err(_) => break,
                 }
-                self.scratch = None;
-                Err(ApiError::new(
-                    500,
-                    "internal",
-                    "internal error while running the command (the session involved was closed)",
-                ))
-            });
-            rep.send(r);
-            self.publish();
-            if shutdown {
+            } else {
+                // Senders gone: the generating completions still finish.
+                rx.try_recv().ok()
+            };
+            if let Some(job) = job
+                && self.run_job(job)
+            {
                 break;
             }
+            self.step_generating();
         }
         self.metrics.worker_alive.store(false, Ordering::SeqCst);
+    }
+
+    /// One job; `true` after the shutdown command.
+    fn run_job(&mut self, job: Job) -> bool {
+        self.job_enqueued = job.enqueued;
+        self.metrics.queue_wait.observe(job.enqueued.elapsed());
+        if matches!(job.cmd, Cmd::Complete { .. }) {
+            self.start_completion(job);
+            self.publish();
+            return false;
+        }
+        let shutdown = matches!(job.cmd, Cmd::Shutdown);
+        if shutdown {
+            // What generates ends first (at once when the grace period is over: the cancel
+            // flag stops it at its next token).
+            while !self.sched.is_idle() {
+                self.step_generating();
+            }
+        }
+        let touched = match &job.cmd {
+            Cmd::Append { session, .. }
+            | Cmd::Generate { session, .. }
+            | Cmd::Restore { session, .. }
+            | Cmd::Rollback { session, .. } => Some(session.clone()),
+            _ => None,
+        };
+        let mut rep = Replier(Some(job.reply));
+        let tenant = job.tenant;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.handle(job.cmd, &tenant, &mut rep)
+        }));
+        let r = r.unwrap_or_else(|_| {
+            // The session may be half-updated: drop it rather than serve garbage.
+            if let Some(s) = touched {
+                self.sessions.remove(&s);
+            }
+            self.pool.clear();
+            Err(ApiError::new(
+                500,
+                "internal",
+                "internal error while running the command (the session involved was closed)",
+            ))
+        });
+        rep.send(r);
+        self.publish();
+        shutdown
     }
 
     fn publish(&self) {
         self.metrics.publish_store(&self.store.stats());
         let n = self.sessions.len() as u64;
         self.metrics.sessions.store(n, Ordering::Relaxed);
-        let live = n + self.scratch.is_some() as u64;
+        let live = n + (self.pool.len() + self.sched.active.len()) as u64;
         self.metrics
             .session_bytes
             .store(live * self.session_arena_bytes, Ordering::Relaxed);
@@ -855,11 +893,12 @@ impl Worker {
                 self.within_budget(t, &id)?;
                 Ok(Out::Json(capsule_json(&self.store.info(&id)?)))
             }
-            Cmd::Complete {
-                prompt,
-                req,
-                stream,
-            } => self.complete(prompt, req, stream, t, rep),
+            // Taken by the scheduler before `handle` (see `run_job`).
+            Cmd::Complete { .. } => Err(ApiError::new(
+                500,
+                "internal",
+                "a completion reached the wrong handler",
+            )),
             Cmd::Shutdown => {
                 let n = self.store.flush()?;
                 Ok(Out::Json(json!({"flushed": n})))

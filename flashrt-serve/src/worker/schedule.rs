@@ -1,0 +1,353 @@
+//! The scheduler: completions generate together, a token each in turn.
+//!
+//! A completion is set up when its job is taken from the queue (validation, prefix reuse,
+//! prefill, sampler) and then joins the *generating* set; the worker loop alternates between
+//! taking the next job from the queue (without waiting while anything generates) and one
+//! round over the generating set, where each completion advances by one token (or one
+//! speculative round, [`Worker::gen_step`]). So a completion arriving while others stream gets
+//! its first token after its own prefill and at most one token of each of the others, not
+//! after they end, and every stream keeps moving. The device still runs one session per step
+//! (the batched decode plans will run a round as one step); each completion owns a session
+//! while it generates, at most [`MAX_GENERATING`] at once and no more than the memory plan's
+//! sessions leave room for, and further completions wait their turn
+//! (`flashrt_generation_waiting`).
+//!
+//! What is not interleaved yet: a prompt's prefill runs whole when its completion starts (a
+//! 16k-token prompt holds the other streams for its prefill), and the sessions API's
+//! `generate` runs to its end as one job.
+//!
+//! Choices (`n` > 1) run one after another inside their completion: the prompt boundary is a
+//! capsule, and each later choice restores it and samples with seed `seed + i`.
+
+use super::generate::{GenState, choice_sampler};
+use super::*;
+use std::collections::VecDeque;
+
+/// Completions generating at once (each holds a session while it does).
+pub const MAX_GENERATING: usize = 8;
+
+/// A completion between its first and its last token.
+pub(super) struct Active {
+    tenant: Tenant,
+    rep: Replier,
+    stream: Option<mpsc::UnboundedSender<Event>>,
+    req: GenReq,
+    s: Session,
+    g: GenState,
+    prompt_len: usize,
+    cached: usize,
+    /// Store the prompt boundary after the first token (automatic prefix cache).
+    cache_prompt: bool,
+    sampler: SamplerState,
+    choices: Option<Choices>,
+}
+
+/// `n` > 1: the prompt boundary and the choices that ended.
+struct Choices {
+    boundary: flashrt_runtime::Capsule,
+    index: usize,
+    done: Vec<Value>,
+    completion_tokens: usize,
+    spec: Option<flashrt_runtime::SpecStats>,
+}
+
+/// The generating completions and those waiting for a place among them.
+#[derive(Default)]
+pub(super) struct Schedule {
+    pub(super) active: VecDeque<Active>,
+    pub(super) waiting: VecDeque<Job>,
+}
+
+impl Schedule {
+    pub(super) fn is_idle(&self) -> bool {
+        self.active.is_empty() && self.waiting.is_empty()
+    }
+}
+
+impl Worker {
+    /// Take a completion job: set it up and add it to the generating set, or queue it when
+    /// the set is full.
+    pub(super) fn start_completion(&mut self, job: Job) {
+        if self.sched.active.len() >= self.generating_capacity() {
+            self.sched.waiting.push_back(job);
+            self.publish_schedule();
+            return;
+        }
+        let Job {
+            cmd,
+            tenant,
+            reply,
+            enqueued,
+        } = job;
+        let Cmd::Complete {
+            prompt,
+            req,
+            stream,
+        } = cmd
+        else {
+            unreachable!("start_completion takes completions only")
+        };
+        let mut rep = Replier(Some(reply));
+        let mut s = match self.pool.pop() {
+            Some(s) => s,
+            None => match self.fresh_session() {
+                Ok(s) => s,
+                Err(e) => return fail(&mut rep, stream.as_ref(), e),
+            },
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.setup_completion(&mut s, &prompt, &req, stream.as_ref(), &tenant, &mut rep)
+        }));
+        match r {
+            Ok(Ok((cached, sampler, choices))) => {
+                let g = self.gen_start(&s, &req, enqueued);
+                self.sched.active.push_back(Active {
+                    cache_prompt: self.cfg.auto_cache && cached < prompt.len(),
+                    tenant,
+                    rep,
+                    stream,
+                    req,
+                    s,
+                    g,
+                    prompt_len: prompt.len(),
+                    cached,
+                    sampler,
+                    choices,
+                });
+            }
+            Ok(Err(e)) => {
+                // Whatever state the session is in, the next completion resets it.
+                self.pool.push(s);
+                fail(&mut rep, stream.as_ref(), e);
+            }
+            Err(_) => fail(
+                &mut rep,
+                stream.as_ref(),
+                ApiError::new(
+                    500,
+                    "internal",
+                    "internal error while setting up the completion",
+                ),
+            ),
+        }
+        self.publish_schedule();
+    }
+
+    /// Validation, prefix reuse, prefill and sampler of a completion; its prompt boundary as a
+    /// capsule when it asks for several choices.
+    #[allow(clippy::type_complexity)]
+    fn setup_completion(
+        &mut self,
+        s: &mut Session,
+        prompt: &[u32],
+        req: &GenReq,
+        stream: Option<&mpsc::UnboundedSender<Event>>,
+        t: &Tenant,
+        rep: &mut Replier,
+    ) -> WResult<(usize, SamplerState, Option<Choices>)> {
+        if prompt.is_empty() {
+            return Err(ApiError::bad("invalid_tokens", "the prompt is empty"));
+        }
+        self.validate_tokens(prompt, 0)?;
+        if prompt.len() >= self.model.max_seq() && req.max_tokens > 0 {
+            return Err(ApiError::bad(
+                "context_length_exceeded",
+                format!(
+                    "the prompt has {} tokens; the model holds {} (max_seq), leaving no room to generate",
+                    prompt.len(),
+                    self.model.max_seq()
+                ),
+            ));
+        }
+        if let Some(sm) = &req.sampler {
+            sm.validate()?;
+        }
+        let cached = self.reuse_prefix(s, prompt, t)?;
+        self.prefill(s, &prompt[cached..])?;
+        let sampler = req.sampler.clone().unwrap_or_default();
+        s.set_sampler(sampler.clone());
+        if stream.is_some() {
+            rep.send(Ok(Out::Stream));
+        }
+        if req.max_tokens == 0 && self.cfg.auto_cache && cached < prompt.len() {
+            self.store_auto(s, None, t)?;
+        }
+        // Several choices: the boundary each later one starts from (one device copy before
+        // the first token).
+        let choices = if req.n > 1 {
+            Some(Choices {
+                boundary: s.snapshot()?,
+                index: 0,
+                done: Vec::with_capacity(req.n),
+                completion_tokens: 0,
+                spec: None,
+            })
+        } else {
+            None
+        };
+        Ok((cached, sampler, choices))
+    }
+
+    /// One round: every generating completion advances by a token (or a speculative round),
+    /// in arrival order; those that end answer and leave the set, and waiting ones take
+    /// their places.
+    pub(super) fn step_generating(&mut self) {
+        for _ in 0..self.sched.active.len() {
+            let Some(mut a) = self.sched.active.pop_front() else {
+                break;
+            };
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.advance(&mut a)));
+            match r {
+                Ok(Ok(false)) => self.sched.active.push_back(a),
+                Ok(Ok(true)) => self.answer(a),
+                Ok(Err(e)) => {
+                    let Active {
+                        mut rep, stream, s, ..
+                    } = a;
+                    self.pool.push(s);
+                    fail(&mut rep, stream.as_ref(), e);
+                }
+                Err(_) => {
+                    // The session may be half-updated: it is dropped, not reused.
+                    let Active {
+                        mut rep, stream, ..
+                    } = a;
+                    fail(
+                        &mut rep,
+                        stream.as_ref(),
+                        ApiError::new(500, "internal", "internal error while generating"),
+                    );
+                }
+            }
+        }
+        while self.sched.active.len() < self.generating_capacity() {
+            let Some(job) = self.sched.waiting.pop_front() else {
+                break;
+            };
+            self.start_completion(job);
+        }
+        // Idle sessions beyond one go back to the device.
+        self.pool.truncate(1);
+        self.publish_schedule();
+    }
+
+    /// One token of `a`; `true` when the completion has ended (every choice).
+    fn advance(&mut self, a: &mut Active) -> WResult<bool> {
+        let first_choice = a.choices.as_ref().is_none_or(|c| c.index == 0);
+        let cache = (a.cache_prompt && first_choice).then(|| a.tenant.clone());
+        if !self.gen_step(
+            &mut a.s,
+            &mut a.g,
+            &a.req,
+            a.stream.as_ref(),
+            cache.as_ref(),
+        )? {
+            return Ok(false);
+        }
+        let Some(c) = a.choices.as_mut() else {
+            return Ok(true);
+        };
+        // A choice ended: record it, and start the next one from the prompt boundary.
+        let g = self.gen_end(&mut a.g, a.stream.as_ref());
+        let i = c.index;
+        c.completion_tokens += g.tokens.len();
+        if let Some(st) = g.spec {
+            *c.spec.get_or_insert_with(Default::default) += st;
+        }
+        if let Some(tx) = &a.stream {
+            let _ = tx.send(Event::ChoiceEnd(
+                json!({"index": i, "finish_reason": g.finish}),
+            ));
+        }
+        c.done.push(json!({
+            "index": i,
+            "tokens": g.tokens,
+            "text": g.text,
+            "finish_reason": g.finish,
+            "seed": choice_sampler(&a.sampler, i).seed,
+            "logprobs": logprobs_json(&a.req, &g.logprobs),
+        }));
+        if g.finish == "cancelled" || i + 1 >= a.req.n {
+            return Ok(true);
+        }
+        c.index = i + 1;
+        if let Some(tx) = &a.stream
+            && tx.send(Event::Choice(i + 1)).is_err()
+        {
+            return Ok(true);
+        }
+        a.s.restore(&c.boundary)?;
+        a.s.set_sampler(choice_sampler(&a.sampler, i + 1));
+        a.g = self.gen_start(&a.s, &a.req, Instant::now());
+        Ok(false)
+    }
+
+    /// An ended completion: its summary to the client, its capsule to the store, its session
+    /// to the pool.
+    fn answer(&mut self, mut a: Active) {
+        let summary = match a.choices.take() {
+            Some(c) => json!({
+                "choices": c.done,
+                "completion_tokens": c.completion_tokens,
+                "prompt_tokens": a.prompt_len,
+                "cached_tokens": a.cached,
+                "seed": a.sampler.seed,
+                "speculative": spec_json(&c.spec),
+            }),
+            None => {
+                let g = self.gen_end(&mut a.g, a.stream.as_ref());
+                // The session stands before the last token (never fed: nothing will read
+                // it), so the capsule worth keeping for a follow-up holds the prompt and all
+                // but that token.
+                if self.cfg.auto_cache
+                    && g.tokens.len() > 1
+                    && g.finish != "cancelled"
+                    && let Err(e) = self.store_auto(&a.s, None, &a.tenant)
+                {
+                    tracing::warn!("storing the capsule after a completion: {}", e.message);
+                }
+                json!({
+                    "tokens": g.tokens,
+                    "text": g.text,
+                    "finish_reason": g.finish,
+                    "prompt_tokens": a.prompt_len,
+                    "cached_tokens": a.cached,
+                    "seed": a.s.sampler().seed,
+                    "logprobs": logprobs_json(&a.req, &g.logprobs),
+                    "speculative": spec_json(&g.spec),
+                })
+            }
+        };
+        if let Some(tx) = &a.stream {
+            let _ = tx.send(Event::Done(summary.clone()));
+        }
+        a.rep.send(Ok(Out::Json(summary)));
+        self.pool.push(a.s);
+    }
+
+    /// How many completions may generate at once: [`MAX_GENERATING`], within the sessions
+    /// the memory plan allows (`max_sessions` counts the sessions API's; one more is kept
+    /// for completions), and always at least one.
+    fn generating_capacity(&self) -> usize {
+        (self.cfg.max_sessions + 1)
+            .saturating_sub(self.sessions.len())
+            .clamp(1, MAX_GENERATING)
+    }
+
+    pub(super) fn publish_schedule(&self) {
+        self.metrics
+            .generating
+            .store(self.sched.active.len() as u64, Ordering::Relaxed);
+        self.metrics
+            .waiting
+            .store(self.sched.waiting.len() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Answer a completion with an error (and end its stream with it).
+fn fail(rep: &mut Replier, stream: Option<&mpsc::UnboundedSender<Event>>, e: ApiError) {
+    if let Some(tx) = stream {
+        let _ = tx.send(Event::Error(e.clone()));
+    }
+    rep.send(Err(e));
+}

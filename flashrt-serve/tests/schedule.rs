@@ -1,0 +1,136 @@
+//! The scheduler over real HTTP (CPU backend, LFM2 fixture): completions generate together, a
+//! token each in turn, so one arriving while another streams is answered long before that
+//! one ends; each stream's tokens are still what the library samples alone; completions past
+//! the generating set's size wait and are answered too.
+
+mod common;
+
+use common::*;
+use flashrt_runtime::SamplerState;
+use serde_json::{Value, json};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+fn local(m: &flashrt_runtime::Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut s = m.session().unwrap();
+    s.set_sampler(SamplerState::greedy());
+    s.append(prompt).unwrap();
+    s.generate(n).unwrap()
+}
+
+/// Stream a completion, reporting each token as it arrives (`first`: a signal after the first
+/// token). Returns every token with its arrival time.
+fn stream(addr: SocketAddr, body: &Value, first: Option<mpsc::Sender<()>>) -> Vec<(Instant, u32)> {
+    let payload = body.to_string();
+    let mut sock = TcpStream::connect(addr).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    write!(
+        sock,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        payload.len()
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let mut pending = String::new();
+    let mut buf = [0u8; 4096];
+    let mut first = first;
+    loop {
+        let n = sock.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        let now = Instant::now();
+        pending.push_str(&String::from_utf8_lossy(&buf[..n]));
+        // Whole lines only; chunk-size lines of the transfer encoding are skipped.
+        while let Some(end) = pending.find('\n') {
+            let line: String = pending.drain(..=end).collect();
+            let Some(data) = line.trim_end().strip_prefix("data: ") else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            for t in v["choices"][0]["token_ids"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                got.push((now, t.as_u64().unwrap() as u32));
+                if let Some(tx) = first.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+    }
+    got
+}
+
+#[test]
+fn completions_interleave_and_each_stream_stays_exact() {
+    let m = model("lfm2-public", 2048);
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let addr = server.addr();
+    let (pa, pb) = (tokens(3, 40, v), tokens(4, 17, v));
+    let long = 1200;
+    let (tx, rx) = mpsc::channel();
+    let body_a = json!({"prompt": pa, "max_tokens": long, "temperature": 0, "ignore_eos": true,
+                        "stream": true});
+    let a = std::thread::spawn(move || stream(addr, &body_a, Some(tx)));
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the long completion streams");
+    let b = stream(
+        addr,
+        &json!({"prompt": pb, "max_tokens": 8, "temperature": 0, "ignore_eos": true,
+                "stream": true}),
+        None,
+    );
+    let a = a.join().unwrap();
+    assert_eq!(a.len(), long);
+    assert_eq!(b.len(), 8);
+    let (a_end, b_end) = (a.last().unwrap().0, b.last().unwrap().0);
+    let a_after_b = a.iter().filter(|(t, _)| *t > b_end).count();
+    assert!(
+        b_end < a_end && a_after_b > 0,
+        "the short completion should end while the long one streams ({a_after_b} of its tokens came after)"
+    );
+    let ids = |x: &[(Instant, u32)]| x.iter().map(|p| p.1).collect::<Vec<_>>();
+    assert_eq!(ids(&b), local(&m, &pb, 8), "interleaved short stream");
+    assert_eq!(ids(&a), local(&m, &pa, long), "interleaved long stream");
+    let c = Client::new(addr, None);
+    let metrics = String::from_utf8(c.get("/metrics").body).unwrap();
+    assert!(metrics.contains("flashrt_generating 0"), "{metrics}");
+    assert!(metrics.contains("flashrt_generation_waiting 0"));
+    server.shutdown().unwrap();
+}
+
+#[test]
+fn completions_past_the_generating_set_wait_their_turn() {
+    let m = lfm2();
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let addr = server.addr();
+    let n = flashrt_serve::worker::MAX_GENERATING + 4;
+    let threads: Vec<_> = (0..n)
+        .map(|i| {
+            let prompt = tokens(100 + i as u64, 9 + i, v);
+            std::thread::spawn(move || {
+                let c = Client::new(addr, None);
+                let r = c.ok(
+                    "/v1/completions",
+                    &json!({"prompt": prompt, "max_tokens": 20, "temperature": 0,
+                            "ignore_eos": true}),
+                );
+                (prompt, ids(&r["choices"][0]["token_ids"]))
+            })
+        })
+        .collect();
+    for t in threads {
+        let (prompt, got) = t.join().unwrap();
+        assert_eq!(got, local(&m, &prompt, 20));
+    }
+    server.shutdown().unwrap();
+}
