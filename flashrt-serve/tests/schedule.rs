@@ -134,3 +134,40 @@ fn completions_past_the_generating_set_wait_their_turn() {
     }
     server.shutdown().unwrap();
 }
+
+/// A long prompt arriving while a completion streams is prefilled a planned step per round,
+/// with a token of the streaming completion in between: the stream keeps moving through the
+/// newcomer's prefill, and both answers stay exact.
+#[test]
+fn a_long_prompt_is_prefilled_between_the_tokens_of_others() {
+    let m = model("lfm2-public", 2048);
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let addr = server.addr();
+    let (pa, pb) = (tokens(5, 20, v), tokens(6, 1800, v));
+    let (tx, rx) = mpsc::channel();
+    let body_a = json!({"prompt": pa, "max_tokens": 1000, "temperature": 0, "ignore_eos": true,
+                        "stream": true});
+    let a = std::thread::spawn(move || stream(addr, &body_a, Some(tx)));
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the first completion streams");
+    let sent = Instant::now();
+    let b = stream(
+        addr,
+        &json!({"prompt": pb, "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+                "stream": true}),
+        None,
+    );
+    let a = a.join().unwrap();
+    let b_first = b.first().expect("the long prompt's first token").0;
+    let during = a.iter().filter(|(t, _)| *t > sent && *t < b_first).count();
+    // 1800 tokens are 57 planned steps of at most 32 rows on this model.
+    assert!(
+        during >= 20,
+        "only {during} tokens of the running stream arrived during the newcomer's prefill"
+    );
+    let ids = |x: &[(Instant, u32)]| x.iter().map(|p| p.1).collect::<Vec<_>>();
+    assert_eq!(ids(&b), local(&m, &pb, 4), "sliced prefill");
+    assert_eq!(ids(&a), local(&m, &pa, 1000), "the running stream");
+    server.shutdown().unwrap();
+}

@@ -1,20 +1,20 @@
 //! The scheduler: completions generate together, a token each in turn.
 //!
-//! A completion is set up when its job is taken from the queue (validation, prefix reuse,
-//! prefill, sampler) and then joins the *generating* set; the worker loop alternates between
-//! taking the next job from the queue (without waiting while anything generates) and one
-//! round over the generating set, where each completion advances by one token (or one
+//! A completion is admitted when its job is taken from the queue (validation, prefix reuse)
+//! and joins the *generating* set; the worker loop alternates between taking the next job
+//! from the queue (without waiting while anything generates) and one round over the set, in
+//! which each completion advances by one step: a slice of its prompt while it prefills
+//! ([`Worker::prefill_rows`]: the whole rest when nothing else generates, else one planned
+//! step of at most [`PREFILL_SLICE_MS`] by the measured costs), then one token (or one
 //! speculative round, [`Worker::gen_step`]). So a completion arriving while others stream gets
-//! its first token after its own prefill and at most one token of each of the others, not
-//! after they end, and every stream keeps moving. The device still runs one session per step
-//! (the batched decode plans will run a round as one step); each completion owns a session
-//! while it generates, at most [`MAX_GENERATING`] at once and no more than the memory plan's
-//! sessions leave room for, and further completions wait their turn
-//! (`flashrt_generation_waiting`).
+//! its first token after its own prefill and a token of each of the others per slice, not
+//! after they end, and a long prompt arriving does not freeze the streams already running.
+//! The device still runs one session per step (the batched decode plans will run a round as
+//! one step); each completion owns a session while it generates, at most [`MAX_GENERATING`]
+//! at once and no more than the memory plan's sessions leave room for, and further
+//! completions wait their turn (`flashrt_generation_waiting`).
 //!
-//! What is not interleaved yet: a prompt's prefill runs whole when its completion starts (a
-//! 16k-token prompt holds the other streams for its prefill), and the sessions API's
-//! `generate` runs to its end as one job.
+//! What is not interleaved yet: the sessions API's `generate` runs to its end as one job.
 //!
 //! Choices (`n` > 1) run one after another inside their completion: the prompt boundary is a
 //! capsule, and each later choice restores it and samples with seed `seed + i`.
@@ -26,6 +26,10 @@ use std::collections::VecDeque;
 /// Completions generating at once (each holds a session while it does).
 pub const MAX_GENERATING: usize = 8;
 
+/// While other completions generate, a prompt is prefilled in steps predicted (from the
+/// costs measured at start-up) to take at most this long, one per round.
+pub const PREFILL_SLICE_MS: f64 = 50.0;
+
 /// A completion between its first and its last token.
 pub(super) struct Active {
     tenant: Tenant,
@@ -33,7 +37,11 @@ pub(super) struct Active {
     stream: Option<mpsc::UnboundedSender<Event>>,
     req: GenReq,
     s: Session,
-    g: GenState,
+    /// Prompt tokens not yet prefilled (run a slice per round, see [`Worker::prefill_rows`]).
+    prefill: Vec<u32>,
+    /// `None` while prefilling.
+    g: Option<GenState>,
+    enqueued: Instant,
     prompt_len: usize,
     cached: usize,
     /// Store the prompt boundary after the first token (automatic prefix cache).
@@ -96,11 +104,11 @@ impl Worker {
             },
         };
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.setup_completion(&mut s, &prompt, &req, stream.as_ref(), &tenant, &mut rep)
+            self.admit(&mut s, &prompt, &req, &tenant)
         }));
         match r {
-            Ok(Ok((cached, sampler, choices))) => {
-                let g = self.gen_start(&s, &req, enqueued);
+            Ok(Ok(cached)) => {
+                let sampler = req.sampler.clone().unwrap_or_default();
                 self.sched.active.push_back(Active {
                     cache_prompt: self.cfg.auto_cache && cached < prompt.len(),
                     tenant,
@@ -108,11 +116,13 @@ impl Worker {
                     stream,
                     req,
                     s,
-                    g,
+                    prefill: prompt[cached..].to_vec(),
+                    g: None,
+                    enqueued,
                     prompt_len: prompt.len(),
                     cached,
                     sampler,
-                    choices,
+                    choices: None,
                 });
             }
             Ok(Err(e)) => {
@@ -133,18 +143,15 @@ impl Worker {
         self.publish_schedule();
     }
 
-    /// Validation, prefix reuse, prefill and sampler of a completion; its prompt boundary as a
-    /// capsule when it asks for several choices.
-    #[allow(clippy::type_complexity)]
-    fn setup_completion(
+    /// Validation and prefix reuse of a completion: how many prompt tokens the restored
+    /// capsule covers.
+    fn admit(
         &mut self,
         s: &mut Session,
         prompt: &[u32],
         req: &GenReq,
-        stream: Option<&mpsc::UnboundedSender<Event>>,
         t: &Tenant,
-        rep: &mut Replier,
-    ) -> WResult<(usize, SamplerState, Option<Choices>)> {
+    ) -> WResult<usize> {
         if prompt.is_empty() {
             return Err(ApiError::bad("invalid_tokens", "the prompt is empty"));
         }
@@ -162,30 +169,55 @@ impl Worker {
         if let Some(sm) = &req.sampler {
             sm.validate()?;
         }
-        let cached = self.reuse_prefix(s, prompt, t)?;
-        self.prefill(s, &prompt[cached..])?;
-        let sampler = req.sampler.clone().unwrap_or_default();
-        s.set_sampler(sampler.clone());
-        if stream.is_some() {
-            rep.send(Ok(Out::Stream));
+        self.reuse_prefix(s, prompt, t)
+    }
+
+    /// How many of `remaining` prompt tokens to prefill in this round: all of them when
+    /// nothing else generates; otherwise the planner's first step, and with costs measured on
+    /// the device, no step predicted longer than [`PREFILL_SLICE_MS`], so that the other
+    /// streams wait at most about that long for their next token.
+    fn prefill_rows(&self, remaining: usize) -> usize {
+        if self.sched.active.is_empty() {
+            return remaining;
         }
-        if req.max_tokens == 0 && self.cfg.auto_cache && cached < prompt.len() {
-            self.store_auto(s, None, t)?;
+        let costs = self.model.chunk_costs();
+        let first = costs.plan(remaining).first().map_or(remaining, |s| s.1);
+        if costs.source() != flashrt_runtime::CostSource::Measured {
+            return first;
+        }
+        let fits = costs
+            .plans()
+            .iter()
+            .filter(|p| p.cost(p.rows()) <= PREFILL_SLICE_MS)
+            .map(|p| p.rows())
+            .max()
+            .unwrap_or(1);
+        first.min(fits).max(1)
+    }
+
+    /// The prompt is in: the sampler, the stream's start, the automatic prompt capsule when
+    /// nothing is generated, the boundary of several choices, and the generation state.
+    fn ready(&mut self, a: &mut Active) -> WResult<()> {
+        a.s.set_sampler(a.sampler.clone());
+        if a.stream.is_some() {
+            a.rep.send(Ok(Out::Stream));
+        }
+        if a.req.max_tokens == 0 && a.cache_prompt {
+            self.store_auto(&a.s, None, &a.tenant)?;
         }
         // Several choices: the boundary each later one starts from (one device copy before
         // the first token).
-        let choices = if req.n > 1 {
-            Some(Choices {
-                boundary: s.snapshot()?,
+        if a.req.n > 1 {
+            a.choices = Some(Choices {
+                boundary: a.s.snapshot()?,
                 index: 0,
-                done: Vec::with_capacity(req.n),
+                done: Vec::with_capacity(a.req.n),
                 completion_tokens: 0,
                 spec: None,
-            })
-        } else {
-            None
-        };
-        Ok((cached, sampler, choices))
+            });
+        }
+        a.g = Some(self.gen_start(&a.s, &a.req, a.enqueued));
+        Ok(())
     }
 
     /// One round: every generating completion advances by a token (or a speculative round),
@@ -233,22 +265,28 @@ impl Worker {
 
     /// One token of `a`; `true` when the completion has ended (every choice).
     fn advance(&mut self, a: &mut Active) -> WResult<bool> {
+        if a.g.is_none() {
+            // Prefilling: a slice of the prompt this round; the first token as soon as the
+            // last slice is in.
+            let rows = self.prefill_rows(a.prefill.len());
+            let slice: Vec<u32> = a.prefill.drain(..rows).collect();
+            self.prefill(&mut a.s, &slice)?;
+            if !a.prefill.is_empty() {
+                return Ok(false);
+            }
+            self.ready(a)?;
+        }
         let first_choice = a.choices.as_ref().is_none_or(|c| c.index == 0);
         let cache = (a.cache_prompt && first_choice).then(|| a.tenant.clone());
-        if !self.gen_step(
-            &mut a.s,
-            &mut a.g,
-            &a.req,
-            a.stream.as_ref(),
-            cache.as_ref(),
-        )? {
+        let g = a.g.as_mut().expect("generating");
+        if !self.gen_step(&mut a.s, g, &a.req, a.stream.as_ref(), cache.as_ref())? {
             return Ok(false);
         }
         let Some(c) = a.choices.as_mut() else {
             return Ok(true);
         };
         // A choice ended: record it, and start the next one from the prompt boundary.
-        let g = self.gen_end(&mut a.g, a.stream.as_ref());
+        let g = self.gen_end(a.g.as_mut().expect("generating"), a.stream.as_ref());
         let i = c.index;
         c.completion_tokens += g.tokens.len();
         if let Some(st) = g.spec {
@@ -278,7 +316,7 @@ impl Worker {
         }
         a.s.restore(&c.boundary)?;
         a.s.set_sampler(choice_sampler(&a.sampler, i + 1));
-        a.g = self.gen_start(&a.s, &a.req, Instant::now());
+        a.g = Some(self.gen_start(&a.s, &a.req, Instant::now()));
         Ok(false)
     }
 
@@ -295,7 +333,7 @@ impl Worker {
                 "speculative": spec_json(&c.spec),
             }),
             None => {
-                let g = self.gen_end(&mut a.g, a.stream.as_ref());
+                let g = self.gen_end(a.g.as_mut().expect("generated"), a.stream.as_ref());
                 // The session stands before the last token (never fed: nothing will read
                 // it), so the capsule worth keeping for a follow-up holds the prompt and all
                 // but that token.
