@@ -31,6 +31,10 @@ pub struct ServeBenchOptions {
     pub runs: usize,
     /// Streamed tokens per decode measurement.
     pub decode_tokens: usize,
+    /// Clients streaming greedy completions at once (0: skip), each `decode_tokens` long.
+    pub clients: usize,
+    /// A fresh prompt of this many tokens sent while the clients stream (0: skip).
+    pub newcomer: usize,
 }
 
 #[derive(Serialize)]
@@ -72,6 +76,41 @@ pub struct ServeReport {
     /// The chunk planner's costs the server used.
     pub chunk_costs: String,
     pub prefixes: Vec<PrefixResult>,
+    /// Several clients at once (`clients` > 0).
+    pub concurrent: Option<ConcurrentResult>,
+}
+
+/// Clients streaming at once against each alone (the scheduler of `flashrt-serve`).
+#[derive(Serialize)]
+pub struct ConcurrentResult {
+    pub clients: usize,
+    pub tokens_per_client: usize,
+    /// One client alone: its tokens over the time from sending to its last token (mean of
+    /// the clients' solo runs).
+    pub alone_tokens_per_s: f64,
+    /// All at once: every token over the time from the first send to the last token.
+    pub aggregate_tokens_per_s: f64,
+    /// Median and p99 of the gaps between consecutive tokens of a client, all clients.
+    pub median_gap_ms: f64,
+    pub p99_gap_ms: f64,
+    /// The median gap of the solo runs.
+    pub alone_median_gap_ms: f64,
+    /// Every client's tokens equal its solo run's.
+    pub same_as_alone: bool,
+    pub newcomer: Option<NewcomerResult>,
+}
+
+/// A long fresh prompt sent while the clients stream.
+#[derive(Serialize)]
+pub struct NewcomerResult {
+    pub prompt_tokens: usize,
+    /// Its time to first token with the clients streaming, and on the idle server.
+    pub ttft_ms: f64,
+    pub idle_ttft_ms: f64,
+    /// The clients' gaps between sending it and its first token.
+    pub p99_gap_during_ms: f64,
+    pub max_gap_during_ms: f64,
+    pub gaps_during: usize,
 }
 
 /// One streamed completion: the seconds from sending to each token event, and the usage's
@@ -80,6 +119,8 @@ pub struct ServeReport {
 /// from sending the request); the cached prompt tokens; the token ids; the `speculative`
 /// summary of the last chunk (null when the request did not speculate).
 struct Streamed {
+    /// When the request was sent; `times` count from here.
+    start: Instant,
     times: Vec<f64>,
     cached: usize,
     tokens: Vec<u32>,
@@ -131,6 +172,7 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String>
     }
     // The body as it arrives: de-chunked bytes, split into SSE events at blank lines.
     let mut got = Streamed {
+        start: t0,
         times: Vec::new(),
         cached: 0,
         tokens: Vec::new(),
@@ -197,6 +239,180 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String>
         }
     }
     Ok(got)
+}
+
+/// The `q` quantile (0..=1) of `v`, nearest rank.
+fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        return 0.0;
+    }
+    s[((s.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Gaps between consecutive tokens of a stream (ms), with the absolute time of each gap's end.
+fn gaps(st: &Streamed) -> Vec<(Instant, f64)> {
+    st.times
+        .windows(2)
+        .map(|w| {
+            (
+                st.start + Duration::from_secs_f64(w[1]),
+                (w[1] - w[0]) * 1e3,
+            )
+        })
+        .collect()
+}
+
+/// `opts.clients` clients streaming greedy completions of fresh 64-token prompts at once,
+/// against each alone; then (`opts.newcomer`) a fresh long prompt sent while they stream.
+fn concurrent(
+    addr: SocketAddr,
+    opts: &ServeBenchOptions,
+    fresh: &mut dyn FnMut(usize) -> Vec<u32>,
+) -> Result<ConcurrentResult, String> {
+    let n = opts.decode_tokens.max(2);
+    let body = |prompt: &[u32], max_tokens: usize| json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+    let prompts: Vec<Vec<u32>> = (0..opts.clients).map(|_| fresh(64)).collect();
+    // Store every prompt first, so the solo and the joint runs both start from a restore.
+    for p in &prompts {
+        stream_completion(addr, &body(p, 1))?;
+    }
+    let mut alone = Vec::new();
+    for p in &prompts {
+        alone.push(stream_completion(addr, &body(p, n))?);
+    }
+    let solo_rate = alone
+        .iter()
+        .map(|a| a.tokens.len() as f64 / a.times.last().copied().unwrap_or(1.0))
+        .sum::<f64>()
+        / alone.len() as f64;
+    let solo_gaps: Vec<f64> = alone.iter().flat_map(|a| gaps(a)).map(|g| g.1).collect();
+    let together = run_clients(addr, &prompts, &|p| body(p, n))?;
+    let first_send = together.iter().map(|s| s.start).min().ok_or("no clients")?;
+    let last = together
+        .iter()
+        .filter_map(|s| {
+            s.times
+                .last()
+                .map(|t| s.start + Duration::from_secs_f64(*t))
+        })
+        .max()
+        .ok_or("no tokens")?;
+    let total: usize = together.iter().map(|s| s.tokens.len()).sum();
+    let all_gaps: Vec<f64> = together.iter().flat_map(|s| gaps(s)).map(|g| g.1).collect();
+    let same = together
+        .iter()
+        .zip(&alone)
+        .all(|(t, a)| t.tokens == a.tokens);
+    let r = ConcurrentResult {
+        clients: opts.clients,
+        tokens_per_client: n,
+        alone_tokens_per_s: solo_rate,
+        aggregate_tokens_per_s: total as f64 / (last - first_send).as_secs_f64(),
+        median_gap_ms: median(&all_gaps),
+        p99_gap_ms: quantile(&all_gaps, 0.99),
+        alone_median_gap_ms: median(&solo_gaps),
+        same_as_alone: same,
+        newcomer: if opts.newcomer > 0 {
+            Some(newcomer(addr, opts, &prompts, fresh)?)
+        } else {
+            None
+        },
+    };
+    eprintln!(
+        "[bench --serve] {} clients at once: {:.1} tokens/s together, {:.1} alone ({:.2}x); gaps median {:.2} ms, p99 {:.2} ms (alone {:.2} ms); tokens {} their solo runs",
+        r.clients,
+        r.aggregate_tokens_per_s,
+        r.alone_tokens_per_s,
+        r.aggregate_tokens_per_s / r.alone_tokens_per_s,
+        r.median_gap_ms,
+        r.p99_gap_ms,
+        r.alone_median_gap_ms,
+        if r.same_as_alone {
+            "equal"
+        } else {
+            "DIFFER from"
+        }
+    );
+    Ok(r)
+}
+
+/// Stream one completion per prompt, all at once (a thread each).
+fn run_clients(
+    addr: SocketAddr,
+    prompts: &[Vec<u32>],
+    body: &dyn Fn(&[u32]) -> Value,
+) -> Result<Vec<Streamed>, String> {
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let b = body(p);
+            std::thread::spawn(move || stream_completion(addr, &b))
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| {
+            h.join()
+                .map_err(|_| "a client thread panicked".to_string())?
+        })
+        .collect()
+}
+
+/// A fresh prompt of `opts.newcomer` tokens: its TTFT on the idle server, then while the
+/// clients stream (sent once every client has its first token), with the clients' gaps
+/// meanwhile.
+fn newcomer(
+    addr: SocketAddr,
+    opts: &ServeBenchOptions,
+    prompts: &[Vec<u32>],
+    fresh: &mut dyn FnMut(usize) -> Vec<u32>,
+) -> Result<NewcomerResult, String> {
+    let len = opts.newcomer;
+    let one = |p: &[u32]| json!({"prompt": p, "max_tokens": 1, "temperature": 0});
+    let idle = stream_completion(addr, &one(&fresh(len)))?;
+    let idle_ttft = idle.times.first().copied().unwrap_or(0.0) * 1e3;
+    // The clients stream long enough to cover the newcomer's prefill.
+    let long = opts.decode_tokens.max(2) + (idle_ttft / 10.0) as usize + 64;
+    let body = move |p: &[u32]| json!({"prompt": p, "max_tokens": long, "temperature": 0, "ignore_eos": true});
+    let clients = {
+        let prompts = prompts.to_vec();
+        std::thread::spawn(move || run_clients(addr, &prompts, &body))
+    };
+    // Started: give every client time for its first token (their prompts are stored).
+    std::thread::sleep(Duration::from_millis(300));
+    let sent = Instant::now();
+    let nc = stream_completion(addr, &one(&fresh(len)))?;
+    let first = nc.start + Duration::from_secs_f64(nc.times.first().copied().unwrap_or(0.0));
+    let streams = clients
+        .join()
+        .map_err(|_| "the clients' thread panicked".to_string())??;
+    let during: Vec<f64> = streams
+        .iter()
+        .flat_map(|s| gaps(s))
+        .filter(|(end, _)| *end > sent && *end <= first + Duration::from_millis(1))
+        .map(|g| g.1)
+        .collect();
+    let r = NewcomerResult {
+        prompt_tokens: len,
+        ttft_ms: (first - nc.start).as_secs_f64() * 1e3,
+        idle_ttft_ms: idle_ttft,
+        p99_gap_during_ms: quantile(&during, 0.99),
+        max_gap_during_ms: during.iter().copied().fold(0.0, f64::max),
+        gaps_during: during.len(),
+    };
+    eprintln!(
+        "[bench --serve] a {len}-token prompt while {} clients stream: TTFT {:.1} ms (idle {:.1} ms, {:.2}x); the clients' gaps meanwhile p99 {:.1} ms, max {:.1} ms ({} gaps)",
+        prompts.len(),
+        r.ttft_ms,
+        r.idle_ttft_ms,
+        r.ttft_ms / r.idle_ttft_ms.max(1e-9),
+        r.p99_gap_during_ms,
+        r.max_gap_during_ms,
+        r.gaps_during
+    );
+    Ok(r)
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -324,10 +540,16 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
             decode,
         });
     }
+    let concurrent = if opts.clients > 0 {
+        Some(concurrent(addr, opts, &mut fresh)?)
+    } else {
+        None
+    };
     server.shutdown()?;
     Ok(ServeReport {
         chunk_costs: costs.to_string(),
         prefixes,
+        concurrent,
     })
 }
 
@@ -370,6 +592,34 @@ pub fn render(r: &ServeReport) -> String {
             );
         }
     }
+    if let Some(c) = &r.concurrent {
+        o += &format!(
+            "  {} clients at once, {} tokens each: {:.1} tokens/s together against {:.1} alone ({:.2}x); gaps median {:.2} ms, p99 {:.2} ms (alone {:.2} ms); tokens {} their solo runs\n",
+            c.clients,
+            c.tokens_per_client,
+            c.aggregate_tokens_per_s,
+            c.alone_tokens_per_s,
+            c.aggregate_tokens_per_s / c.alone_tokens_per_s,
+            c.median_gap_ms,
+            c.p99_gap_ms,
+            c.alone_median_gap_ms,
+            if c.same_as_alone {
+                "equal"
+            } else {
+                "DIFFER from"
+            }
+        );
+        if let Some(nc) = &c.newcomer {
+            o += &format!(
+                "  a {}-token prompt sent while they stream: TTFT {:.1} ms (idle {:.1} ms); their gaps meanwhile p99 {:.1} ms, max {:.1} ms\n",
+                nc.prompt_tokens,
+                nc.ttft_ms,
+                nc.idle_ttft_ms,
+                nc.p99_gap_during_ms,
+                nc.max_gap_during_ms
+            );
+        }
+    }
     o
 }
 
@@ -391,6 +641,8 @@ mod tests {
             suffixes: vec![1, 5],
             runs: 2,
             decode_tokens: 6,
+            clients: 3,
+            newcomer: 100,
         };
         let r = run(&model, &opts).unwrap();
         let p = &r.prefixes[0];
@@ -405,5 +657,13 @@ mod tests {
             assert!(d.median_gap_ms > 0.0);
         }
         assert!(render(&r).contains("stored prefix 24 tokens"));
+        // Three clients at once get the tokens each gets alone; the newcomer is answered.
+        let c = r.concurrent.as_ref().expect("clients measured");
+        assert!(c.same_as_alone);
+        assert_eq!((c.clients, c.tokens_per_client), (3, 6));
+        assert!(c.aggregate_tokens_per_s > 0.0 && c.p99_gap_ms >= c.median_gap_ms);
+        let nc = c.newcomer.as_ref().expect("newcomer measured");
+        assert!(nc.ttft_ms > 0.0 && nc.idle_ttft_ms > 0.0);
+        assert!(render(&r).contains("3 clients at once"));
     }
 }

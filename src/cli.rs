@@ -140,6 +140,14 @@ pub struct BenchArgs {
     /// Timed runs per suffix length, after one warm-up (`--serve`)
     #[arg(long, default_value_t = 3, value_name = "N")]
     pub serve_runs: usize,
+    /// Then N clients streaming greedy completions (`--decode-steps` tokens each) at once,
+    /// against each alone: aggregate tokens/s, inter-token gaps, identical tokens (`--serve`)
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub serve_clients: usize,
+    /// Then a fresh prompt of N tokens sent while those clients stream: its TTFT against the
+    /// idle server's, and the clients' gaps meanwhile (`--serve --serve-clients`)
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub serve_newcomer: usize,
     /// Then open N sessions at once, each prefilled to the longest `--lengths`, and report the
     /// device memory each costs next to its state arena (CUDA)
     #[arg(long, value_name = "N")]
@@ -388,6 +396,8 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
             suffixes: a.serve_suffixes.clone(),
             runs: a.serve_runs.max(1),
             decode_tokens: a.decode_steps.max(2),
+            clients: a.serve_clients,
+            newcomer: a.serve_newcomer,
         };
         let r = crate::bench_serve::run(&loaded.model, &sopts)?;
         print!("\n{}", crate::bench_serve::render(&r));
