@@ -287,7 +287,7 @@ fn concurrent(
         .map(|a| a.tokens.len() as f64 / a.times.last().copied().unwrap_or(1.0))
         .sum::<f64>()
         / alone.len() as f64;
-    let solo_gaps: Vec<f64> = alone.iter().flat_map(|a| gaps(a)).map(|g| g.1).collect();
+    let solo_gaps: Vec<f64> = alone.iter().flat_map(gaps).map(|g| g.1).collect();
     let together = run_clients(addr, &prompts, &|p| body(p, n))?;
     let first_send = together.iter().map(|s| s.start).min().ok_or("no clients")?;
     let last = together
@@ -300,7 +300,7 @@ fn concurrent(
         .max()
         .ok_or("no tokens")?;
     let total: usize = together.iter().map(|s| s.tokens.len()).sum();
-    let all_gaps: Vec<f64> = together.iter().flat_map(|s| gaps(s)).map(|g| g.1).collect();
+    let all_gaps: Vec<f64> = together.iter().flat_map(gaps).map(|g| g.1).collect();
     let same = together
         .iter()
         .zip(&alone)
@@ -390,7 +390,7 @@ fn newcomer(
         .map_err(|_| "the clients' thread panicked".to_string())??;
     let during: Vec<f64> = streams
         .iter()
-        .flat_map(|s| gaps(s))
+        .flat_map(gaps)
         .filter(|(end, _)| *end > sent && *end <= first + Duration::from_millis(1))
         .map(|g| g.1)
         .collect();
