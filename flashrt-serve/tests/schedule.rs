@@ -171,3 +171,84 @@ fn a_long_prompt_is_prefilled_between_the_tokens_of_others() {
     assert_eq!(ids(&a), local(&m, &pa, 1000), "the running stream");
     server.shutdown().unwrap();
 }
+
+/// A sessions-API `generate` joins the generating set too: a completion sent while it streams
+/// ends first, and a command on the generating session waits for it (commands on one session
+/// stay serialized) and then applies to the session as the generation left it.
+#[test]
+fn session_generations_interleave_and_their_commands_wait() {
+    let m = model("lfm2-public", 2048);
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let addr = server.addr();
+    let c = Client::new(addr, None);
+    let head = tokens(8, 30, v);
+    let sid = c.ok(
+        "/v1/sessions",
+        &json!({"tokens": head, "sampler": {"temperature": 0}}),
+    )["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let long = 1000;
+    let (tx, rx) = mpsc::channel();
+    let gen_sid = sid.clone();
+    let generation = std::thread::spawn(move || {
+        let payload = json!({"max_tokens": long, "stream": true, "ignore_eos": true}).to_string();
+        let mut sock = TcpStream::connect(addr).unwrap();
+        write!(
+            sock,
+            "POST /v1/sessions/{gen_sid}/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+            payload.len()
+        )
+        .unwrap();
+        let mut body = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut tx = Some(tx);
+        loop {
+            let n = sock.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            body.extend_from_slice(&buf[..n]);
+            if String::from_utf8_lossy(&body).contains("\"token\"")
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(());
+            }
+        }
+        (Instant::now(), String::from_utf8_lossy(&body).into_owned())
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the session generation streams");
+    // A completion meanwhile, and an append to the generating session.
+    let pc = tokens(9, 12, v);
+    let done = stream(
+        addr,
+        &json!({"prompt": pc, "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+                "stream": true}),
+        None,
+    );
+    let completion_end = done.last().unwrap().0;
+    let appended = c.ok(
+        &format!("/v1/sessions/{sid}/append"),
+        &json!({"tokens": [7]}),
+    );
+    let (gen_end, body) = generation.join().unwrap();
+    assert!(
+        completion_end < gen_end,
+        "the completion should end while the session generates"
+    );
+    assert_eq!(
+        done.iter().map(|p| p.1).collect::<Vec<_>>(),
+        local(&m, &pc, 6)
+    );
+    // The append ran after the generation: the session holds head + 1000 generated + 1.
+    assert_eq!(appended["pos"], 30 + long + 1, "{appended}");
+    let info = c.ok_get(&format!("/v1/sessions/{sid}"));
+    let history: Vec<u32> = ids(&info["tokens"]);
+    let generated = local(&m, &head, long);
+    assert_eq!(history[30..30 + long], generated[..], "{}", &body[..200]);
+    assert_eq!(history[30 + long], 7);
+    server.shutdown().unwrap();
+}

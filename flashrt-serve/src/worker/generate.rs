@@ -87,31 +87,17 @@ impl Worker {
         }
     }
 
-    /// Sample up to `req.max_tokens` tokens. Each token is streamed the moment it is chosen and
-    /// fed to the session only when the next one is wanted, so no step runs after the last
-    /// token: the session is left at the boundary before it, and the last token comes back
-    /// unfed (the sessions API feeds it after answering; a completion never needs it). A
-    /// speculative round feeds its tokens itself (the last one inside its verify pass), and
-    /// may commit tokens past a stop token: only completions speculate.
-    /// Returns the ids, the finish reason, the visible text (decoded incrementally, cut before
-    /// a stop string; empty without a tokenizer) and the unfed token.
+    /// One token of `g` (or one speculative round): returns whether the generation has ended.
+    /// Each token is streamed the moment it is chosen and fed to the session only when the
+    /// next one is wanted, so no step runs after the last token: the session is left at the
+    /// boundary before it, and the last token comes back unfed ([`Generated::unfed`]: the
+    /// sessions API feeds it after answering; a completion never needs it). A speculative
+    /// round feeds its tokens itself (the last one inside its verify pass), and may commit
+    /// tokens past a stop token: only completions speculate.
     ///
     /// `cache_prompt`: store the session's boundary as an automatic capsule of that tenant
     /// right after the first token is out (the session still stands there), so the copy and
     /// the store's bookkeeping never delay the first token.
-    pub(super) fn generate(
-        &mut self,
-        s: &mut Session,
-        req: &GenReq,
-        stream: Option<&mpsc::UnboundedSender<Event>>,
-        cache_prompt: Option<&Tenant>,
-    ) -> WResult<Generated> {
-        let mut g = self.gen_start(s, req, self.job_enqueued);
-        while !self.gen_step(s, &mut g, req, stream, cache_prompt)? {}
-        Ok(self.gen_end(&mut g, stream))
-    }
-
-    /// One token of `g` (or one speculative round): returns whether the generation has ended.
     pub(super) fn gen_step(
         &mut self,
         s: &mut Session,

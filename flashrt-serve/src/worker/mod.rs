@@ -260,8 +260,6 @@ pub struct Worker {
     text: Option<Arc<Text>>,
     cfg: WorkerConfig,
     session_arena_bytes: u64,
-    /// When the job being run entered the queue.
-    job_enqueued: Instant,
     /// Drafts per speculative round, from measured costs.
     tuner: SpecTuner,
 }
@@ -314,7 +312,6 @@ impl Worker {
             text,
             cfg,
             session_arena_bytes,
-            job_enqueued: Instant::now(),
             tuner: SpecTuner::new(flashrt_runtime::ir::lower::MAX_DRAFT),
         }
     }
@@ -346,12 +343,23 @@ impl Worker {
 
     /// One job; `true` after the shutdown command.
     fn run_job(&mut self, job: Job) -> bool {
-        self.job_enqueued = job.enqueued;
-        self.metrics.queue_wait.observe(job.enqueued.elapsed());
-        if matches!(job.cmd, Cmd::Complete { .. }) {
-            self.start_completion(job);
-            self.publish();
+        // A command on a session that is generating waits for the generation to end.
+        let Some(job) = self.defer_if_busy(job) else {
             return false;
+        };
+        self.metrics.queue_wait.observe(job.enqueued.elapsed());
+        match job.cmd {
+            Cmd::Complete { .. } => {
+                self.start_completion(job);
+                self.publish();
+                return false;
+            }
+            Cmd::Generate { .. } => {
+                self.start_session_generate(job);
+                self.publish();
+                return false;
+            }
+            _ => {}
         }
         let shutdown = matches!(job.cmd, Cmd::Shutdown);
         if shutdown {
@@ -371,7 +379,7 @@ impl Worker {
         let mut rep = Replier(Some(job.reply));
         let tenant = job.tenant;
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.handle(job.cmd, &tenant, &mut rep)
+            self.handle(job.cmd, &tenant)
         }));
         let r = r.unwrap_or_else(|_| {
             // The session may be half-updated: drop it rather than serve garbage.
@@ -390,11 +398,18 @@ impl Worker {
         shutdown
     }
 
+    /// Sessions of the sessions API, those generating included.
+    fn open_sessions(&self) -> usize {
+        self.sessions.len() + self.sched.busy.len()
+    }
+
     fn publish(&self) {
         self.metrics.publish_store(&self.store.stats());
-        let n = self.sessions.len() as u64;
+        let n = self.open_sessions() as u64;
         self.metrics.sessions.store(n, Ordering::Relaxed);
-        let live = n + (self.pool.len() + self.sched.active.len()) as u64;
+        // Completions' sessions (generating or pooled) besides the sessions API's.
+        let completing = self.sched.active.len() - self.sched.busy.len();
+        let live = n + (self.pool.len() + completing) as u64;
         self.metrics
             .session_bytes
             .store(live * self.session_arena_bytes, Ordering::Relaxed);
@@ -411,6 +426,13 @@ impl Worker {
 
     /// Tenant `t`'s session `id` (another tenant's is as unknown as a missing one).
     fn session(&mut self, id: &str, t: &Tenant) -> WResult<&mut Session> {
+        if self.sched.busy.get(id).is_some_and(|o| **o == *t.name) {
+            return Err(ApiError::new(
+                409,
+                "session_busy",
+                format!("session `{id}` is generating; it takes commands again when that ends"),
+            ));
+        }
         self.sessions
             .get_mut(id)
             .filter(|s| s.owner == t.name)
@@ -446,19 +468,18 @@ impl Worker {
     }
 
     fn new_session(&mut self, t: &Tenant) -> WResult<Session> {
-        let mine = self.sessions.values().filter(|s| s.owner == t.name).count();
+        // Sessions generating are out of the map but still open.
+        let mine = self.sessions.values().filter(|s| s.owner == t.name).count()
+            + self.sched.busy.values().filter(|o| ***o == *t.name).count();
+        let open = self.open_sessions();
         let cap = t.max_sessions.unwrap_or(self.cfg.max_sessions);
-        if mine >= cap || self.sessions.len() >= self.cfg.max_sessions {
+        if mine >= cap || open >= self.cfg.max_sessions {
             return Err(ApiError::new(
                 429,
                 "too_many_sessions",
                 format!(
                     "{} sessions are open (the limit is {}); delete one first",
-                    if mine >= cap {
-                        mine
-                    } else {
-                        self.sessions.len()
-                    },
+                    if mine >= cap { mine } else { open },
                     if mine >= cap {
                         cap
                     } else {
@@ -595,7 +616,7 @@ impl Worker {
         Ok(())
     }
 
-    fn handle(&mut self, cmd: Cmd, t: &Tenant, rep: &mut Replier) -> WResult<Out> {
+    fn handle(&mut self, cmd: Cmd, t: &Tenant) -> WResult<Out> {
         match cmd {
             Cmd::CreateSession(req) => self.create(req, t),
             Cmd::SessionInfo(id) => {
@@ -618,6 +639,13 @@ impl Worker {
                     .iter()
                     .filter(|(_, s)| s.owner == t.name)
                     .map(|(id, s)| json!({"session": id, "pos": s.session.pos()}))
+                    .chain(
+                        self.sched
+                            .busy
+                            .iter()
+                            .filter(|(_, owner)| ***owner == *t.name)
+                            .map(|(id, _)| json!({"session": id, "generating": true})),
+                    )
                     .collect();
                 v.sort_by(|a, b| a["session"].as_str().cmp(&b["session"].as_str()));
                 Ok(Out::Json(json!({"sessions": v})))
@@ -642,78 +670,12 @@ impl Worker {
                 r?;
                 Ok(Out::Json(json!({"session": session, "pos": pos})))
             }
-            Cmd::Generate {
-                session,
-                req,
-                stream,
-            } => {
-                self.session(&session, t)?;
-                if let Some(sm) = &req.sampler {
-                    sm.validate()?;
-                }
-                let mut s = self.take(&session, t)?;
-                if let Some(sm) = &req.sampler {
-                    s.set_sampler(sm.clone());
-                }
-                if s.pos() == 0 && s.pending().is_none() {
-                    self.put_back(session, s, t);
-                    return Err(ApiError::bad(
-                        "empty_session",
-                        "nothing to generate from: append tokens first",
-                    ));
-                }
-                if s.pos() >= self.model.max_seq() {
-                    self.put_back(session, s, t);
-                    return Err(ApiError::bad(
-                        "context_length_exceeded",
-                        format!(
-                            "the session holds max_seq = {} tokens: no room to generate",
-                            self.model.max_seq()
-                        ),
-                    ));
-                }
-                if stream.is_some() {
-                    rep.send(Ok(Out::Stream));
-                }
-                let r = self.generate(&mut s, &req, stream.as_ref(), None);
-                let g = match r {
-                    Ok(g) => g,
-                    Err(e) => {
-                        self.put_back(session.clone(), s, t);
-                        if let Some(tx) = &stream {
-                            let _ = tx.send(Event::Error(e.clone()));
-                        }
-                        return Err(e);
-                    }
-                };
-                // The session ends after the last token: it is fed once the answer is out.
-                let pos = s.pos() + g.unfed.is_some() as usize;
-                let summary = json!({
-                    "session": session,
-                    "tokens": g.tokens,
-                    "text": g.text,
-                    "finish_reason": g.finish,
-                    "pos": pos,
-                    "logprobs": logprobs_json(&req, &g.logprobs),
-                    "speculative": spec_json(&g.spec),
-                });
-                if let Some(tx) = &stream {
-                    let _ = tx.send(Event::Done(summary.clone()));
-                }
-                let fed = match g.unfed {
-                    Some(last) => s.append(&[last]),
-                    None => Ok(()),
-                };
-                self.put_back(session.clone(), s, t);
-                if let Err(e) = fed {
-                    // The stream already ended well; the session is poisoned and says so.
-                    tracing::error!("session {session}: feeding the last generated token: {e}");
-                    if stream.is_none() {
-                        return Err(e.into());
-                    }
-                }
-                Ok(Out::Json(summary))
-            }
+            // Taken by the scheduler before `handle` (see `run_job`).
+            Cmd::Generate { .. } => Err(ApiError::new(
+                500,
+                "internal",
+                "a generation reached the wrong handler",
+            )),
             Cmd::Snapshot {
                 session,
                 persist,

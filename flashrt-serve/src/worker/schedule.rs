@@ -1,4 +1,4 @@
-//! The scheduler: completions generate together, a token each in turn.
+//! The scheduler: generations run together, a token each in turn.
 //!
 //! A completion is admitted when its job is taken from the queue (validation, prefix reuse)
 //! and joins the *generating* set; the worker loop alternates between taking the next job
@@ -14,7 +14,9 @@
 //! at once and no more than the memory plan's sessions leave room for, and further
 //! completions wait their turn (`flashrt_generation_waiting`).
 //!
-//! What is not interleaved yet: the sessions API's `generate` runs to its end as one job.
+//! A sessions-API `generate` joins the set as well: its session leaves the worker's map while
+//! it generates, and its owner's commands on it meanwhile wait, in order, until it ends
+//! ([`Worker::defer_if_busy`]), so commands on one session stay serialized.
 //!
 //! Choices (`n` > 1) run one after another inside their completion: the prompt boundary is a
 //! capsule, and each later choice restores it and samples with seed `seed + i`.
@@ -48,6 +50,8 @@ pub(super) struct Active {
     cache_prompt: bool,
     sampler: SamplerState,
     choices: Option<Choices>,
+    /// A sessions-API `generate` of this session (back in the map when it ends).
+    session_id: Option<String>,
 }
 
 /// `n` > 1: the prompt boundary and the choices that ended.
@@ -59,11 +63,17 @@ struct Choices {
     spec: Option<flashrt_runtime::SpecStats>,
 }
 
-/// The generating completions and those waiting for a place among them.
+/// The generating completions and session generations, and completions waiting for a place
+/// among them.
 #[derive(Default)]
 pub(super) struct Schedule {
     pub(super) active: VecDeque<Active>,
     pub(super) waiting: VecDeque<Job>,
+    /// Sessions of the sessions API generating now (out of the worker's map), by owner.
+    pub(super) busy: HashMap<String, Arc<str>>,
+    /// Their owners' commands that came meanwhile, run in order when the generation ends
+    /// (commands on one session stay serialized).
+    pub(super) deferred: HashMap<String, VecDeque<Job>>,
 }
 
 impl Schedule {
@@ -123,6 +133,7 @@ impl Worker {
                     cached,
                     sampler,
                     choices: None,
+                    session_id: None,
                 });
             }
             Ok(Err(e)) => {
@@ -140,6 +151,78 @@ impl Worker {
                 ),
             ),
         }
+        self.publish_schedule();
+    }
+
+    /// Take a sessions-API `generate`: the session leaves the map for the generating set
+    /// (commands on it get 409 meanwhile) and comes back, its last token fed, when it ends.
+    pub(super) fn start_session_generate(&mut self, job: Job) {
+        let Job {
+            cmd,
+            tenant,
+            reply,
+            enqueued,
+        } = job;
+        let Cmd::Generate {
+            session,
+            req,
+            stream,
+        } = cmd
+        else {
+            unreachable!("start_session_generate takes session generations only")
+        };
+        let mut rep = Replier(Some(reply));
+        let r = (|| -> WResult<Session> {
+            self.session(&session, &tenant)?;
+            if let Some(sm) = &req.sampler {
+                sm.validate()?;
+            }
+            let s = self.session(&session, &tenant)?;
+            if s.pos() == 0 && s.pending().is_none() {
+                return Err(ApiError::bad(
+                    "empty_session",
+                    "nothing to generate from: append tokens first",
+                ));
+            }
+            if s.pos() >= self.model.max_seq() {
+                return Err(ApiError::bad(
+                    "context_length_exceeded",
+                    format!(
+                        "the session holds max_seq = {} tokens: no room to generate",
+                        self.model.max_seq()
+                    ),
+                ));
+            }
+            self.take(&session, &tenant)
+        })();
+        let mut s = match r {
+            Ok(s) => s,
+            Err(e) => return fail(&mut rep, stream.as_ref(), e),
+        };
+        if let Some(sm) = &req.sampler {
+            s.set_sampler(sm.clone());
+        }
+        if stream.is_some() {
+            rep.send(Ok(Out::Stream));
+        }
+        let g = self.gen_start(&s, &req, enqueued);
+        self.sched.busy.insert(session.clone(), tenant.name.clone());
+        self.sched.active.push_back(Active {
+            cache_prompt: false,
+            sampler: s.sampler().clone(),
+            tenant,
+            rep,
+            stream,
+            req,
+            s,
+            prefill: Vec::new(),
+            g: Some(g),
+            enqueued,
+            prompt_len: 0,
+            cached: 0,
+            choices: None,
+            session_id: Some(session),
+        });
         self.publish_schedule();
     }
 
@@ -234,21 +317,40 @@ impl Worker {
                 Ok(Ok(true)) => self.answer(a),
                 Ok(Err(e)) => {
                     let Active {
-                        mut rep, stream, s, ..
+                        mut rep,
+                        stream,
+                        s,
+                        session_id,
+                        tenant,
+                        ..
                     } = a;
-                    self.pool.push(s);
                     fail(&mut rep, stream.as_ref(), e);
+                    match session_id {
+                        // The session goes back as the failure left it (a failed step
+                        // poisons it, and it says so).
+                        Some(id) => {
+                            self.put_back(id.clone(), s, &tenant);
+                            self.release(&id);
+                        }
+                        None => self.pool.push(s),
+                    }
                 }
                 Err(_) => {
                     // The session may be half-updated: it is dropped, not reused.
                     let Active {
-                        mut rep, stream, ..
+                        mut rep,
+                        stream,
+                        session_id,
+                        ..
                     } = a;
                     fail(
                         &mut rep,
                         stream.as_ref(),
                         ApiError::new(500, "internal", "internal error while generating"),
                     );
+                    if let Some(id) = session_id {
+                        self.release(&id);
+                    }
                 }
             }
         }
@@ -323,6 +425,9 @@ impl Worker {
     /// An ended completion: its summary to the client, its capsule to the store, its session
     /// to the pool.
     fn answer(&mut self, mut a: Active) {
+        if let Some(id) = a.session_id.take() {
+            return self.answer_session(id, a);
+        }
         let summary = match a.choices.take() {
             Some(c) => json!({
                 "choices": c.done,
@@ -367,9 +472,90 @@ impl Worker {
     /// the memory plan allows (`max_sessions` counts the sessions API's; one more is kept
     /// for completions), and always at least one.
     fn generating_capacity(&self) -> usize {
-        (self.cfg.max_sessions + 1)
-            .saturating_sub(self.sessions.len())
-            .clamp(1, MAX_GENERATING)
+        let completing = self.sched.active.len() - self.sched.busy.len();
+        let room = (self.cfg.max_sessions + 1).saturating_sub(self.open_sessions());
+        // Session generations hold their own sessions: they do not take completions' room.
+        room.clamp(1, MAX_GENERATING) + (self.sched.active.len() - completing)
+    }
+
+    /// An ended sessions-API generation: the summary, then the last token fed and the session
+    /// back in the map.
+    fn answer_session(&mut self, id: String, mut a: Active) {
+        let g = self.gen_end(a.g.as_mut().expect("generated"), a.stream.as_ref());
+        // The session ends after the last token: it is fed once the answer is out.
+        let pos = a.s.pos() + g.unfed.is_some() as usize;
+        let summary = json!({
+            "session": id,
+            "tokens": g.tokens,
+            "text": g.text,
+            "finish_reason": g.finish,
+            "pos": pos,
+            "logprobs": logprobs_json(&a.req, &g.logprobs),
+            "speculative": spec_json(&g.spec),
+        });
+        if let Some(tx) = &a.stream {
+            let _ = tx.send(Event::Done(summary.clone()));
+        }
+        let fed = match g.unfed {
+            Some(last) => a.s.append(&[last]),
+            None => Ok(()),
+        };
+        self.put_back(id.clone(), a.s, &a.tenant);
+        match fed {
+            Ok(()) => a.rep.send(Ok(Out::Json(summary))),
+            Err(e) => {
+                // The stream already ended well; the session is poisoned and says so.
+                tracing::error!("session {id}: feeding the last generated token: {e}");
+                a.rep.send(Err(e.into()));
+            }
+        }
+        self.release(&id);
+    }
+
+    /// Session `id` stopped generating: run the commands that waited for it, in order, until
+    /// one of them makes it generate again.
+    fn release(&mut self, id: &str) {
+        self.sched.busy.remove(id);
+        while !self.sched.busy.contains_key(id) {
+            let Some(job) = self
+                .sched
+                .deferred
+                .get_mut(id)
+                .and_then(VecDeque::pop_front)
+            else {
+                break;
+            };
+            self.run_job(job);
+        }
+        if self.sched.deferred.get(id).is_some_and(VecDeque::is_empty) {
+            self.sched.deferred.remove(id);
+        }
+    }
+
+    /// Hold `job` if it is a command of its tenant's session that is generating now; `None`
+    /// when it was held.
+    pub(super) fn defer_if_busy(&mut self, job: Job) -> Option<Job> {
+        let id = match &job.cmd {
+            Cmd::SessionInfo(id) | Cmd::DeleteSession(id) => id,
+            Cmd::Append { session, .. }
+            | Cmd::Generate { session, .. }
+            | Cmd::Snapshot { session, .. }
+            | Cmd::Restore { session, .. }
+            | Cmd::Rollback { session, .. }
+            | Cmd::Fork { session } => session,
+            _ => return Some(job),
+        };
+        if !self
+            .sched
+            .busy
+            .get(id)
+            .is_some_and(|o| **o == *job.tenant.name)
+        {
+            return Some(job);
+        }
+        let id = id.clone();
+        self.sched.deferred.entry(id).or_default().push_back(job);
+        None
     }
 
     pub(super) fn publish_schedule(&self) {
