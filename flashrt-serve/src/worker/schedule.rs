@@ -545,11 +545,11 @@ impl Worker {
             | Cmd::Fork { session } => session,
             _ => return Some(job),
         };
-        if !self
+        if self
             .sched
             .busy
             .get(id)
-            .is_some_and(|o| **o == *job.tenant.name)
+            .is_none_or(|o| **o != *job.tenant.name)
         {
             return Some(job);
         }
