@@ -586,6 +586,13 @@ impl Session {
         sampler.penalty_from = self.pos;
         self.sampler = sampler;
     }
+    /// Restart the sampler's RNG stream from `seed`, keeping every other setting (and the
+    /// history the penalties count from): how the branches of one fork draw apart.
+    pub fn reseed(&mut self, seed: u64) {
+        let fresh = SamplerState::seeded(seed, 0.0, 0, 1.0);
+        self.sampler.seed = fresh.seed;
+        self.sampler.rng = fresh.rng;
+    }
     /// The next token, chosen but not yet fed, if any.
     pub fn pending(&self) -> Option<u32> {
         self.pending

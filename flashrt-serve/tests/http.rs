@@ -974,3 +974,64 @@ fn n_choices_equal_separately_seeded_completions() {
     assert_eq!(roles, [0, 1]);
     server.shutdown().unwrap();
 }
+
+/// `fork` with `n`: that many branches of one session; branch 0 continues exactly as the
+/// parent does, branch `i` samples with seed `seed + i` (what the library's `reseed` gives),
+/// so sampled branches draw apart.
+#[test]
+fn fork_n_makes_branches_that_draw_apart() {
+    let m = lfm2();
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let c = Client::new(server.addr(), None);
+    let head = tokens(51, 21, v);
+    let sampler = json!({"temperature": 0.9, "seed": 3});
+    let sid = c.ok("/v1/sessions", &json!({"tokens": head, "sampler": sampler}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for bad in [0, 17] {
+        assert_4xx(
+            &c.post(&format!("/v1/sessions/{sid}/fork"), &json!({"n": bad})),
+            400,
+            "invalid_request",
+        );
+    }
+    let f = c.ok(&format!("/v1/sessions/{sid}/fork"), &json!({"n": 3}));
+    assert_eq!(f["forked_from"], sid);
+    assert_eq!(f["pos"], 21);
+    let branches: Vec<String> = f["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(branches.len(), 3);
+    let generate = |id: &str| {
+        ids(&c.ok(
+            &format!("/v1/sessions/{id}/generate"),
+            &json!({"max_tokens": 10, "ignore_eos": true}),
+        )["tokens"])
+    };
+    let parent = generate(&sid);
+    let got: Vec<Vec<u32>> = branches.iter().map(|b| generate(b)).collect();
+    assert_eq!(got[0], parent, "branch 0 continues as the parent");
+    for (i, g) in got.iter().enumerate() {
+        let mut s = m.session().unwrap();
+        s.set_sampler(SamplerState::seeded(3, 0.9, 0, 1.0));
+        s.append(&head).unwrap();
+        if i > 0 {
+            s.reseed(3 + i as u64);
+        }
+        assert_eq!(
+            g,
+            &s.generate(10).unwrap(),
+            "branch {i} against the library"
+        );
+    }
+    assert!(
+        got[1] != got[0] && got[2] != got[1] && got[2] != got[0],
+        "{got:?}"
+    );
+    server.shutdown().unwrap();
+}

@@ -238,9 +238,34 @@ pub(super) async fn rollback(State(st): St, Path(id): Path<String>, body: Body) 
     }
 }
 
-pub(super) async fn fork(State(st): St, Path(id): Path<String>) -> Response {
-    if let Err(e) = check_id(&id, "unknown_session") {
-        return e.into_response();
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ForkBody {
+    /// Branches to make (1 to 16); with `n`, the answer lists them as `sessions`.
+    n: Option<usize>,
+}
+
+/// Most branches one fork makes.
+const MAX_FORKS: usize = 16;
+
+pub(super) async fn fork(State(st): St, Path(id): Path<String>, body: Body) -> Response {
+    let r = async {
+        check_id(&id, "unknown_session")?;
+        let b: ForkBody = parse(&st, body).await?;
+        if b.n.is_some_and(|n| !(1..=MAX_FORKS).contains(&n)) {
+            return Err(ApiError::bad(
+                "invalid_request",
+                format!("`n` must be 1 to {MAX_FORKS}"),
+            ));
+        }
+        Ok::<_, ApiError>(Cmd::Fork {
+            session: id,
+            n: b.n,
+        })
     }
-    call_json(&st, Cmd::Fork { session: id }).await
+    .await;
+    match r {
+        Ok(cmd) => call_json(&st, cmd).await,
+        Err(e) => e.into_response(),
+    }
 }

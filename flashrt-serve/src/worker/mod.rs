@@ -188,8 +188,11 @@ pub enum Cmd {
         capsule: Option<String>,
         pos: Option<usize>,
     },
+    /// `n`: that many branches, listed (branch `i` > 0 samples with seed `seed + i` from the
+    /// start of its RNG stream; branch 0 keeps the session's RNG state); `None`: one.
     Fork {
         session: String,
+        n: Option<usize>,
     },
     ListCapsules,
     CapsuleInfo(String),
@@ -780,16 +783,37 @@ impl Worker {
                     json!({"session": session, "capsule": capsule, "pos": pos}),
                 ))
             }
-            Cmd::Fork { session } => {
+            Cmd::Fork { session, n } => {
                 let cap = self.session(&session, t)?.snapshot()?;
-                let mut s = self.new_session(t)?;
-                s.restore(&cap)?;
-                let id = self.new_id();
-                let pos = s.pos();
-                self.put_back(id.clone(), s, t);
-                Ok(Out::Json(
-                    json!({"session": id, "forked_from": session, "pos": pos}),
-                ))
+                let mut ids = Vec::new();
+                for i in 0..n.unwrap_or(1) {
+                    let branch = self.new_session(t).and_then(|mut s| {
+                        s.restore(&cap)?;
+                        if i > 0 {
+                            s.reseed(s.sampler().seed.wrapping_add(i as u64));
+                        }
+                        Ok(s)
+                    });
+                    match branch {
+                        Ok(s) => {
+                            let id = self.new_id();
+                            self.put_back(id.clone(), s, t);
+                            ids.push(id);
+                        }
+                        Err(e) => {
+                            // All or nothing.
+                            for id in &ids {
+                                self.sessions.remove(id);
+                            }
+                            return Err(e);
+                        }
+                    }
+                }
+                let pos = cap.meta.pos;
+                Ok(Out::Json(match n {
+                    None => json!({"session": ids[0], "forked_from": session, "pos": pos}),
+                    Some(_) => json!({"sessions": ids, "forked_from": session, "pos": pos}),
+                }))
             }
             Cmd::ListCapsules => {
                 let ids = self.store.ids_of(Some(&t.name));

@@ -542,7 +542,7 @@ impl Worker {
             | Cmd::Snapshot { session, .. }
             | Cmd::Restore { session, .. }
             | Cmd::Rollback { session, .. }
-            | Cmd::Fork { session } => session,
+            | Cmd::Fork { session, .. } => session,
             _ => return Some(job),
         };
         if self
