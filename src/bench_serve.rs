@@ -100,6 +100,28 @@ pub struct ConcurrentResult {
     pub newcomer: Option<NewcomerResult>,
 }
 
+impl ConcurrentResult {
+    /// One line: together against alone, the gaps, whether the tokens agree.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} clients at once, {} tokens each: {:.1} tokens/s together against {:.1} alone ({:.2}x); gaps median {:.2} ms, p99 {:.2} ms (alone {:.2} ms); tokens {} their solo runs",
+            self.clients,
+            self.tokens_per_client,
+            self.aggregate_tokens_per_s,
+            self.alone_tokens_per_s,
+            self.aggregate_tokens_per_s / self.alone_tokens_per_s,
+            self.median_gap_ms,
+            self.p99_gap_ms,
+            self.alone_median_gap_ms,
+            if self.same_as_alone {
+                "equal"
+            } else {
+                "DIFFER from"
+            }
+        )
+    }
+}
+
 /// A long fresh prompt sent while the clients stream.
 #[derive(Serialize)]
 pub struct NewcomerResult {
@@ -320,21 +342,7 @@ fn concurrent(
             None
         },
     };
-    eprintln!(
-        "[bench --serve] {} clients at once: {:.1} tokens/s together, {:.1} alone ({:.2}x); gaps median {:.2} ms, p99 {:.2} ms (alone {:.2} ms); tokens {} their solo runs",
-        r.clients,
-        r.aggregate_tokens_per_s,
-        r.alone_tokens_per_s,
-        r.aggregate_tokens_per_s / r.alone_tokens_per_s,
-        r.median_gap_ms,
-        r.p99_gap_ms,
-        r.alone_median_gap_ms,
-        if r.same_as_alone {
-            "equal"
-        } else {
-            "DIFFER from"
-        }
-    );
+    eprintln!("[bench --serve] {}", r.summary());
     Ok(r)
 }
 
@@ -593,22 +601,7 @@ pub fn render(r: &ServeReport) -> String {
         }
     }
     if let Some(c) = &r.concurrent {
-        o += &format!(
-            "  {} clients at once, {} tokens each: {:.1} tokens/s together against {:.1} alone ({:.2}x); gaps median {:.2} ms, p99 {:.2} ms (alone {:.2} ms); tokens {} their solo runs\n",
-            c.clients,
-            c.tokens_per_client,
-            c.aggregate_tokens_per_s,
-            c.alone_tokens_per_s,
-            c.aggregate_tokens_per_s / c.alone_tokens_per_s,
-            c.median_gap_ms,
-            c.p99_gap_ms,
-            c.alone_median_gap_ms,
-            if c.same_as_alone {
-                "equal"
-            } else {
-                "DIFFER from"
-            }
-        );
+        o += &format!("  {}\n", c.summary());
         if let Some(nc) = &c.newcomer {
             o += &format!(
                 "  a {}-token prompt sent while they stream: TTFT {:.1} ms (idle {:.1} ms); their gaps meanwhile p99 {:.1} ms, max {:.1} ms\n",

@@ -580,6 +580,16 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                     json!({"index": index, "text": piece, "token_ids": tokens, "logprobs": lp, "finish_reason": finish})
                 }
             };
+            // The chunk that ends a choice: no text, its finish reason.
+            let finish = |v: &Value, first: bool| {
+                choice(
+                    String::new(),
+                    vec![],
+                    v["finish_reason"].clone(),
+                    first,
+                    Value::Null,
+                )
+            };
             let chunk = |c: Value| {
                 json!({"id": id, "object": object, "created": created, "model": st2.model_name,
                    "system_fingerprint": st2.fingerprint, "choices": [c]})
@@ -602,17 +612,8 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                     offset = 0;
                     vec![]
                 }
-                Event::ChoiceEnd(v) => {
-                    // n > 1: each choice's last chunk carries its finish reason.
-                    let c = choice(
-                        String::new(),
-                        vec![],
-                        v["finish_reason"].clone(),
-                        first,
-                        Value::Null,
-                    );
-                    vec![chunk(c)]
-                }
+                // n > 1: each choice's last chunk carries its finish reason.
+                Event::ChoiceEnd(v) => vec![chunk(finish(&v, first))],
                 Event::Done(v) => {
                     count2.set(
                         v["prompt_tokens"].as_u64().unwrap_or(0),
@@ -623,14 +624,7 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                     let mut last: Value = if v["choices"].is_array() {
                         serde_json::from_str(&chunk(Value::Null)).unwrap_or_default()
                     } else {
-                        let c = choice(
-                            String::new(),
-                            vec![],
-                            v["finish_reason"].clone(),
-                            first,
-                            Value::Null,
-                        );
-                        serde_json::from_str(&chunk(c)).unwrap_or_default()
+                        serde_json::from_str(&chunk(finish(&v, first))).unwrap_or_default()
                     };
                     if v["choices"].is_array() {
                         last["choices"] = json!([]);
