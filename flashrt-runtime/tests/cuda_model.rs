@@ -1040,11 +1040,30 @@ fn short_suffixes_run_as_verify_passes_on_gpu() {
             .map(|b| (b.name.clone(), s.read_region(&b.name).unwrap()))
             .collect()
     };
+    // Costs under which 2..5 tokens take one verify pass.
+    let verify_first = flashrt_runtime::ChunkCosts::new(
+        model
+            .chunk_costs()
+            .plans()
+            .iter()
+            .map(|p| flashrt_runtime::PlanCost {
+                phase: p.phase,
+                fixed: if matches!(p.phase, Phase::Verify { .. }) {
+                    1.0
+                } else {
+                    5.0
+                },
+                per_row: 0.0,
+            })
+            .collect(),
+        flashrt_runtime::CostSource::Given,
+    );
+    model.set_chunk_costs(verify_first).unwrap();
     for n in 2..=5usize {
         assert_eq!(
             model.plan_chunks(n),
             vec![(Phase::Verify { k: n - 1 }, n)],
-            "derived costs put {n} tokens in one verify pass"
+            "{n} tokens in one verify pass"
         );
         let suffix = prompt(n, vocab, 40 + n as u64);
         let mut pass = model.fork(&cap).unwrap();
