@@ -192,6 +192,31 @@ impl PyModel {
             .collect()
     }
 
+    /// Time every decode, verify and prefill plan on a scratch session (median of `runs`
+    /// each) and make appends choose their steps by the measurements: worth it on a GPU,
+    /// where a step costs its plan's rows whatever it is given (`flashrt serve` does it at
+    /// start-up). Returns `(plan, ms of a full step, ms per row)` for every plan.
+    #[pyo3(signature = (runs=3))]
+    fn calibrate_chunking(&self, py: Python<'_>, runs: usize) -> PyResult<Vec<(String, f64, f64)>> {
+        let costs = py
+            .detach(|| self.model().calibrate_chunking(runs, &mut |_| {}))
+            .map_err(err)?;
+        Ok(costs
+            .plans()
+            .iter()
+            .map(|p| (p.phase.label(), p.cost(p.rows()), p.per_row))
+            .collect())
+    }
+
+    /// The steps an append of `n` tokens runs: `(plan, rows)` in order.
+    fn chunk_plan(&self, n: usize) -> Vec<(String, usize)> {
+        self.model()
+            .plan_chunks(n)
+            .into_iter()
+            .map(|(phase, rows)| (phase.label(), rows))
+            .collect()
+    }
+
     /// A fresh session (zeroed state, position 0).
     fn session(&self, py: Python<'_>) -> PyResult<PySession> {
         let s = py.detach(|| self.model().session()).map_err(err)?;

@@ -478,3 +478,25 @@ def test_fp8_checkpoints_and_quantizing_while_loading():
     assert np.isfinite(lt).all()
     with pytest.raises(ValueError, match="unknown quantization"):
         load("qwen35-public", quantize="int4")
+
+
+def test_appends_run_the_planned_steps_and_calibration_keeps_results(model):
+    """The chunk planner through Python: the steps of an append cover its tokens (a few
+    tokens one verify pass or decode step, more the prefill buckets), timing the plans
+    changes at most which steps run, never a bit of the result."""
+    v = model.vocab
+    for n in [1, 3, 17, 40]:
+        plan = model.chunk_plan(n)
+        assert sum(rows for _, rows in plan) == n
+    assert model.chunk_plan(1) == [("decode", 1)]
+    prompt = tokens(71, 40, v)
+    before = model.session()
+    before.append(prompt)
+    table = model.calibrate_chunking(runs=1)
+    labels = [label for label, _, _ in table]
+    assert "decode" in labels and "prefill[16]" in labels and "verify[4]" in labels
+    assert all(ms > 0 and per_row >= 0 for _, ms, per_row in table)
+    after = model.session()
+    after.append(prompt)
+    assert np.array_equal(logits(before), logits(after))
+    assert state(before) == state(after)
