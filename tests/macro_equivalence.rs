@@ -66,7 +66,7 @@ pub struct NemotronhMacro;
 #[flashrt::model(
     model = {
         name = "qwen36_27b", vocab = 248320, hidden = 5120, dtype = bf16, max_seq = 32768,
-        prefill_buckets = [64, 256, 512, 1024, 2048, 4096], norm = { kind = rms, eps = 1e-6, weight = one_plus },
+        prefill_buckets = [32, 64, 256, 512, 1024, 2048, 4096], norm = { kind = rms, eps = 1e-6, weight = one_plus },
         weights = qwen3_5_text,
     },
     kinds = {

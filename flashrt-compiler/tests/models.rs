@@ -131,7 +131,7 @@ fn qwen36_27b_shape() {
         (ir.vocab, ir.hidden, ir.dtype, ir.max_seq),
         (248320, 5120, DType::Bf16, 32768)
     );
-    assert_eq!(ir.prefill_buckets, [64, 256, 512, 1024, 2048, 4096]);
+    assert_eq!(ir.prefill_buckets, [32, 64, 256, 512, 1024, 2048, 4096]);
     assert_eq!(
         ir.norm,
         NormIr {

@@ -62,7 +62,7 @@ pub const DEFAULT_MAX_SEQ: usize = 32768;
 /// Default prefill buckets: a ladder up to 4096 rows, so a long prompt runs in large chunks
 /// (each chunk streams every weight once) and a suffix in the plans that cover it at least
 /// cost (the runtime's chunk planner combines them).
-pub const DEFAULT_PREFILL_BUCKETS: [usize; 6] = [64, 256, 512, 1024, 2048, 4096];
+pub const DEFAULT_PREFILL_BUCKETS: [usize; 7] = [32, 64, 256, 512, 1024, 2048, 4096];
 
 /// Why a config could not be imported.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -525,7 +525,7 @@ mod tests {
         assert_eq!((ir.vocab, ir.hidden, ir.max_seq), (512, 64, 4096));
         assert_eq!(ir.dtype, DType::F32);
         // The default ladder, as the hand-tuned models use it.
-        assert_eq!(ir.prefill_buckets, vec![64, 256, 512, 1024, 2048, 4096]);
+        assert_eq!(ir.prefill_buckets, vec![32, 64, 256, 512, 1024, 2048, 4096]);
         let short = ir_from_hf_config(
             &fixture("qwen35-public"),
             &HfOptions {
@@ -534,7 +534,7 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!(short.prefill_buckets, vec![64, 256, 512]);
+        assert_eq!(short.prefill_buckets, vec![32, 64, 256, 512]);
         assert_eq!(ir.weights, WeightNaming::Qwen35);
         assert_eq!(ir.norm.weight, NormWeight::OnePlus);
         assert_eq!(ir.norm.eps, F64(1e-6));
