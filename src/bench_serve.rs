@@ -368,9 +368,9 @@ fn run_clients(
         .collect()
 }
 
-/// A fresh prompt of `opts.newcomer` tokens: its TTFT on the idle server, then while the
-/// clients stream (sent once every client has its first token), with the clients' gaps
-/// meanwhile.
+/// A fresh prompt of `opts.newcomer` tokens: its TTFT on the idle server, then while (at
+/// most 4 of) the clients stream (sent once every client has its first token), with the
+/// clients' gaps meanwhile.
 fn newcomer(
     addr: SocketAddr,
     opts: &ServeBenchOptions,
@@ -381,8 +381,10 @@ fn newcomer(
     let one = |p: &[u32]| json!({"prompt": p, "max_tokens": 1, "temperature": 0});
     let idle = stream_completion(addr, &one(&fresh(len)))?;
     let idle_ttft = idle.times.first().copied().unwrap_or(0.0) * 1e3;
-    // The clients stream long enough to cover the newcomer's prefill.
-    let long = opts.decode_tokens.max(2) + (idle_ttft / 10.0) as usize + 64;
+    // At most 4 clients (issue 15's case), streaming long enough to cover the newcomer's
+    // prefill: a token each per prefill slice of about 40 ms, and some.
+    let prompts = &prompts[..prompts.len().min(4)];
+    let long = opts.decode_tokens.max(2) + (idle_ttft / 40.0) as usize + 16;
     let body = move |p: &[u32]| json!({"prompt": p, "max_tokens": long, "temperature": 0, "ignore_eos": true});
     let clients = {
         let prompts = prompts.to_vec();
