@@ -251,7 +251,7 @@ impl Metrics {
         one(
             "flashrt_generation_waiting",
             "gauge",
-            "Completions prefilled by none yet: waiting for one of the generating ones to end.",
+            "Completions waiting for a place among the generating ones (not started yet).",
             get(&self.waiting),
         );
         one(
