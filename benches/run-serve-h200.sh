@@ -10,9 +10,10 @@
 #      plus each suffix (with the steps the chunk planner chose and the plan costs it measured
 #      at start-up), an exact repeat, streamed decode greedy / sampled / speculative, 8 clients
 #      at once against each alone, and a 16k-token prompt arriving while they stream;
-#   3. for every other binary `.gpu/flashrt-<variant>` (a candidate kernel built here, e.g.
-#      with `benches/kernels/gemv_tile_loop.patch` applied), the plan costs it measures (the
-#      `chunk planner:` line: decode, verify[1..4], every prefill bucket) and its decode step.
+#   3. the plan costs (the `chunk planner:` line: decode, verify[1..4], every prefill bucket)
+#      and decode step with each candidate switch on (FLASHRT_GEMV_TILES=1: verify rows' gemv
+#      launches as resident blocks looping over tiles), and with every other binary
+#      `.gpu/flashrt-<variant>` (a candidate kernel built here).
 #
 # Usage (repository root on the GPU machine; binaries built here: `cargo build --release
 # --features cuda`, `bash scripts/gpu-check.sh --collect`, `strip -o .gpu/flashrt
@@ -37,9 +38,14 @@ export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
   "$ROOT/.gpu/bin/cuda_model" --test-threads=1 --nocapture \
-    short_suffixes speculative_greedy sessions_share unaligned >"$OUT/cuda_model.log" 2>&1 || status=1
+    short_suffixes speculative_greedy sessions_share unaligned gemv_tiles >"$OUT/cuda_model.log" 2>&1 || status=1
   "$ROOT/.gpu/bin/cuda_sample" --test-threads=1 >"$OUT/cuda_sample.log" 2>&1 || status=1
-  grep -hE '^test |test result' "$OUT/cuda_model.log" "$OUT/cuda_sample.log"
+  # The candidate switch keeps every row's arithmetic: the same tests, bit-exact ones included.
+  FLASHRT_GEMV_TILES=1 "$ROOT/.gpu/bin/cuda_model" --test-threads=1 --nocapture \
+    short_suffixes speculative_greedy >"$OUT/cuda_model-gemv-tiles.log" 2>&1 || status=1
+  FLASHRT_GEMV_TILES=1 "$ROOT/.gpu/bin/cuda_ops" --test-threads=1 linear gemv_groups \
+    >"$OUT/cuda_ops-gemv-tiles.log" 2>&1 || status=1
+  grep -hE '^test |test result' "$OUT"/cuda_*.log
 fi
 
 "$ROOT/.gpu/flashrt" bench "$ROOT/models/qwen36-27b.toml" --random-weights --backend cuda \
@@ -49,13 +55,16 @@ fi
 grep -E 'chunk planner|TTFT|streamed decode|clients at once|prompt while' "$OUT/bench.log" \
   | grep -v ' INFO ' | tail -40
 
+short_run() { # binary, name
+  "$1" bench "$ROOT/models/qwen36-27b.toml" --random-weights --backend cuda --lengths 2048 \
+    --iters 3 --decode-steps 32 --serve --serve-suffixes 1,2,4,32 --serve-runs 3 \
+    --json "$OUT/bench-$2.json" >"$OUT/bench-$2.log" 2>&1 || status=1
+  echo "== $2"
+  grep -E 'chunk planner|decode|TTFT' "$OUT/bench-$2.log" | grep -v ' INFO ' | tail -12
+}
+FLASHRT_GEMV_TILES=1 short_run "$ROOT/.gpu/flashrt" gemv-tiles
 for bin in "$ROOT"/.gpu/flashrt-*; do
   [ -x "$bin" ] || continue
-  name="$(basename "$bin")"
-  "$bin" bench "$ROOT/models/qwen36-27b.toml" --random-weights --backend cuda --lengths 2048 \
-    --iters 3 --decode-steps 32 --serve --serve-suffixes 1,2,4,32 --serve-runs 3 \
-    --json "$OUT/bench-$name.json" >"$OUT/bench-$name.log" 2>&1 || status=1
-  echo "== $name"
-  grep -E 'chunk planner|decode|TTFT' "$OUT/bench-$name.log" | grep -v ' INFO ' | tail -12
+  short_run "$bin" "$(basename "$bin")"
 done
 exit $status

@@ -15,7 +15,8 @@
 // `glu_out[r, j] = act(gate) * up` computed from the rounded values — exactly what the three
 // separate ops produce.
 //
-// Grid: sum of blocks; block: 8 warps that together own GEMV_FEATS output features (8 for
+// Grid: one block per tile of GEMV_FEATS outputs (or the resident blocks, each looping over
+// tiles: see `gemv_impl`); block: 8 warps that together own GEMV_FEATS output features (8 for
 // R <= 2, 4 for more rows, whose partial sums need more registers; in glu mode half of them
 // are gate rows and half the up rows with the same indices). The block's threads stride over k in 16-byte chunks (8 elements): thread t loads chunk t, t + blockDim, ... of
 // all 8 weight rows, streamed past L1 (ld.global.nc L1::no_allocate: every weight byte is read
@@ -184,15 +185,19 @@ static __device__ __forceinline__ void unpack_e4m3x8(uint4 u, int h, float (&f)[
     }
 }
 
-template <typename T, int R, int GEMV_FEATS, bool NORM, bool FP8 = false>
-static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
+// One tile: GEMV_FEATS outputs of every row (see gemv_impl), `tile` counted over the launch's
+// matrices in order. `inv`: the rows' norm scales (NORM). Ends after a block barrier; threads
+// return early only after it.
+template <typename T, int R, int GEMV_FEATS, bool NORM, bool FP8>
+static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, const T* x, int row0,
+                                                 const float (&inv)[R],
+                                                 float (&red)[GEMV_WARPS][R][GEMV_FEATS]) {
     constexpr int WARPS = GEMV_WARPS;
     // Bytes per weight element; a 16-byte chunk holds CH of them.
     constexpr int WSIZE = FP8 ? 1 : (int)sizeof(T);
     constexpr int CH = 16 / WSIZE;
-    __shared__ float red[WARPS][R][GEMV_FEATS];
-    // Which matrix this block works on, and its block index within it.
-    int b = blockIdx.x, mi = 0;
+    // Which matrix this tile belongs to, and its index within it.
+    int b = tile, mi = 0;
     while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
         b -= p.m[mi].blocks;
         ++mi;
@@ -228,20 +233,11 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
             sr[i] = FP8 ? m.scale + (size_t)((ok[i] ? j0 + i : 0) / p.qbr) * m.scale_ld : nullptr;
         }
     }
-    const T* x = static_cast<const T*>(p.x);
-    // `last_row`: a prefill chunk whose caller wants only the last position's logits computes
-    // the LM head for row io.len - 1 alone, reading and writing that row.
-    const int row0 = p.last_row ? flashrt::load_len(p.len) - 1 : 0;
-    x += (size_t)row0 * p.ld_x;
-
-    float inv[R];
-    if (NORM) gemv_norm_inv<T, R>(p, x, inv);
     // Input chunk c of row r as f32: the raw input, or its normalised, rounded value.
     auto load_x = [&](int r, int c, float (&xf)[8]) {
         flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
         if (NORM) gemv_norm_chunk<T>(p, inv[r], c, xf);
     };
-    if (NORM && blockIdx.x == 0) gemv_norm_store<T, R>(p, x, inv);
 
     float acc[R][GEMV_FEATS];
 #pragma unroll
@@ -339,6 +335,37 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
         T* out = static_cast<T*>(m.out);
         const float prev = p.accumulate ? flashrt::to_f32(out[o]) : 0.0f;
         out[o] = flashrt::from_f32<T>(v + prev);
+    }
+}
+
+// A block takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the host launches one block per
+// tile, or with FLASHRT_GEMV_TILES=1 for several rows of 16-bit weights as many blocks as are
+// resident, so that the norm prologue, whose cost grows with the rows, runs once per block
+// rather than once per tile). What a tile computes does not depend on which block runs it.
+template <typename T, int R, int GEMV_FEATS, bool NORM, bool FP8 = false>
+static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
+    __shared__ float red[GEMV_WARPS][R][GEMV_FEATS];
+    const T* x = static_cast<const T*>(p.x);
+    // `last_row`: a prefill chunk whose caller wants only the last position's logits computes
+    // the LM head for row io.len - 1 alone, reading and writing that row.
+    const int row0 = p.last_row ? flashrt::load_len(p.len) - 1 : 0;
+    x += (size_t)row0 * p.ld_x;
+    float inv[R];
+    if (NORM) gemv_norm_inv<T, R>(p, x, inv);
+    if (NORM && blockIdx.x == 0) gemv_norm_store<T, R>(p, x, inv);
+    if constexpr (R == 1) {
+        // One row: always one block per tile (and the loop's registers would spill in the FP8
+        // kernels).
+        gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, blockIdx.x, x, row0, inv, red);
+        return;
+    }
+    int tiles = p.m[0].blocks;
+    if (!p.glu)
+        for (int mi = 1; mi < p.nmats; ++mi) tiles += p.m[mi].blocks;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, tile, x, row0, inv, red);
+        // `red` is reused by the next tile.
+        __syncthreads();
     }
 }
 

@@ -1113,3 +1113,78 @@ fn short_suffixes_run_as_verify_passes_on_gpu() {
     println!("41 tokens as {steps:?}: logits rel err {err:.3e} vs cold prefill");
     assert!(err <= 3e-2, "rel err {err:.3e}");
 }
+
+/// `CudaOptions::gemv_tiles` (several rows' gemv launches as resident blocks looping over
+/// tiles) changes which block computes a tile, never the arithmetic: verify passes of 2..5
+/// rows give the same logits and state bit for bit with it on and off.
+#[test]
+fn gemv_tiles_compute_what_one_block_per_tile_computes() {
+    let name = "gemv_tiles_compute_what_one_block_per_tile_computes";
+    let (Some(off), Some(on)) = (
+        cuda_with(
+            name,
+            CudaOptions {
+                gemv_tiles: false,
+                ..CudaOptions::default()
+            },
+        ),
+        cuda_with(
+            name,
+            CudaOptions {
+                gemv_tiles: true,
+                ..CudaOptions::default()
+            },
+        ),
+    ) else {
+        return;
+    };
+    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 256);
+    let models = [model_on(off, &ir, None), model_on(on, &ir, None)];
+    let vocab = models[0].vocab();
+    // Verify passes for 2..5 rows on both.
+    for m in &models {
+        let table = flashrt_runtime::ChunkCosts::new(
+            m.chunk_costs()
+                .plans()
+                .iter()
+                .map(|p| flashrt_runtime::PlanCost {
+                    phase: p.phase,
+                    fixed: if matches!(p.phase, Phase::Verify { .. }) {
+                        1.0
+                    } else {
+                        5.0
+                    },
+                    per_row: 0.0,
+                })
+                .collect(),
+            flashrt_runtime::CostSource::Given,
+        );
+        m.set_chunk_costs(table).unwrap();
+    }
+    let mut s: Vec<Session> = models.iter().map(|m| m.session().unwrap()).collect();
+    let chunks = [
+        prompt(40, vocab, 61),
+        prompt(2, vocab, 62),
+        prompt(5, vocab, 63),
+        prompt(3, vocab, 64),
+        prompt(4, vocab, 65),
+    ];
+    for (i, c) in chunks.iter().enumerate() {
+        for x in s.iter_mut() {
+            x.append(c).unwrap();
+        }
+        assert!(
+            s[0].logits() == s[1].logits(),
+            "chunk {i} ({} rows): logits differ with gemv_tiles",
+            c.len()
+        );
+    }
+    for b in models[0].compiled().layout.state_buffers() {
+        assert!(
+            s[0].read_region(&b.name).unwrap() == s[1].read_region(&b.name).unwrap(),
+            "state `{}` differs with gemv_tiles",
+            b.name
+        );
+    }
+    println!("gemv_tiles on and off: verify passes of 2..5 rows bit-identical");
+}

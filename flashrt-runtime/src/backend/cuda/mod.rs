@@ -164,6 +164,11 @@ pub struct CudaOptions {
     /// host from the copied row; both choose the same token. Default from
     /// `FLASHRT_DEVICE_SAMPLER` (`0` = off).
     pub device_sampler: bool,
+    /// Run several rows' (verify) 16-bit `gemv` launches as the resident blocks looping over
+    /// tiles, so the fused RMSNorm prologue runs once per block instead of once per tile
+    /// (kernels/gemv.cu `gemv_impl`; same arithmetic per row). Off by default until measured;
+    /// `FLASHRT_GEMV_TILES=1` turns it on.
+    pub gemv_tiles: bool,
 }
 
 impl Default for CudaOptions {
@@ -180,6 +185,7 @@ impl Default for CudaOptions {
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
             gemv_mma: on("FLASHRT_GEMV_MMA"),
             device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
+            gemv_tiles: std::env::var("FLASHRT_GEMV_TILES").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -1063,6 +1069,7 @@ impl CudaSession {
             gdn_fused: model.gdn_fused,
             fp8_gemm: model.fp8_gemm,
             gemv_mma: model.gemv_mma,
+            gemv_tiles: model.options.gemv_tiles,
             fp8: exec.fp8,
         };
         let mut programs = Vec::new();

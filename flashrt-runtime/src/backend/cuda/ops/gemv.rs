@@ -351,8 +351,23 @@ impl Builder<'_> {
             if glu.is_some() { " + mul" } else { "" }
         );
         let func = self.kernels.typed(&kernel, t)?;
-        let grid = (total_blocks, 1, 1);
         let threads = 32 * warps as u32;
+        // Several rows of 16-bit weights, with `gemv_tiles` (opt-in until measured): as many
+        // blocks as are resident, each taking tiles in turn, so the fused norm's prologue (its
+        // rows' sums of squares, read from L2) runs once per block rather than once per tile
+        // (kernels/gemv.cu, `gemv_impl`). A tile computes the same whichever block runs it.
+        let grid_blocks =
+            if self.gemv_tiles && shape_rows > 1 && !mma && first.weights == GemvWeights::Plain {
+                let resident = func
+                    .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+                    .unwrap_or(1)
+                    .max(1) as u32
+                    * self.sms.max(1) as u32;
+                total_blocks.min(resident)
+            } else {
+                total_blocks
+            };
+        let grid = (grid_blocks, 1, 1);
         cmds.push(if mma && mma_smem > 0 {
             self.kernel_smem(&label, func, grid, threads, mma_smem as u32, &p)?
         } else {

@@ -425,6 +425,9 @@ pub struct Builder<'a> {
     /// Small phases' FP8 matmuls on the tensor cores where their scale blocks allow
     /// (kernels/gemv_mma.cu, compute capability 9.x; [`Builder::gemv`]).
     pub gemv_mma: bool,
+    /// Several rows' 16-bit `gemv` launches as resident blocks looping over tiles
+    /// ([`Builder::gemv`]; `CudaOptions::gemv_tiles`).
+    pub gemv_tiles: bool,
     /// The session's FP8 scratch ([`fp8_scratch_needs`]).
     pub fp8: Fp8Scratch,
 }
