@@ -140,6 +140,9 @@ pub struct Metrics {
     pub inter_token: Histogram<TokenBuckets>,
     /// From any request entering the worker's queue to the worker taking it up.
     pub queue_wait: Histogram<TokenBuckets>,
+    /// The worker storing an automatic capsule (snapshot, insertion, and the demotions down
+    /// the tiers it causes): time in which no other generation advances.
+    pub auto_store: Histogram<TokenBuckets>,
     pub worker_alive: AtomicBool,
     /// Speculative decoding (MTP): rounds, drafts verified and accepted, drafts per round now.
     pub spec_rounds: AtomicU64,
@@ -355,6 +358,11 @@ impl Metrics {
                 "flashrt_queue_wait_seconds",
                 "From a request entering the worker queue to the worker taking it up.",
                 &self.queue_wait,
+            ),
+            (
+                "flashrt_auto_store_seconds",
+                "The worker storing an automatic capsule, demotions down the tiers included (nothing else advances meanwhile).",
+                &self.auto_store,
             ),
         ] {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} histogram");

@@ -376,6 +376,8 @@ fn openai_completions_reuse_prefixes_and_stream() {
     assert_eq!(count("flashrt_time_to_first_token_seconds"), 8);
     assert_eq!(count("flashrt_inter_token_seconds"), tokens - 8);
     assert!(count("flashrt_queue_wait_seconds") >= 8);
+    // The prompt capsules the hits above came from were stored by the worker, timed.
+    assert!(count("flashrt_auto_store_seconds") >= 3);
     server.shutdown().unwrap();
 }
 

@@ -537,11 +537,22 @@ impl Worker {
         sampler: Option<SamplerState>,
         t: &Tenant,
     ) -> WResult<()> {
+        let start = Instant::now();
         let mut cap = s.snapshot()?;
         if let Some(sm) = sampler {
             cap.meta.sampler = sm;
         }
         let _ = self.store_computed(cap, Some("auto".into()), t);
+        let took = start.elapsed();
+        self.metrics.auto_store.observe(took);
+        if took.as_millis() >= 100 {
+            // Demotions run on the worker thread for now: say so when they stall the others.
+            tracing::warn!(
+                "storing an automatic capsule at {} tokens took {:.0} ms (demotions down the tiers); other generations waited",
+                s.pos(),
+                took.as_secs_f64() * 1e3
+            );
+        }
         Ok(())
     }
 
