@@ -440,7 +440,7 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
         ..flashrt_serve::ServeConfig::default()
     };
     // Chunk costs and the device tier as `flashrt serve` finds them.
-    let costs = flashrt_serve::calibrate_chunking(model)?;
+    let costs = flashrt_serve::calibrate_chunking(model);
     eprintln!("[bench --serve] chunk planner: {costs}");
     if let Some(plan) = cfg.fit_memory(model, Some(4), None)? {
         eprintln!("[bench --serve] device memory: {plan}");

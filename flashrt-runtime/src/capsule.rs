@@ -92,6 +92,14 @@ impl SamplerState {
             penalty_from: 0,
         }
     }
+    /// The same sampler with its RNG stream restarted at `seed` (every other setting kept).
+    pub fn reseeded(&self, seed: u64) -> Self {
+        SamplerState {
+            seed,
+            rng: seed_rng(seed),
+            ..self.clone()
+        }
+    }
     /// The same sampler with penalties (presence, frequency, repetition).
     pub fn with_penalties(mut self, presence: f32, frequency: f32, repetition: f32) -> Self {
         self.presence_penalty = presence;

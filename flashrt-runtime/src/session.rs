@@ -589,9 +589,7 @@ impl Session {
     /// Restart the sampler's RNG stream from `seed`, keeping every other setting (and the
     /// history the penalties count from): how the branches of one fork draw apart.
     pub fn reseed(&mut self, seed: u64) {
-        let fresh = SamplerState::seeded(seed, 0.0, 0, 1.0);
-        self.sampler.seed = fresh.seed;
-        self.sampler.rng = fresh.rng;
+        self.sampler = self.sampler.reseeded(seed);
     }
     /// The next token, chosen but not yet fed, if any.
     pub fn pending(&self) -> Option<u32> {

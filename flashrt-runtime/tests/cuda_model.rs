@@ -1010,6 +1010,28 @@ fn sessions_share_arenas_without_crosstalk() {
     );
 }
 
+/// Costs under which 2..5 tokens take one verify pass (whatever the measured ones say).
+fn verify_first(model: &Model) {
+    let table = flashrt_runtime::ChunkCosts::new(
+        model
+            .chunk_costs()
+            .plans()
+            .iter()
+            .map(|p| flashrt_runtime::PlanCost {
+                phase: p.phase,
+                fixed: if matches!(p.phase, Phase::Verify { .. }) {
+                    1.0
+                } else {
+                    5.0
+                },
+                per_row: 0.0,
+            })
+            .collect(),
+        flashrt_runtime::CostSource::Given,
+    );
+    model.set_chunk_costs(table).unwrap();
+}
+
 /// Issue 13 on the GPU: a suffix of 2 to 5 tokens runs as one verify pass, whose rows round as
 /// decode steps round (one GEMM shape, one attention split count for every phase of at most
 /// MAX_DRAFT + 1 rows), so its last logits and the state it leaves equal feeding the tokens
@@ -1040,25 +1062,7 @@ fn short_suffixes_run_as_verify_passes_on_gpu() {
             .map(|b| (b.name.clone(), s.read_region(&b.name).unwrap()))
             .collect()
     };
-    // Costs under which 2..5 tokens take one verify pass.
-    let verify_first = flashrt_runtime::ChunkCosts::new(
-        model
-            .chunk_costs()
-            .plans()
-            .iter()
-            .map(|p| flashrt_runtime::PlanCost {
-                phase: p.phase,
-                fixed: if matches!(p.phase, Phase::Verify { .. }) {
-                    1.0
-                } else {
-                    5.0
-                },
-                per_row: 0.0,
-            })
-            .collect(),
-        flashrt_runtime::CostSource::Given,
-    );
-    model.set_chunk_costs(verify_first).unwrap();
+    verify_first(&model);
     for n in 2..=5usize {
         assert_eq!(
             model.plan_chunks(n),
@@ -1143,23 +1147,7 @@ fn gemv_tiles_compute_what_one_block_per_tile_computes() {
     let vocab = models[0].vocab();
     // Verify passes for 2..5 rows on both.
     for m in &models {
-        let table = flashrt_runtime::ChunkCosts::new(
-            m.chunk_costs()
-                .plans()
-                .iter()
-                .map(|p| flashrt_runtime::PlanCost {
-                    phase: p.phase,
-                    fixed: if matches!(p.phase, Phase::Verify { .. }) {
-                        1.0
-                    } else {
-                        5.0
-                    },
-                    per_row: 0.0,
-                })
-                .collect(),
-            flashrt_runtime::CostSource::Given,
-        );
-        m.set_chunk_costs(table).unwrap();
+        verify_first(m);
     }
     let mut s: Vec<Session> = models.iter().map(|m| m.session().unwrap()).collect();
     let chunks = [

@@ -431,7 +431,7 @@ pub fn serve(args: &ServeArgs) -> Result<ExitCode, String> {
             model.name()
         );
     }
-    crate::calibrate_chunking(&model)?;
+    crate::calibrate_chunking(&model);
     if let Some(plan) = config.fit_memory(&model, args.max_sessions, args.budget_device)? {
         tracing::info!("device memory: {plan}");
     }

@@ -23,13 +23,24 @@ fn local(m: &flashrt_runtime::Model, prompt: &[u32], n: usize) -> Vec<u32> {
 /// Stream a completion, reporting each token as it arrives (`first`: a signal after the first
 /// token). Returns every token with its arrival time.
 fn stream(addr: SocketAddr, body: &Value, first: Option<mpsc::Sender<()>>) -> Vec<(Instant, u32)> {
+    stream_at(addr, "/v1/completions", body, first)
+}
+
+/// [`stream`] to any streaming endpoint: completions' chunks (`choices[0].token_ids`) and the
+/// sessions API's events (`token`).
+fn stream_at(
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    first: Option<mpsc::Sender<()>>,
+) -> Vec<(Instant, u32)> {
     let payload = body.to_string();
     let mut sock = TcpStream::connect(addr).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(120)))
         .unwrap();
     write!(
         sock,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
         payload.len()
     )
     .unwrap();
@@ -53,11 +64,11 @@ fn stream(addr: SocketAddr, body: &Value, first: Option<mpsc::Sender<()>>) -> Ve
             let Ok(v) = serde_json::from_str::<Value>(data) else {
                 continue;
             };
-            for t in v["choices"][0]["token_ids"]
+            let ids = v["choices"][0]["token_ids"]
                 .as_array()
-                .into_iter()
-                .flatten()
-            {
+                .cloned()
+                .unwrap_or_else(|| v.get("token").into_iter().cloned().collect());
+            for t in ids {
                 got.push((now, t.as_u64().unwrap() as u32));
                 if let Some(tx) = first.take() {
                     let _ = tx.send(());
@@ -194,30 +205,12 @@ fn session_generations_interleave_and_their_commands_wait() {
     let (tx, rx) = mpsc::channel();
     let gen_sid = sid.clone();
     let generation = std::thread::spawn(move || {
-        let payload = json!({"max_tokens": long, "stream": true, "ignore_eos": true}).to_string();
-        let mut sock = TcpStream::connect(addr).unwrap();
-        write!(
-            sock,
-            "POST /v1/sessions/{gen_sid}/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
-            payload.len()
+        stream_at(
+            addr,
+            &format!("/v1/sessions/{gen_sid}/generate"),
+            &json!({"max_tokens": long, "stream": true, "ignore_eos": true}),
+            Some(tx),
         )
-        .unwrap();
-        let mut body = Vec::new();
-        let mut buf = [0u8; 4096];
-        let mut tx = Some(tx);
-        loop {
-            let n = sock.read(&mut buf).unwrap();
-            if n == 0 {
-                break;
-            }
-            body.extend_from_slice(&buf[..n]);
-            if String::from_utf8_lossy(&body).contains("\"token\"")
-                && let Some(tx) = tx.take()
-            {
-                let _ = tx.send(());
-            }
-        }
-        (Instant::now(), String::from_utf8_lossy(&body).into_owned())
     });
     rx.recv_timeout(Duration::from_secs(60))
         .expect("the session generation streams");
@@ -234,7 +227,8 @@ fn session_generations_interleave_and_their_commands_wait() {
         &format!("/v1/sessions/{sid}/append"),
         &json!({"tokens": [7]}),
     );
-    let (gen_end, body) = generation.join().unwrap();
+    let streamed = generation.join().unwrap();
+    let gen_end = streamed.last().unwrap().0;
     assert!(
         completion_end < gen_end,
         "the completion should end while the session generates"
@@ -248,7 +242,12 @@ fn session_generations_interleave_and_their_commands_wait() {
     let info = c.ok_get(&format!("/v1/sessions/{sid}"));
     let history: Vec<u32> = ids(&info["tokens"]);
     let generated = local(&m, &head, long);
-    assert_eq!(history[30..30 + long], generated[..], "{}", &body[..200]);
+    assert_eq!(
+        streamed.iter().map(|p| p.1).collect::<Vec<_>>(),
+        generated,
+        "streamed"
+    );
+    assert_eq!(history[30..30 + long], generated[..]);
     assert_eq!(history[30 + long], 7);
     server.shutdown().unwrap();
 }

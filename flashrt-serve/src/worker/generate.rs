@@ -53,7 +53,6 @@ pub(super) struct GenState {
     spec_max: usize,
     speculate: bool,
     spec: flashrt_runtime::SpecStats,
-    done: bool,
 }
 
 impl Worker {
@@ -83,7 +82,6 @@ impl Worker {
             spec_max,
             speculate,
             spec: flashrt_runtime::SpecStats::default(),
-            done: false,
         }
     }
 
@@ -106,11 +104,9 @@ impl Worker {
         stream: Option<&mpsc::UnboundedSender<Event>>,
         cache_prompt: Option<&Tenant>,
     ) -> WResult<bool> {
-        if g.done || g.out.len() >= req.max_tokens {
-            g.done = true;
+        if g.out.len() >= req.max_tokens {
             return Ok(true);
         }
-        g.done = true;
         let max = self.model.max_seq();
         // The token sampled next goes to position `pos` (after the unfed one).
         if s.pos() + g.unfed.is_some() as usize >= max {
@@ -169,7 +165,6 @@ impl Worker {
                     return Ok(true);
                 }
             }
-            g.done = false;
             return Ok(false);
         }
         // The prompt capsule keeps the sampler as it was before this draw.
@@ -187,8 +182,7 @@ impl Worker {
         if let (Some(tenant), Some(sampler)) = (cache_prompt, before) {
             self.store_auto(s, Some(sampler), tenant)?;
         }
-        g.done = stop || g.out.len() >= req.max_tokens;
-        Ok(g.done)
+        Ok(stop || g.out.len() >= req.max_tokens)
     }
 
     /// What an ended generation produced; streams the text still held back.
@@ -257,13 +251,7 @@ impl Worker {
     }
 }
 
-/// Choice `i`'s sampler: the request's, seeded with `seed + i` (wrapping) from the start of
-/// its RNG stream.
+/// Choice `i`'s sampler: the request's, its RNG stream restarted at `seed + i` (wrapping).
 pub(super) fn choice_sampler(base: &SamplerState, i: usize) -> SamplerState {
-    let fresh = SamplerState::seeded(base.seed.wrapping_add(i as u64), 0.0, 0, 1.0);
-    SamplerState {
-        seed: fresh.seed,
-        rng: fresh.rng,
-        ..base.clone()
-    }
+    base.reseeded(base.seed.wrapping_add(i as u64))
 }

@@ -374,7 +374,6 @@ impl Worker {
         }
         let touched = match &job.cmd {
             Cmd::Append { session, .. }
-            | Cmd::Generate { session, .. }
             | Cmd::Restore { session, .. }
             | Cmd::Rollback { session, .. } => Some(session.clone()),
             _ => None,
@@ -411,8 +410,7 @@ impl Worker {
         let n = self.open_sessions() as u64;
         self.metrics.sessions.store(n, Ordering::Relaxed);
         // Completions' sessions (generating or pooled) besides the sessions API's.
-        let completing = self.sched.active.len() - self.sched.busy.len();
-        let live = n + (self.pool.len() + completing) as u64;
+        let live = n + (self.pool.len() + self.sched.completions()) as u64;
         self.metrics
             .session_bytes
             .store(live * self.session_arena_bytes, Ordering::Relaxed);
@@ -429,13 +427,6 @@ impl Worker {
 
     /// Tenant `t`'s session `id` (another tenant's is as unknown as a missing one).
     fn session(&mut self, id: &str, t: &Tenant) -> WResult<&mut Session> {
-        if self.sched.busy.get(id).is_some_and(|o| **o == *t.name) {
-            return Err(ApiError::new(
-                409,
-                "session_busy",
-                format!("session `{id}` is generating; it takes commands again when that ends"),
-            ));
-        }
         self.sessions
             .get_mut(id)
             .filter(|s| s.owner == t.name)

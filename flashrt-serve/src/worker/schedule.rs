@@ -80,6 +80,10 @@ impl Schedule {
     pub(super) fn is_idle(&self) -> bool {
         self.active.is_empty() && self.waiting.is_empty()
     }
+    /// Generating completions (each holding a session of its own from the pool).
+    pub(super) fn completions(&self) -> usize {
+        self.active.len() - self.busy.len()
+    }
 }
 
 impl Worker {
@@ -155,7 +159,8 @@ impl Worker {
     }
 
     /// Take a sessions-API `generate`: the session leaves the map for the generating set
-    /// (commands on it get 409 meanwhile) and comes back, its last token fed, when it ends.
+    /// (its owner's commands on it wait meanwhile, [`Worker::defer_if_busy`]) and comes back,
+    /// its last token fed, when it ends.
     pub(super) fn start_session_generate(&mut self, job: Job) {
         let Job {
             cmd,
@@ -173,11 +178,10 @@ impl Worker {
         };
         let mut rep = Replier(Some(reply));
         let r = (|| -> WResult<Session> {
-            self.session(&session, &tenant)?;
+            let s = self.session(&session, &tenant)?;
             if let Some(sm) = &req.sampler {
                 sm.validate()?;
             }
-            let s = self.session(&session, &tenant)?;
             if s.pos() == 0 && s.pending().is_none() {
                 return Err(ApiError::bad(
                     "empty_session",
@@ -472,10 +476,9 @@ impl Worker {
     /// the memory plan allows (`max_sessions` counts the sessions API's; one more is kept
     /// for completions), and always at least one.
     fn generating_capacity(&self) -> usize {
-        let completing = self.sched.active.len() - self.sched.busy.len();
         let room = (self.cfg.max_sessions + 1).saturating_sub(self.open_sessions());
         // Session generations hold their own sessions: they do not take completions' room.
-        room.clamp(1, MAX_GENERATING) + (self.sched.active.len() - completing)
+        room.clamp(1, MAX_GENERATING) + self.sched.busy.len()
     }
 
     /// An ended sessions-API generation: the summary, then the last token fed and the session
