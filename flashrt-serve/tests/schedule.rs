@@ -251,3 +251,37 @@ fn session_generations_interleave_and_their_commands_wait() {
     assert_eq!(history[30 + long], 7);
     server.shutdown().unwrap();
 }
+
+/// A prompt the prefix cache holds whole (nothing left to prefill), arriving while another
+/// completion streams, with chunk costs measured on the device (the scheduler then slices
+/// prefills by cost): answered from the stored boundary, exactly.
+#[test]
+fn a_cached_prompt_arriving_while_others_stream_is_answered() {
+    let m = model("lfm2-public", 2048);
+    let v = m.vocab();
+    let plans = m.chunk_costs().plans().to_vec();
+    m.set_chunk_costs(flashrt_runtime::ChunkCosts::new(
+        plans,
+        flashrt_runtime::CostSource::Measured,
+    ))
+    .unwrap();
+    let server = start(&m, config(None, None));
+    let addr = server.addr();
+    let c = Client::new(addr, None);
+    let (pa, pb) = (tokens(11, 20, v), tokens(12, 33, v));
+    let body_b = json!({"prompt": pb, "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let first = ids(&c.ok("/v1/completions", &body_b)["choices"][0]["token_ids"]);
+    let (tx, rx) = mpsc::channel();
+    let body_a = json!({"prompt": pa, "max_tokens": 600, "temperature": 0, "ignore_eos": true,
+                        "stream": true});
+    let a = std::thread::spawn(move || stream(addr, &body_a, Some(tx)));
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the first completion streams");
+    let again = c.ok("/v1/completions", &body_b);
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 33);
+    assert_eq!(ids(&again["choices"][0]["token_ids"]), first);
+    assert_eq!(first, local(&m, &pb, 6));
+    let a = a.join().unwrap();
+    assert_eq!(a.len(), 600);
+    server.shutdown().unwrap();
+}

@@ -9,10 +9,13 @@
 //! speculative round, [`Worker::gen_step`]). So a completion arriving while others stream gets
 //! its first token after its own prefill and a token of each of the others per slice, not
 //! after they end, and a long prompt arriving does not freeze the streams already running.
-//! The device still runs one session per step (the batched decode plans will run a round as
-//! one step); each completion owns a session while it generates, at most [`MAX_GENERATING`]
-//! at once and no more than the memory plan's sessions leave room for, and further
-//! completions wait their turn (`flashrt_generation_waiting`).
+//! A round starts with one batched decode step ([`Model::step_batch`]) that feeds every
+//! generating completion the token it chose in the previous round, so the device reads the
+//! weights once per round for all of them (on the CUDA backend; the CPU reference steps them
+//! one by one) and each then chooses its next token from its own row — bit for bit what it
+//! would get alone. Each completion owns a session while it generates, at most
+//! [`MAX_GENERATING`] at once and no more than the memory plan's sessions leave room for,
+//! and further completions wait their turn (`flashrt_generation_waiting`).
 //!
 //! A sessions-API `generate` joins the set as well: its session leaves the worker's map while
 //! it generates, and its owner's commands on it meanwhile wait, in order, until it ends
@@ -264,7 +267,8 @@ impl Worker {
     /// the device, no step predicted longer than [`PREFILL_SLICE_MS`], so that the other
     /// streams wait at most about that long for their next token.
     fn prefill_rows(&self, remaining: usize) -> usize {
-        if self.sched.active.is_empty() {
+        // Nothing left (a prompt the prefix cache held whole), or nobody to wait: all of it.
+        if remaining == 0 || self.sched.active.is_empty() {
             return remaining;
         }
         let costs = self.model.chunk_costs();
@@ -311,6 +315,7 @@ impl Worker {
     /// in arrival order; those that end answer and leave the set, and waiting ones take
     /// their places.
     pub(super) fn step_generating(&mut self) {
+        self.feed_together();
         for _ in 0..self.sched.active.len() {
             let Some(mut a) = self.sched.active.pop_front() else {
                 break;
@@ -367,6 +372,41 @@ impl Worker {
         // Idle sessions beyond one go back to the device.
         self.pool.truncate(1);
         self.publish_schedule();
+    }
+
+    /// Feed, in one batched step, the token each generating completion chose in the last round
+    /// (the one its next [`Worker::gen_step`] would feed first, under the same conditions), so
+    /// a round costs one device step for all of them. Speculative generations feed inside
+    /// their own rounds. A failed step poisons the sessions it held: their `gen_step` then
+    /// reports it, each to its own client.
+    fn feed_together(&mut self) {
+        if self.cfg.cancel.load(Ordering::Relaxed) {
+            return;
+        }
+        let max = self.model.max_seq();
+        let mut picked: Vec<(&mut Active, u32)> = self
+            .sched
+            .active
+            .iter_mut()
+            .filter_map(|a| {
+                let t = a.g.as_ref()?.feed_due(&a.req, a.s.pos(), max)?;
+                Some((a, t))
+            })
+            .collect();
+        if picked.len() < 2 {
+            return;
+        }
+        let toks: Vec<u32> = picked.iter().map(|(_, t)| *t).collect();
+        let mut sessions: Vec<&mut Session> = picked.iter_mut().map(|(a, _)| &mut a.s).collect();
+        if self.model.step_batch(&mut sessions, &toks).is_ok() {
+            self.metrics.batched_steps.fetch_add(1, Ordering::Relaxed);
+            self.metrics
+                .batched_rows
+                .fetch_add(toks.len() as u64, Ordering::Relaxed);
+            for (a, _) in picked {
+                a.g.as_mut().expect("picked").fed();
+            }
+        }
     }
 
     /// One token of `a`; `true` when the completion has ended (every choice).

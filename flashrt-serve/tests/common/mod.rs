@@ -220,9 +220,13 @@ fn request(
     }
     head.push_str("\r\n");
     s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
+    // A server refusing the request (413 for an oversized body, say) may answer and close
+    // before it has read the whole body: the write then fails, and the answer is still there.
+    let wrote = s.write_all(body);
     let mut buf = Vec::new();
-    s.read_to_end(&mut buf).expect("read response");
+    if let Err(e) = s.read_to_end(&mut buf) {
+        panic!("read response: {e} (writing the body: {wrote:?})");
+    }
     parse_response(&buf)
 }
 
