@@ -3,7 +3,8 @@
 // Two launches, in stream order:
 //
 // 1. `kv_write`: rows r < io.len of the new keys/values go to positions io.pos + r of the
-//    caches `[max_seq, kv_heads, head_dim]`. grid = (column tiles, rows). Traffic: 2 rows of
+//    caches `[max_seq, kv_heads, head_dim]` (in a batched step: row r's own position, in row
+//    r's own caches; common.cuh). grid = (column tiles, rows). Traffic: 2 rows of
 //    kv_heads * head_dim elements read and written per token.
 //
 // 2. `attention_d<D>`: grid = (query heads, rows, splits); KV head h / (q_heads / kv_heads).
@@ -43,17 +44,19 @@ struct KvWriteParams {
     int ld_v;
     int width; // kv_heads * head_dim
     int max_seq;
+    const int* rows_pos;               // batched step (common.cuh): each row's position, else null
+    const unsigned long long* slots;   // batched step: each row's state arena, else null
 };
 
 template <typename T> static __device__ __forceinline__ void kv_write_impl(const KvWriteParams& p) {
     const int row = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= flashrt::load_len(p.len) || c >= p.width) return;
-    const int t = flashrt::load_pos(p.pos) + row;
+    const int t = flashrt::row_pos(p.pos, p.rows_pos, row);
     if (t < 0 || t >= p.max_seq) return; // the host rejects such steps; never write out of bounds
     const size_t dst = (size_t)t * p.width + c;
-    static_cast<T*>(p.cache_k)[dst] = static_cast<const T*>(p.k)[(size_t)row * p.ld_k + c];
-    static_cast<T*>(p.cache_v)[dst] = static_cast<const T*>(p.v)[(size_t)row * p.ld_v + c];
+    flashrt::in_slot(static_cast<T*>(p.cache_k), p.slots, row)[dst] = static_cast<const T*>(p.k)[(size_t)row * p.ld_k + c];
+    flashrt::in_slot(static_cast<T*>(p.cache_v), p.slots, row)[dst] = static_cast<const T*>(p.v)[(size_t)row * p.ld_v + c];
 }
 
 FLASHRT_ENTRY(kv_write, KvWriteParams, 256)

@@ -83,6 +83,11 @@ struct AttentionDecodeParams {
     AttentionParams a; // a.splits = S (gridDim.y), a.partial = the partial buffer
     int rows;          // row capacity of the partial layout (bucket rows; 5 for shared phases)
     int qtiles;        // 8-query column tiles per block, ceil(G * rows / 8) <= 8; fixed per program
+    // A batched step (common.cuh; grid z = the step's row capacity): block z serves row z alone,
+    // at its own position, on its own session's caches (a.cache_k / a.cache_v are offsets into the
+    // state arena): exactly what a one-row step of that session computes. Null otherwise.
+    const int* rows_pos;
+    const unsigned long long* slots;
 };
 
 namespace flashrt_dec {
@@ -407,10 +412,25 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
     constexpr int KS = D / 16;
     extern __shared__ __align__(128) unsigned char dec_smem[];
 
-    const AttentionParams& p = dp.a;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int len = min(min(flashrt::load_len(p.len), dp.rows), MAX_ROWS);
-    if (len <= 0) return;
+    // Row `row0` is this block's first query row: 0, or in a batched step (one row per block,
+    // blockIdx.z) the block's row, whose query, output, caches and position are its session's.
+    AttentionParams p = dp.a;
+    int len, row0 = 0, pos0;
+    if (dp.slots) {
+        row0 = blockIdx.z;
+        if (row0 >= flashrt::load_len(p.len)) return;
+        len = 1;
+        pos0 = __ldg(dp.rows_pos + row0);
+        p.q = static_cast<const T*>(p.q) + (size_t)row0 * p.ld_q;
+        p.out = static_cast<T*>(p.out) + (size_t)row0 * p.ld_out;
+        p.cache_k = flashrt::in_slot(p.cache_k, dp.slots, row0);
+        p.cache_v = flashrt::in_slot(p.cache_v, dp.slots, row0);
+    } else {
+        len = min(min(flashrt::load_len(p.len), dp.rows), MAX_ROWS);
+        if (len <= 0) return;
+        pos0 = flashrt::load_pos(p.pos);
+    }
 
     Block b;
     b.kvh = blockIdx.x;
@@ -418,14 +438,14 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
     b.G = p.q_heads / p.kv_heads;
     b.hd = p.head_dim;
     b.S = p.splits;
-    b.pos = flashrt::load_pos(p.pos);
+    b.pos = pos0;
     b.nq = b.G * len;
     b.ntl = (b.nq + 7) / 8;
     const int S = b.S, hd = b.hd, G = b.G;
 
     float2* ml = reinterpret_cast<float2*>(p.partial);
     float* po = p.partial + o_region(dp);
-    auto slot = [&](int i) { return ((size_t)(i / G) * p.q_heads + b.kvh * G + i % G) * S + b.split; };
+    auto slot = [&](int i) { return ((size_t)(row0 + i / G) * p.q_heads + b.kvh * G + i % G) * S + b.split; };
 
     // Union [ulo, uhi) of the rows' pieces.
     b.ulo = 0x7fffffff;

@@ -126,6 +126,22 @@ static __device__ __forceinline__ float block_sum(float v, float* scratch) {
 static __device__ __forceinline__ int load_len(const int* len) { return __ldg(len); }
 static __device__ __forceinline__ int load_pos(const int* pos) { return __ldg(pos); }
 
+// ---- batched decode steps ------------------------------------------------------------------
+//
+// A batched decode step (`decode[b]`, flashrt_runtime's `Model::step_batch`) runs one plan over
+// b rows that belong to b sessions, each at its own position and with its own state arena. The
+// host writes, next to the step's tokens, two small device tables: `rows_pos[r]`, row r's
+// absolute position, and `slots[r]`, the base address of row r's session state arena. Kernels
+// that touch positions or state take both (null in a one-session step); a state address in their
+// parameters is then an offset into the arena, and row r's is `slots[r] + offset`. A row of a
+// batched step is computed exactly as the same row of a one-row step of its session.
+static __device__ __forceinline__ int row_pos(const int* pos, const int* rows_pos, int row) {
+    return rows_pos ? __ldg(rows_pos + row) : __ldg(pos) + row;
+}
+template <typename P> static __device__ __forceinline__ P* in_slot(P* state, const unsigned long long* slots, int row) {
+    return slots ? reinterpret_cast<P*>(reinterpret_cast<uintptr_t>(state) + (uintptr_t)__ldg(slots + row)) : state;
+}
+
 // ---- programmatic dependent launch (PDL) --------------------------------------------------
 //
 // The host may launch a kernel with programmatic stream serialisation (ops.rs, for the kernels

@@ -174,13 +174,18 @@ struct RowStateParams {
     const int* len;
     int ld;         // row stride of the view
     int width;
+    const unsigned long long* slots; // store, batched step (common.cuh): every row r < len goes
+                                     // to its own session's state (grid (1, rows)); else null
 };
 
 template <typename T> static __device__ __forceinline__ void store_last_row_impl(const RowStateParams& p) {
     const int len = flashrt::load_len(p.len);
     if (len < 1) return;
-    const T* src = static_cast<const T*>(p.x) + (size_t)(len - 1) * p.ld;
-    T* dst = static_cast<T*>(p.state);
+    // A batched step's rows are sessions of one row each: row blockIdx.y is its session's last.
+    const int row = p.slots ? (int)blockIdx.y : len - 1;
+    if (row >= len) return;
+    const T* src = static_cast<const T*>(p.x) + (size_t)row * p.ld;
+    T* dst = flashrt::in_slot(static_cast<T*>(p.state), p.slots, row);
     for (int c = threadIdx.x; c < p.width; c += blockDim.x) dst[c] = src[c];
 }
 

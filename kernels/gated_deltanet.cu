@@ -279,6 +279,10 @@ struct GdnDecodeParams {
     int shared_weight;
     int gate_then_norm;
     float eps;
+    // A batched step (common.cuh; grid y = the step's row capacity): block row y runs row y alone
+    // on its own session's state (g.state and conv_state are offsets into the state arena), as a
+    // one-row step of that session does. Null otherwise.
+    const unsigned long long* slots;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -311,6 +315,8 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
     __shared__ float red[GDND_THREADS / 32];
     const GdnParams& p = q.g;
     const int h = blockIdx.x, kh = h / R;
+    // This block's first row: 0, or its row of a batched step (the cluster shares blockIdx.y).
+    const int row0 = q.slots ? (int)blockIdx.y : 0;
     const unsigned rank = gdnd_rank(); // == h % R
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int dk = p.key_dim, dv = p.value_dim;
@@ -330,7 +336,7 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
 
     // ---- before the wait: weights and the recurrent state (nothing earlier writes them)
     float S[RPT];
-    float* st = p.state + (size_t)h * dk * dv;
+    float* st = flashrt::in_slot(p.state, q.slots, row0) + (size_t)h * dk * dv;
 #pragma unroll
     for (int m = 0; m < RPT; ++m) {
         const int i = slice + GDN_SLICES * m;
@@ -348,9 +354,12 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
 
     flashrt::pdl_wait();
     flashrt::pdl_trigger();
-    const int len = min(flashrt::load_len(p.len), GDND_ROWS);
-    const T* x = static_cast<const T*>(p.qkv);
-    T* cst = static_cast<T*>(q.conv_state);
+    const int live = flashrt::load_len(p.len);
+    if (q.slots && row0 >= live) return; // a batched step's padding row (the whole cluster)
+    const int len = q.slots ? 1 : min(live, GDND_ROWS);
+    // Activation rows from row0 on (r below counts from there).
+    const T* x = static_cast<const T*>(p.qkv) + (size_t)row0 * p.ld_qkv;
+    T* cst = flashrt::in_slot(static_cast<T*>(q.conv_state), q.slots, row0);
 
     // ---- the causal conv of this thread's channel over the rows, its state rolled
     if (conv_ok) {
@@ -361,7 +370,7 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
             const int s = K1 + m - 4; // state row of time m - 4 (none before the oldest)
             win[m] = s >= 0 ? flashrt::to_f32(cst[(size_t)s * C + ch]) : 0.0f;
         }
-        T* co = static_cast<T*>(q.conv_out);
+        T* co = static_cast<T*>(q.conv_out) + (size_t)row0 * q.ld_conv_out;
 #pragma unroll 1
         for (int r = 0; r < len; ++r) {
 #pragma unroll
@@ -390,10 +399,11 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
     }
     // The norm's gate and the recurrence's a, b for every row.
     for (int i = t; i < len * dv; i += blockDim.x)
-        zs[i / dv][i % dv] = flashrt::to_f32(static_cast<const T*>(q.z)[(size_t)(i / dv) * q.ld_z + (size_t)h * dv + i % dv]);
+        zs[i / dv][i % dv] =
+            flashrt::to_f32(static_cast<const T*>(q.z)[(size_t)(row0 + i / dv) * q.ld_z + (size_t)h * dv + i % dv]);
     if (t < len) {
-        sab[t][0] = flashrt::to_f32(static_cast<const T*>(p.a)[(size_t)t * p.ld_a + h]);
-        sab[t][1] = flashrt::to_f32(static_cast<const T*>(p.b)[(size_t)t * p.ld_b + h]);
+        sab[t][0] = flashrt::to_f32(static_cast<const T*>(p.a)[(size_t)(row0 + t) * p.ld_a + h]);
+        sab[t][1] = flashrt::to_f32(static_cast<const T*>(p.b)[(size_t)(row0 + t) * p.ld_b + h]);
     }
     // The other blocks' q, k shares through distributed shared memory; the second barrier
     // keeps every block's shared memory alive until the others have read it.
@@ -407,8 +417,8 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
         gdnd_cluster_sync();
     }
 
-    T* mix = static_cast<T*>(p.out);
-    T* gated = static_cast<T*>(q.gated);
+    T* mix = static_cast<T*>(p.out) + (size_t)row0 * p.ld_out;
+    T* gated = static_cast<T*>(q.gated) + (size_t)row0 * q.ld_gated;
     for (int r = 0; r < len; ++r) {
         const float* sq = cqk[r];
         const float* sk = cqk[r] + dk;

@@ -1,6 +1,6 @@
 // flashrt kernels: rotary position embedding (plan op `Rope`), in place.
 //
-// For row r (absolute position p = io.pos + r) and each of `heads` heads of `head_dim`, the
+// For row r (absolute position p = io.pos + r, or row r's own in a batched step) and each of `heads` heads of `head_dim`, the
 // first `rotary_dims` dims rotate in rotate-half pairs (i, i + rotary_dims/2) by the angle
 // p * theta^(-2i / rotary_dims); the remaining dims pass through untouched. Frequencies and
 // angles are computed in f32 exactly as transformers (and the CPU reference) do:
@@ -27,6 +27,7 @@ struct RopeParams {
     int ld_x;
     int head_dim;
     int rotary_dims;
+    const int* rows_pos; // batched step: each row's own position (common.cuh), else null
 };
 
 template <typename T> static __device__ __forceinline__ void rope_impl(const RopeParams& p) {
@@ -35,7 +36,7 @@ template <typename T> static __device__ __forceinline__ void rope_impl(const Rop
     if (row >= flashrt::load_len(p.len)) return;
     const int half = p.rotary_dims / 2;
     if (half == 0) return;
-    const float position = (float)(flashrt::load_pos(p.pos) + row);
+    const float position = (float)flashrt::row_pos(p.pos, p.rows_pos, row);
     const float theta = (float)p.theta;
     auto cos_sin = [&](int i) {
         const float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)p.rotary_dims);

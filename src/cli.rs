@@ -152,6 +152,10 @@ pub struct BenchArgs {
     /// device memory each costs next to its state arena (CUDA)
     #[arg(long, value_name = "N")]
     pub sessions: Option<usize>,
+    /// Then the decode step of B sessions stepped together (one batched step), for each B, at
+    /// each `--lengths` context, next to its floor and the one-session step
+    #[arg(long, value_delimiter = ',', value_name = "B")]
+    pub batch: Vec<usize>,
 }
 
 /// Logs to standard error; `RUST_LOG` filters (default `info`).
@@ -390,6 +394,23 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
     for p in &report.profiles {
         print!("\n{}", crate::bench::render_profile(p));
     }
+    let batched = if a.batch.is_empty() {
+        None
+    } else {
+        if let Some(b) = a.batch.iter().find(|&&b| b == 0) {
+            return Err(format!("--batch {b}: a batch has at least one session"));
+        }
+        let r = crate::bench_batch::run(
+            &loaded.model,
+            &a.batch,
+            &a.lengths,
+            a.decode_steps.max(4),
+            report.decode_weight_bytes,
+            report.copy_bandwidth_gb_s,
+        )?;
+        print!("\n{}", crate::bench_batch::render(&r));
+        Some(r)
+    };
     let served = if a.serve {
         let sopts = crate::bench_serve::ServeBenchOptions {
             prefixes: a.lengths.clone(),
@@ -418,6 +439,9 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
         let mut value = serde_json::to_value(&report).map_err(|e| e.to_string())?;
         if let Some(r) = &served {
             value["serve"] = serde_json::to_value(r).map_err(|e| e.to_string())?;
+        }
+        if let Some(r) = &batched {
+            value["batch"] = serde_json::to_value(r).map_err(|e| e.to_string())?;
         }
         if let Some(r) = &sessions {
             value["sessions"] = serde_json::to_value(r).map_err(|e| e.to_string())?;

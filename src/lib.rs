@@ -16,6 +16,7 @@
 extern crate self as flashrt;
 
 pub mod bench;
+pub mod bench_batch;
 pub mod bench_serve;
 pub mod bench_sessions;
 pub mod chat;

@@ -420,6 +420,77 @@ impl Model {
         s.restore(capsule)?;
         Ok(s)
     }
+
+    /// Feed one token to each of several sessions of this model in batched decode steps:
+    /// session `r` takes `tokens[r]` at its own position. Afterwards every session is exactly
+    /// as after its own `append(&[tokens[r]])` — same state bytes, same logits bits, same
+    /// counters — so capsules move freely between batched and one-by-one stepping.
+    ///
+    /// On the CUDA backend up to 8 sessions run as one graph replay that reads the weights once
+    /// for all of them (`decode[b]`, b in 2, 4, 8; larger sets go in groups of 8); the CPU
+    /// reference, and models whose decode plan has no batched kernels
+    /// ([`Model::batch_unsupported`]), step the sessions one after the other. A robot or agent
+    /// loop calls this once per tick for all its streams; the server's scheduler does too.
+    ///
+    /// Checks every session before anything runs (an error then changes nothing); a device
+    /// error half-way leaves every session of the failed group needing a reset or restore.
+    pub fn step_batch(&self, sessions: &mut [&mut Session], tokens: &[u32]) -> Result<()> {
+        if tokens.len() != sessions.len() {
+            return Err(Error::Input(format!(
+                "step_batch: {} sessions but {} tokens",
+                sessions.len(),
+                tokens.len()
+            )));
+        }
+        for (r, (s, &t)) in sessions.iter().zip(tokens).enumerate() {
+            if !Arc::ptr_eq(&s.model.inner, &self.inner) {
+                return Err(Error::Input(format!(
+                    "step_batch: session {r} belongs to another model (`{}`)",
+                    s.model.name()
+                )));
+            }
+            s.validate(&[t])
+                .map_err(|e| Error::Input(format!("step_batch: session {r}: {e}")))?;
+        }
+        const GROUP: usize = 8;
+        for (group, toks) in sessions.chunks_mut(GROUP).zip(tokens.chunks(GROUP)) {
+            let positions: Vec<usize> = group.iter().map(|s| s.pos).collect();
+            let rows = {
+                let mut devs: Vec<&mut dyn DeviceSession> = Vec::with_capacity(group.len());
+                for s in group.iter_mut() {
+                    devs.push(s.dev.as_mut());
+                }
+                self.inner.device.step_batch(&mut devs, toks, &positions)
+            };
+            let rows = match rows {
+                Ok(rows) => rows,
+                Err(e) => {
+                    for s in group.iter_mut() {
+                        s.poisoned = true;
+                        s.logits.clear();
+                        s.logits_rows = 0;
+                    }
+                    return Err(e);
+                }
+            };
+            for ((s, &t), (row, at)) in group.iter_mut().zip(toks).zip(rows) {
+                s.logits = KeptLogits::Device(row, at, s.dev.steps_run());
+                s.logits_rows = 1;
+                s.pos += 1;
+                s.tokens.push(t);
+                s.counters.steps += 1;
+                s.counters.decode_tokens += 1;
+                s.pending = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// Why [`Model::step_batch`] steps this model's sessions one by one (`None`: it batches
+    /// them on the device).
+    pub fn batch_unsupported(&self) -> Option<String> {
+        self.inner.device.batch_unsupported()
+    }
 }
 
 /// The logits rows a session keeps: its own (from the device), or a capsule's last row

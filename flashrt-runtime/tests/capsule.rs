@@ -485,3 +485,84 @@ fn random_weight_models_are_deterministic() {
     assert_ne!(la, lc);
     assert!(la.iter().all(|x| x.is_finite()));
 }
+
+/// `Model::step_batch` leaves every session exactly as its own one-token append does (state,
+/// logits, position, history, counters), whatever the mix of positions and whichever sessions
+/// step together; bad input is refused before anything runs.
+#[test]
+fn step_batch_equals_each_session_appending() {
+    for (name, m) in models() {
+        let v = m.vocab();
+        let mut batch: Vec<Session> = Vec::new();
+        let mut alone: Vec<Session> = Vec::new();
+        for i in 0..5u64 {
+            let mut s = m.session().unwrap();
+            s.append(&tokens(40 + i, 2 + 7 * i as usize, v)).unwrap();
+            alone.push(m.fork(&s.snapshot().unwrap()).unwrap());
+            batch.push(s);
+        }
+        for (k, who) in [&[0usize, 1, 2, 3, 4][..], &[3, 1], &[4, 0, 2]]
+            .into_iter()
+            .enumerate()
+        {
+            let toks: Vec<u32> = who
+                .iter()
+                .map(|&i| flashrt_runtime::argmax(batch[i].last_logits()).unwrap())
+                .collect();
+            let mut slots: Vec<Option<&mut Session>> = batch.iter_mut().map(Some).collect();
+            let mut refs: Vec<&mut Session> =
+                who.iter().map(|&i| slots[i].take().unwrap()).collect();
+            m.step_batch(&mut refs, &toks).unwrap();
+            drop(refs);
+            for (&i, &t) in who.iter().zip(&toks) {
+                alone[i].append(&[t]).unwrap();
+                assert_eq!(
+                    batch[i].last_logits(),
+                    alone[i].last_logits(),
+                    "{name}: round {k}, session {i}"
+                );
+            }
+        }
+        for (i, (b, a)) in batch.iter().zip(&alone).enumerate() {
+            assert_eq!(state_of(b), state_of(a), "{name}: session {i} state");
+            assert_eq!(b.pos(), a.pos());
+            assert_eq!(b.tokens(), a.tokens());
+            assert_eq!(b.counters(), a.counters());
+        }
+
+        // Refused before anything runs: nothing moves.
+        let before: Vec<usize> = batch.iter().map(|s| s.pos()).collect();
+        let [s0, s1, ..] = &mut batch[..] else {
+            unreachable!()
+        };
+        let bad = v as u32;
+        for (toks, want) in [
+            (vec![1u32], "2 sessions but 1 tokens"),
+            (vec![1, bad], "out of range"),
+        ] {
+            let e = m.step_batch(&mut [&mut *s0, &mut *s1], &toks).unwrap_err();
+            assert!(
+                matches!(&e, Error::Input(msg) if msg.contains(want)),
+                "{name}: {e}"
+            );
+        }
+        let other = load(
+            FIXTURES[(FIXTURES.iter().position(|&n| n == name).unwrap() + 1) % FIXTURES.len()],
+            &BUCKETS,
+        );
+        let mut foreign = other.session().unwrap();
+        foreign.append(&[1]).unwrap();
+        let e = m
+            .step_batch(&mut [&mut *s0, &mut foreign], &[1, 1])
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::Input(msg) if msg.contains("another model")),
+            "{name}: {e}"
+        );
+        assert_eq!(
+            batch.iter().map(|s| s.pos()).collect::<Vec<_>>(),
+            before,
+            "{name}: a refused batch moved a session"
+        );
+    }
+}

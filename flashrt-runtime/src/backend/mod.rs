@@ -539,10 +539,43 @@ pub trait DeviceModel: Send + Sync {
     fn pads_rows(&self) -> bool {
         true
     }
+    /// One decode step of several sessions of this model at once: session `r` feeds
+    /// `tokens[r]` at its position `positions[r]`. Returns, per session, its logits row (a host
+    /// copy) and the row of the device's logits buffer that holds it until the next step of any
+    /// session ([`DeviceSession::sample_row`]). Every row equals, bit for bit, the session's own
+    /// decode step. The default (the CPU reference: it has no weights to share between rows)
+    /// steps the sessions one after the other; the CUDA backend runs one batched graph
+    /// (`backend/cuda/batch.rs`). On error the sessions' states are undefined.
+    fn step_batch(
+        &self,
+        sessions: &mut [&mut dyn DeviceSession],
+        tokens: &[u32],
+        positions: &[usize],
+    ) -> Result<Vec<(Vec<f32>, usize)>> {
+        if tokens.len() != sessions.len() || positions.len() != sessions.len() {
+            return Err(crate::error::Error::Input(format!(
+                "a batched step of {} sessions needs as many tokens and positions, got {} and {}",
+                sessions.len(),
+                tokens.len(),
+                positions.len()
+            )));
+        }
+        sessions
+            .iter_mut()
+            .zip(tokens.iter().zip(positions))
+            .map(|(s, (&t, &p))| Ok((s.step_read(Phase::Decode, &[t], p, StepLogits::Last)?, 0)))
+            .collect()
+    }
+    /// Why [`DeviceModel::step_batch`] runs sessions one by one on this model, if it does.
+    fn batch_unsupported(&self) -> Option<String> {
+        Some("this backend has no batched kernels".into())
+    }
 }
 
 /// One session's arenas on the device.
 pub trait DeviceSession: Send {
+    /// The concrete session (a backend's batched step finds its own sessions' arenas).
+    fn as_any_mut(&mut self) -> &mut dyn Any;
     /// Run the plan of `phase` over `tokens` (`1 <= len <= phase.rows()`) starting at absolute
     /// position `pos`. Leaves the state at `pos + len` and the logits of every row in `io.logits`.
     fn step(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<()>;

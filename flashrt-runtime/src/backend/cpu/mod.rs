@@ -1007,6 +1007,10 @@ impl CpuSession {
 }
 
 impl DeviceSession for CpuSession {
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+
     fn step(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<()> {
         let m = self.model.clone();
         let plan = m

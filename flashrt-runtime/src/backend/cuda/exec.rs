@@ -44,8 +44,12 @@ pub(super) struct Exec {
 
 /// What the lock guards besides the stream itself.
 pub(super) struct ExecState {
-    /// The session whose step wrote the I/O arena last (0: none yet).
+    /// The session whose step wrote the I/O arena last (0: none yet, or a batched step).
     pub owner: u64,
+    /// After a batched step: the session of each logits row.
+    pub rows_owners: Vec<u64>,
+    /// The model's batched decode steps (built on first use).
+    pub batch: Option<super::batch::BatchExec>,
     /// Two pinned buffers (and their completion events) for reading many logits rows.
     pub bounce: ([PinnedHostSlice<f32>; 2], [CudaEvent; 2]),
 }
@@ -102,7 +106,12 @@ impl Exec {
             _fp8: fp8_bufs,
             fp8,
             sample_ws,
-            lock: Mutex::new(ExecState { owner: 0, bounce }),
+            lock: Mutex::new(ExecState {
+                owner: 0,
+                rows_owners: Vec::new(),
+                batch: None,
+                bounce,
+            }),
         })
     }
 
@@ -112,6 +121,18 @@ impl Exec {
             op: "cuda".into(),
             msg: "a thread panicked while it held the model's stream; the model is unusable".into(),
         })
+    }
+}
+
+impl ExecState {
+    /// A one-session step of session `id` wrote the I/O arena.
+    pub fn set_owner(&mut self, id: u64) {
+        self.owner = id;
+        self.rows_owners.clear();
+    }
+    /// Whether logits row `row` is session `id`'s (its last step wrote it).
+    pub fn owns_row(&self, id: u64, row: usize) -> bool {
+        self.owner == id || (self.owner == 0 && self.rows_owners.get(row) == Some(&id))
     }
 }
 

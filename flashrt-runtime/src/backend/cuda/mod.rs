@@ -69,6 +69,7 @@
 //! with decode steps is bit-identical to the original session continuing the same way (same
 //! graphs, same inputs), but "restore + append == cold prefill" holds to tolerance only.
 
+mod batch;
 mod exec;
 pub mod gemm;
 pub mod kernels;
@@ -889,6 +890,19 @@ impl DeviceModel for CudaModel {
         layout.arena_bytes(Role::State) + 4 * (2 + layout.max_rows)
     }
 
+    fn step_batch(
+        &self,
+        sessions: &mut [&mut dyn DeviceSession],
+        tokens: &[u32],
+        positions: &[usize],
+    ) -> Result<Vec<(Vec<f32>, usize)>> {
+        self.step_batch_cuda(sessions, tokens, positions)
+    }
+
+    fn batch_unsupported(&self) -> Option<String> {
+        CudaModel::batch_unsupported(self).unwrap_or_else(|e| Some(e.to_string()))
+    }
+
     fn shared_bytes(&self) -> usize {
         let layout = &self.inner.compiled.layout;
         let (a, b, c) = ops::fp8_scratch_needs(
@@ -906,7 +920,44 @@ impl DeviceModel for CudaModel {
     }
 }
 
-/// A captured graph, owned by exactly one session.
+/// The program builder of a session whose state arena is at `state` (0 for a batched step,
+/// whose state addresses are offsets) and whose staging record is at `staging`.
+fn builder<'a>(
+    model: &'a ModelInner,
+    exec: &Exec,
+    state: u64,
+    staging: u64,
+    batch: Option<ops::BatchTables>,
+) -> Builder<'a> {
+    Builder {
+        compiled: &model.compiled,
+        kernels: &model.kernels,
+        blas: &model.blas,
+        arenas: Arenas {
+            weight: model.weight_base,
+            state,
+            scratch: exec.scratch_base,
+            io: exec.io_base,
+        },
+        staging,
+        workspace: dptr(&exec.workspace),
+        sms: model.sms,
+        pdl: model.options.pdl,
+        gemv: model.options.gemv,
+        attn_decode: model.options.attn_decode,
+        wgmma: model.wgmma,
+        moe_wgmma: model.moe_wgmma,
+        gdn_fused: model.gdn_fused,
+        fp8_gemm: model.fp8_gemm,
+        gemv_mma: model.gemv_mma,
+        gemv_tiles: model.options.gemv_tiles,
+        fp8: exec.fp8,
+        batch,
+    }
+}
+
+/// A captured graph, owned by exactly one session (or by the model's batched steps, under its
+/// lock).
 struct SessionGraph(CudaGraph);
 
 // SAFETY: CUDA graphs need external serialisation, not thread affinity. A `SessionGraph` lives
@@ -1047,31 +1098,8 @@ impl CudaSession {
         let (restore_start, restore_done) = (timing()?, timing()?);
         copy.synchronize().map_err(drv("allocate session state"))?;
 
-        let arenas = Arenas {
-            weight: model.weight_base,
-            state: dptr(&state),
-            scratch: exec.scratch_base,
-            io: exec.io_base,
-        };
-        let builder = Builder {
-            compiled: &model.compiled,
-            kernels: &model.kernels,
-            blas: &model.blas,
-            arenas,
-            staging: dptr(&staging_dev),
-            workspace: dptr(&exec.workspace),
-            sms: model.sms,
-            pdl: model.options.pdl,
-            gemv: model.options.gemv,
-            attn_decode: model.options.attn_decode,
-            wgmma: model.wgmma,
-            moe_wgmma: model.moe_wgmma,
-            gdn_fused: model.gdn_fused,
-            fp8_gemm: model.fp8_gemm,
-            gemv_mma: model.gemv_mma,
-            gemv_tiles: model.options.gemv_tiles,
-            fp8: exec.fp8,
-        };
+        let builder = builder(&model, &exec, dptr(&state), dptr(&staging_dev), None);
+        let arenas = builder.arenas;
         let mut programs = Vec::new();
         for plan in &model.compiled.plans {
             let variants: &[StepLogits] = match plan.phase {
@@ -1317,6 +1345,10 @@ impl CudaSession {
 }
 
 impl DeviceSession for CudaSession {
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+
     fn step(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<()> {
         self.step_logits(phase, tokens, pos, StepLogits::All)
     }
@@ -1333,7 +1365,7 @@ impl DeviceSession for CudaSession {
         let idx = self.stage(phase, tokens, pos, logits)?;
         self.steps += 1;
         self.launch(idx)?;
-        g.owner = self.id;
+        g.set_owner(self.id);
         Ok(())
     }
 
@@ -1346,7 +1378,7 @@ impl DeviceSession for CudaSession {
             return Err(Error::Unsupported("device sampler off".into()));
         }
         let g = self.exec.lock()?;
-        if g.owner != self.id {
+        if !g.owns_row(self.id, row) {
             return Err(exec::not_owner());
         }
         let max_rows = self.layout().max_rows;
@@ -1388,7 +1420,7 @@ impl DeviceSession for CudaSession {
         let idx = self.stage(phase, tokens, pos, want)?;
         self.steps += 1;
         self.launch(idx)?;
-        g.owner = self.id;
+        g.set_owner(self.id);
         match want {
             StepLogits::All => self.read_logits(&mut g, tokens.len()),
             StepLogits::Last => self.read_logits_row(tokens.len() - 1),
@@ -1407,7 +1439,7 @@ impl DeviceSession for CudaSession {
         let mut g = exec.lock()?;
         let idx = self.stage(phase, tokens, pos, logits)?;
         self.steps += 1;
-        g.owner = self.id;
+        g.set_owner(self.id);
         let ws = dptr(&self.exec.workspace);
         let program = &self.programs[idx].1;
         let label = format!("{} profile", phase.label());
@@ -1458,7 +1490,7 @@ impl DeviceSession for CudaSession {
 
     fn logits_row(&self, row: usize) -> Result<Vec<f32>> {
         let g = self.exec.lock()?;
-        if g.owner != self.id {
+        if !g.owns_row(self.id, row) {
             return Err(exec::not_owner());
         }
         self.read_logits_row(row)

@@ -17,6 +17,8 @@ pub(super) struct KvWriteParams {
     pub(super) ld_v: i32,
     pub(super) width: i32,
     pub(super) max_seq: i32,
+    pub(super) rows_pos: u64,
+    pub(super) slots: u64,
 }
 
 #[repr(C)]
@@ -123,6 +125,9 @@ pub(super) struct AttentionDecodeParams {
     pub(super) rows: i32,
     /// 8-query column tiles per block, ceil(group * rows / 8) <= 8.
     pub(super) qtiles: i32,
+    /// A batched step's tables (kernels/common.cuh), else 0.
+    pub(super) rows_pos: u64,
+    pub(super) slots: u64,
 }
 
 impl Builder<'_> {
@@ -215,6 +220,11 @@ impl Builder<'_> {
     /// the same S, the same query tiling (sized for s rows) and the same partial layout, and
     /// the kernel computes a row from its own query and context length only: a verify row
     /// is bit-identical to the decode step at its position.
+    ///
+    /// A batched step ([`Builder::batch`]) takes a one-row step's S and query tiling (so each
+    /// row is bit-identical to its session's decode step) with one block row per session (grid
+    /// z = rows, each block on its own session's caches and position) and a partial layout of
+    /// `rows` rows; `None` where those partials do not fit the workspace.
     pub(super) fn attention_decode(
         &self,
         label: &str,
@@ -230,7 +240,9 @@ impl Builder<'_> {
         const COMBINE_THREADS: u32 = 128; // attention_decode.cu COMBINE_THREADS
         const COMBINE_DIMS: usize = 64; // attention_decode.cu 4 * COMBINE_COLS
         let t = self.target();
-        let shape_rows = shared.unwrap_or(rows);
+        let batched = self.batch.is_some();
+        // The rows a block serves and the layout sizes are a one-row step's in a batched step.
+        let shape_rows = shared.unwrap_or(if batched { 1 } else { rows });
         let (q_heads, kv_heads, head_dim) =
             (p.q_heads as usize, p.kv_heads as usize, p.head_dim as usize);
         let group = q_heads / kv_heads;
@@ -241,7 +253,8 @@ impl Builder<'_> {
             _ => return Ok(None),
         };
         if shape_rows > MAX_ROWS
-            || rows > shape_rows
+            || rows > MAX_ROWS
+            || (rows > shape_rows && !batched)
             || group * shape_rows > MAX_QUERIES
             || !matches!(t, DType::Bf16 | DType::F16 | DType::F32)
             || !(head_dim * t.size()).is_multiple_of(16)
@@ -255,7 +268,14 @@ impl Builder<'_> {
             .clamp(1, MAX_SPLITS)
             .min((p.max_seq as usize).div_ceil(16))
             .min((gemm::WORKSPACE_BYTES - 16) / slot_bytes);
-        if splits == 0 {
+        let layout_rows = if batched {
+            rows.max(shape_rows)
+        } else {
+            shape_rows
+        };
+        if splits == 0
+            || layout_rows * q_heads * splits * (head_dim + 2) * 4 + 16 > gemm::WORKSPACE_BYTES
+        {
             return Ok(None);
         }
         let dp = AttentionDecodeParams {
@@ -263,8 +283,10 @@ impl Builder<'_> {
                 splits: splits as i32,
                 ..*p
             },
-            rows: shape_rows as i32,
+            rows: layout_rows as i32,
             qtiles: (group * shape_rows).div_ceil(8) as i32,
+            rows_pos: self.rows_pos(),
+            slots: self.slots(),
         };
         // attention_decode.cu `Shape::SMEM`: STAGES tiles of tk keys of K and of V, rows padded
         // by 16 bytes, tk = max(16, 32 KiB / (2 d size)); then 2 STAGES mbarriers.
@@ -274,7 +296,11 @@ impl Builder<'_> {
         let Ok(main) = self.kernel_smem(
             &format!("{label} decode ({splits} splits)"),
             self.kernels.typed(&format!("attention_decode_d{d}"), t)?,
-            (kv_heads as u32, splits as u32, 1),
+            (
+                kv_heads as u32,
+                splits as u32,
+                if batched { rows as u32 } else { 1 },
+            ),
             THREADS,
             smem,
             &dp,
@@ -388,6 +414,8 @@ impl Builder<'_> {
             ld_v,
             width: to_i32(kvw, "kv width", label)?,
             max_seq: to_i32(max_seq, "max_seq", label)?,
+            rows_pos: self.rows_pos(),
+            slots: self.slots(),
         };
         cmds.push(self.kernel(
             &format!("{label} kv_write"),
@@ -468,6 +496,10 @@ impl Builder<'_> {
             // Small phases (<= 8 rows, or every phase of a speculative model's shared
             // <= 5 rows): one block per (KV head, split), see `attention_decode`.
             cmds.extend(dec);
+        } else if self.batch.is_some() {
+            return Err(Error::Unsupported(format!(
+                "{label}: no batched decode (the small-phase attention kernel does not apply)"
+            )));
         } else {
             // Flash-decoding split: enough blocks for ~4 waves, pieces of >= 16
             // positions at max_seq, partials within the workspace.

@@ -43,6 +43,7 @@ struct GdnDecodeParams {
     shared_weight: i32,
     gate_then_norm: i32,
     eps: f32,
+    slots: u64,
 }
 
 /// Mirrors of kernels/gated_deltanet.cu's GDND_* bounds: rows, key and value head widths of
@@ -135,11 +136,14 @@ impl Builder<'_> {
             shared_weight: n.shared_weight,
             gate_then_norm: n.gate_then_norm,
             eps: n.eps,
+            slots: self.slots(),
         };
+        // A batched step: one cluster row per session row (grid y).
+        let gy = if self.batch.is_some() { rows as u32 } else { 1 };
         cmds.push(self.kernel(
             &format!("{label} + gated_deltanet + gated_rms_norm"),
             self.kernels.typed(&format!("gdn_decode_r{r}"), t)?,
-            (hv as u32, 1, 1),
+            (hv as u32, gy, 1),
             GDND_THREADS,
             &p,
         ));

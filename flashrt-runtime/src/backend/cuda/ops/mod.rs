@@ -143,6 +143,7 @@ struct RowStateParams {
     len: u64,
     ld: i32,
     width: i32,
+    slots: u64,
 }
 
 const MAX_PARTS: usize = 4;
@@ -170,6 +171,7 @@ struct RopeParams {
     ld_x: i32,
     head_dim: i32,
     rotary_dims: i32,
+    rows_pos: u64,
 }
 
 /// A parameter struct as 8-byte words (the structs hold 8-byte pointers, so their alignment
@@ -392,6 +394,16 @@ pub struct Arenas {
     pub io: u64,
 }
 
+/// A batched decode step's device tables (kernels/common.cuh), inside its staging record: row
+/// `r`'s absolute position (`rows_pos`, i32) and the base address of its session's state arena
+/// (`slots`, u64), for `rows` rows.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchTables {
+    pub rows: usize,
+    pub rows_pos: u64,
+    pub slots: u64,
+}
+
 /// Everything needed to turn a plan into a program.
 pub struct Builder<'a> {
     pub compiled: &'a Compiled,
@@ -430,6 +442,11 @@ pub struct Builder<'a> {
     pub gemv_tiles: bool,
     /// The session's FP8 scratch ([`fp8_scratch_needs`]).
     pub fp8: Fp8Scratch,
+    /// Build the decode plan as a batched step of `rows` sessions (`arenas.state` is then 0, so
+    /// state addresses are offsets into a session's arena): every op computes each row as a
+    /// one-row decode step of its session computes it, or the build fails with
+    /// `Error::Unsupported` (the runtime then steps the sessions one by one).
+    pub batch: Option<BatchTables>,
 }
 
 /// kernels/norm.cu: packs per thread and the vector kernels' block bound; blocks of several
@@ -491,6 +508,24 @@ impl Builder<'_> {
 
     fn target(&self) -> DType {
         self.compiled.layout.target.dtype
+    }
+
+    /// The batch tables' addresses for a kernel's parameters (0: a one-session step).
+    fn rows_pos(&self) -> u64 {
+        self.batch.map_or(0, |b| b.rows_pos)
+    }
+    fn slots(&self) -> u64 {
+        self.batch.map_or(0, |b| b.slots)
+    }
+
+    /// `Error::Unsupported` for an op a batched step cannot take.
+    fn not_batched(&self, label: &str, why: &str) -> Result<()> {
+        if self.batch.is_some() {
+            return Err(Error::Unsupported(format!(
+                "{label}: no batched decode ({why})"
+            )));
+        }
+        Ok(())
     }
 
     /// Check a view against its buffer (2-D, stride = columns, window inside, enough rows for
@@ -620,8 +655,19 @@ impl Builder<'_> {
     /// for the others the LM head (the `Linear` into `io.logits`) is left out
     /// ([`StepLogits::None`]: a prefill chunk before the last) or computed for row `len - 1`
     /// only ([`StepLogits::Last`]) — where the target allows it, else as written.
+    ///
+    /// With [`Builder::batch`] the plan must be the decode plan; it runs over the batch's rows,
+    /// one session each, with every row's logits.
     pub fn program(&self, plan: &Plan, logits: StepLogits) -> Result<Program> {
-        let rows = plan.phase.rows();
+        if self.batch.is_some()
+            && (plan.phase != flashrt_ir::Phase::Decode || logits != StepLogits::All)
+        {
+            return Err(Error::Config(format!(
+                "a batched step runs the decode plan with all logits, not {}",
+                plan.phase.label()
+            )));
+        }
+        let rows = self.batch.map_or(plan.phase.rows(), |b| b.rows);
         let layout = &self.compiled.layout;
         let io = &self.compiled.io;
         let label = format!("{} io_scatter", plan.phase.label());
@@ -654,7 +700,9 @@ impl Builder<'_> {
             .plans
             .iter()
             .any(|p| matches!(p.phase, flashrt_ir::Phase::Verify { .. }));
-        let shared = (has_verify && rows <= spec && layout.max_rows >= spec).then_some(spec);
+        // A batched step's rows are one-row decode steps: they share what a decode step shares.
+        let one_row = if self.batch.is_some() { 1 } else { rows };
+        let shared = (has_verify && one_row <= spec && layout.max_rows >= spec).then_some(spec);
         let mut i = 0;
         while i < plan.ops.len() {
             let op = &plan.ops[i];
@@ -688,6 +736,10 @@ impl Builder<'_> {
             if let Some(used) = self.gemv(&plan.ops[i..], rows, &label, &mut cmds)? {
                 i += used;
                 continue;
+            }
+            if matches!(op, Op::Linear { .. }) {
+                // A GEMM's algorithm depends on its row count: only gemv keeps rows apart.
+                self.not_batched(&label, "a matmul gemv does not take")?;
             }
             self.op(op, rows, shared, &label, &mut cmds)?;
             i += 1;
@@ -1186,6 +1238,7 @@ impl Builder<'_> {
                     ld_x,
                     head_dim: to_i32(*head_dim, "head_dim", label)?,
                     rotary_dims: to_i32(*rotary_dims, "rotary_dims", label)?,
+                    rows_pos: self.rows_pos(),
                 };
                 // kernels/rope.cu: a block rotates `hb` heads (a divisor of `heads`) with one
                 // thread per (head, pair), blockDim = hb * half <= 256, the angles computed
@@ -1211,8 +1264,17 @@ impl Builder<'_> {
                 ));
             }
             op @ Op::Attention { .. } => self.attention(op, rows, shared, label, cmds)?,
-            op @ Op::CausalConv1d { .. } => self.causal_conv1d(op, rows, shared, label, cmds)?,
-            op @ Op::GatedDeltaNet { .. } => self.gated_deltanet(op, rows, shared, label, cmds)?,
+            op @ Op::CausalConv1d { .. } => {
+                self.not_batched(
+                    label,
+                    "a causal conv outside the fused Gated DeltaNet kernel",
+                )?;
+                self.causal_conv1d(op, rows, shared, label, cmds)?
+            }
+            op @ Op::GatedDeltaNet { .. } => {
+                self.not_batched(label, "a Gated DeltaNet outside the fused kernel")?;
+                self.gated_deltanet(op, rows, shared, label, cmds)?
+            }
             op @ Op::GatedRmsNorm { x, group, .. } => {
                 let (p, xd) = self.gated_norm_params(op, rows, label)?;
                 cmds.push(self.norm_cmd(
@@ -1236,11 +1298,14 @@ impl Builder<'_> {
                     len,
                     ld: ld_x,
                     width: to_i32(x.width, "width", label)?,
+                    slots: self.slots(),
                 };
+                // A batched step stores every row into its own session (grid y = rows).
+                let gy = if self.batch.is_some() { r } else { 1 };
                 cmds.push(self.kernel(
                     label,
                     self.kernels.typed("store_last_row", xd)?,
-                    (1, 1, 1),
+                    (1, gy, 1),
                     256,
                     &p,
                 ));
@@ -1256,26 +1321,30 @@ impl Builder<'_> {
                 route,
                 inter,
                 act,
-            } => self.moe(
-                MoeOp {
-                    x,
-                    router: *router,
-                    bias: *bias,
-                    up: *up,
-                    down: *down,
-                    out,
-                    tmp,
-                    route,
-                    inter: *inter,
-                    act: *act,
-                    norm: None,
-                    shared: None,
-                },
-                rows,
-                label,
-                cmds,
-            )?,
+            } => {
+                self.not_batched(label, "an MoE layer outside the small-phase kernel")?;
+                self.moe(
+                    MoeOp {
+                        x,
+                        router: *router,
+                        bias: *bias,
+                        up: *up,
+                        down: *down,
+                        out,
+                        tmp,
+                        route,
+                        inter: *inter,
+                        act: *act,
+                        norm: None,
+                        shared: None,
+                    },
+                    rows,
+                    label,
+                    cmds,
+                )?
+            }
             Op::LoadState { state, out } => {
+                self.not_batched(label, "the MTP drafter's state load")?;
                 let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
                 self.expect_dtype(*state, od, label)?;
                 self.expect_numel(*state, out.width, label)?;
@@ -1286,6 +1355,7 @@ impl Builder<'_> {
                     len,
                     ld: ld_o,
                     width: to_i32(out.width, "width", label)?,
+                    slots: 0,
                 };
                 cmds.push(self.kernel(
                     label,
@@ -1295,7 +1365,10 @@ impl Builder<'_> {
                     &p,
                 ));
             }
-            op @ Op::Mamba2Scan { .. } => self.mamba2_scan(op, rows, shared, label, cmds)?,
+            op @ Op::Mamba2Scan { .. } => {
+                self.not_batched(label, "a Mamba2 scan")?;
+                self.mamba2_scan(op, rows, shared, label, cmds)?
+            }
         }
         Ok(())
     }
