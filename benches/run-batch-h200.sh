@@ -33,7 +33,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   timeout 300 "$ROOT/.gpu/bin/cuda_model" --test-threads=1 --nocapture \
     batched_decode short_suffixes speculative_greedy sessions_share gemv_tiles \
     graphs_replay mtp_phases capsules_on_gpu bf16_tracks_cpu >"$OUT/cuda_model.log" 2>&1 || status=1
-  timeout 200 "$ROOT/.gpu/bin/cuda_ops" --test-threads=1 attention rope gated store_last_row linear gemv \
+  timeout 200 "$ROOT/.gpu/bin/cuda_ops" --test-threads=1 attention linear gemv \
     >"$OUT/cuda_ops.log" 2>&1 || status=1
   timeout 100 "$ROOT/.gpu/bin/cuda_sample" --test-threads=1 >"$OUT/cuda_sample.log" 2>&1 || status=1
   grep -hE '^test |test result|panicked' "$OUT"/cuda_*.log | grep -v ' ok$'
@@ -45,4 +45,13 @@ timeout 420 "$ROOT/.gpu/flashrt" bench "$ROOT/models/qwen36-27b.toml" --random-w
   --serve-suffixes "${SUFFIXES:-1,4,32,256,1024}" --serve-runs 3 --serve-clients 8 \
   --serve-newcomer 16384 --json "$OUT/bench.json" >"$OUT/bench.log" 2>&1 || status=1
 grep -vE ' INFO |^\[' "$OUT/bench.log" | tail -75
+grep -E 'chunk planner' "$OUT/bench.log"
+
+# The same engine with small phases' 16-bit matmuls on the tensor cores (FLASHRT_GEMV16_MMA=1):
+# decode and batched steps.
+FLASHRT_GEMV16_MMA=1 timeout 200 "$ROOT/.gpu/flashrt" bench "$ROOT/models/qwen36-27b.toml" \
+  --random-weights --backend cuda --lengths 2048 --iters 2 --decode-steps 24 --batch 1,2,4,8 \
+  --serve --serve-suffixes 1,4 --serve-runs 2 --serve-clients 8 --json "$OUT/bench-gemv16m.json" >"$OUT/bench-gemv16m.log" 2>&1 || status=1
+echo "== FLASHRT_GEMV16_MMA=1"
+grep -vE ' INFO |^\[' "$OUT/bench-gemv16m.log" | grep -v WARN | tail -24
 exit $status

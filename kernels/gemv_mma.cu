@@ -43,6 +43,17 @@
 // Traffic: n * k bytes of codes plus the scales; R * k input elements per block from L2.
 // Requires k % 128 == 0, 16-byte aligned rows, and with the norm R * (k + 8) 16-bit elements of
 // shared memory (the host checks and otherwise uses `gemv8_*`).
+//
+// 16-bit weights (`gemv16m_*`, the same kernel with W16): bf16/f16 weights are already MMA
+// operands, so the rows x weights products run on the tensor cores (bf16 x bf16 or f16 x f16,
+// f32 accumulation) with no conversion at all: a lane's 32 columns of a tile row are 64 bytes
+// (four 16-byte loads), the inputs are the rows as stored (no power-of-two scaling: they are
+// operands of their own type), and there are no block scales. On the CUDA cores (`gemv_*` in
+// gemv.cu) every weight element costs an f32 conversion and one FMA per input row, so R rows
+// cost R times the instructions and a verify or batched step of 5 to 8 rows is compute-bound
+// (2 to 5 times a decode step on the H200); here one to eight rows cost one step's weight bytes.
+// Each output is the same sum in the same order whatever R is (rows are MMA columns), so decode,
+// verify and batched steps round alike, as the CUDA-core kernel's rows do.
 #include "common.cuh"
 
 #define GEMVM_STEP 128
@@ -51,6 +62,10 @@
 // others' streaming); 4 for more rows, two blocks per SM.
 #define GEMVM_RING_OF(R) ((R) <= 2 ? 2 : 4)
 #define GEMVM_MINB_OF(R, WARPS) ((GEMVM_RING_OF(R) == 2 ? 24 : 16) / (WARPS))
+// 16-bit weights: two 4 KiB steps per warp in flight (64 registers of loads), two 8-warp blocks
+// per SM.
+#define GEMVM16_RING 2
+#define GEMVM16_MINB_OF(WARPS) (16 / (WARPS))
 
 // Two E4M3 codes (first code in the low byte) as an f16x2 (exact).
 static __device__ __forceinline__ uint32_t gemvm_codes(unsigned short c) {
@@ -62,6 +77,14 @@ static __device__ __forceinline__ uint32_t gemvm_codes(unsigned short c) {
 static __device__ __forceinline__ void gemvm_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                  uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ void gemvm_mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                      uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -89,6 +112,9 @@ static __device__ __forceinline__ uint4 gemvm_f16x8(const float (&v)[8], float f
     return o;
 }
 
+template <typename T> struct GemvmIsBf16 { static constexpr bool value = false; };
+template <> struct GemvmIsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+
 // The power of two that brings a row whose largest magnitude is `amax` below 2^15.
 static __device__ __forceinline__ float gemvm_row_scale(float amax) {
     if (!(amax > 0.0f) || isinf(amax)) return 1.0f;
@@ -97,10 +123,14 @@ static __device__ __forceinline__ float gemvm_row_scale(float amax) {
     return ldexpf(1.0f, min(max(15 - e, -120), 120));
 }
 
-// WARPS: warps per block (one tile per block). Waits for the previous launch itself (PDL).
-template <typename T, int R, bool NORM, int WARPS>
+// WARPS: warps per block (one tile per block). W16: weights of type T (`gemv16m_*`), else E4M3
+// codes with block scales. Waits for the previous launch itself (PDL).
+template <typename T, int R, bool NORM, int WARPS, bool W16 = false>
 static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
-    constexpr int GEMVM_RING = GEMVM_RING_OF(R);
+    constexpr int GEMVM_RING = W16 ? GEMVM16_RING : GEMVM_RING_OF(R);
+    constexpr int WB = W16 ? 2 : 1;       // weight bytes per element
+    constexpr int NLD = W16 ? 8 : 4;      // 16-byte weight loads per step (both halves)
+    constexpr bool BF16 = W16 && GemvmIsBf16<T>::value;
     extern __shared__ __align__(16) unsigned char gemvm_smem[];
     __shared__ float red[WARPS][4][32];
     __shared__ float nred[WARPS][2][R];
@@ -132,26 +162,38 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             j = j0 + g + 8 * h;
         }
         if (j >= m.n) j = 0;
-        wr[h] = static_cast<const unsigned char*>(m.w) + (size_t)j * k + 16 * q;
-        sr[h] = m.scale + (size_t)(j / p.qbr) * m.scale_ld;
+        wr[h] = static_cast<const unsigned char*>(m.w) + ((size_t)j * k + 16 * q) * WB;
+        sr[h] = W16 ? nullptr : m.scale + (size_t)(j / p.qbr) * m.scale_ld;
     }
 
     // The weights stream through a ring of GEMVM_RING steps per warp: requested before the
     // prologue, each slot refilled with the step GEMVM_RING later once used.
-    const int steps = k / GEMVM_STEP, qshift = __ffs(p.qbc / GEMVM_STEP) - 1;
+    const int steps = k / GEMVM_STEP, qshift = W16 ? 0 : __ffs(p.qbc / GEMVM_STEP) - 1;
     // Warp w's steps: a contiguous range, so each of its rows is read front to back.
     const int s_begin = warp * steps / WARPS, s_end = (warp + 1) * steps / WARPS;
-    uint4 wv[GEMVM_RING][4];
+    // Loads [0, NLD / 2): half 0 (tile row g), then half 1: the lane's columns 16q .. 16q + 15
+    // and 64 + 16q .. 64 + 16q + 15 of the step, in order.
+    uint4 wv[GEMVM_RING][NLD];
     float sv[GEMVM_RING][2];
     auto fetch = [&](int u, int s) {
         if (s >= s_end) return;
-        const size_t kb = (size_t)s * GEMVM_STEP;
-        wv[u][0] = load_stream(wr[0] + kb);
-        wv[u][1] = load_stream(wr[0] + kb + 64);
-        wv[u][2] = load_stream(wr[1] + kb);
-        wv[u][3] = load_stream(wr[1] + kb + 64);
-        sv[u][0] = __ldg(sr[0] + (s >> qshift));
-        sv[u][1] = __ldg(sr[1] + (s >> qshift));
+        const size_t kb = (size_t)s * GEMVM_STEP * WB;
+        if constexpr (W16) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                wv[u][4 * h + 0] = load_stream(wr[h] + kb);
+                wv[u][4 * h + 1] = load_stream(wr[h] + kb + 16);
+                wv[u][4 * h + 2] = load_stream(wr[h] + kb + 128);
+                wv[u][4 * h + 3] = load_stream(wr[h] + kb + 144);
+            }
+        } else {
+            wv[u][0] = load_stream(wr[0] + kb);
+            wv[u][1] = load_stream(wr[0] + kb + 64);
+            wv[u][2] = load_stream(wr[1] + kb);
+            wv[u][3] = load_stream(wr[1] + kb + 64);
+            sv[u][0] = __ldg(sr[0] + (s >> qshift));
+            sv[u][1] = __ldg(sr[1] + (s >> qshift));
+        }
     };
 #pragma unroll
     for (int u = 0; u < GEMVM_RING; ++u) fetch(u, s_begin + u);
@@ -189,7 +231,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
                         ss[r] = fmaf(xf[e], xf[e], ss[r]);
                         am[r] = fmaxf(am[r], fabsf(xf[e] * s[e]));
                     }
-                } else {
+                } else if (!W16) {
 #pragma unroll
                     for (int e = 0; e < 8; ++e) am[r] = fmaxf(am[r], fabsf(xf[e]));
                 }
@@ -212,11 +254,13 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
         for (int w = 0; w < WARPS; ++w) t += nred[w][0][r], a = fmaxf(a, nred[w][1][r]);
         inv[r] = NORM ? 1.0f / sqrtf(t / (float)k + p.eps) : 1.0f;
         // After the norm an element is at most inv * max|x * s|, rounded: 2^15 leaves room.
-        f[r] = gemvm_row_scale(NORM ? a * inv[r] : a);
+        // 16-bit weights take the inputs as they are.
+        f[r] = W16 ? 1.0f : gemvm_row_scale(NORM ? a * inv[r] : a);
     }
     if (threadIdx.x < R) row_scale[threadIdx.x] = f[threadIdx.x];
-    if (stage) {
-        // Each thread turns the chunks it stored into f16 operands.
+    if (stage && (NORM || !W16)) {
+        // Each thread turns the chunks it stored into f16 operands (16-bit weights: into the
+        // normalised rows; rows without a norm are operands as stored).
         for (int c = threadIdx.x; c < chunks; c += WARPS * 32)
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -233,7 +277,17 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
                                                   (size_t)c * 8) = *reinterpret_cast<const uint4*>(v);
                     }
                 }
-                *at = gemvm_f16x8(xf, f[r]);
+                if constexpr (W16) {
+                    // The rows as stored (after the norm: rounded to T, as `rms_norm` stores them).
+                    if (NORM) {
+                        T v[8];
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) v[e] = flashrt::from_f32<T>(xf[e]);
+                        *at = *reinterpret_cast<const uint4*>(v);
+                    }
+                } else {
+                    *at = gemvm_f16x8(xf, f[r]);
+                }
             }
     }
     __syncthreads();
@@ -260,24 +314,46 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
                 const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)g * p.ld_x + (size_t)s * GEMVM_STEP + 16 * q);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    float xf[8];
-                    flashrt::unpack16<T>(__ldg(xp + (i >> 1) * 8 + (i & 1)), xf);
-                    xv[i] = gemvm_f16x8(xf, fg);
+                    const uint4 raw = __ldg(xp + (i >> 1) * 8 + (i & 1));
+                    if constexpr (W16) {
+                        xv[i] = raw;
+                    } else {
+                        float xf[8];
+                        flashrt::unpack16<T>(raw, xf);
+                        xv[i] = gemvm_f16x8(xf, fg);
+                    }
                 }
             }
             float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int t = 0; t < 8; ++t) {
-                // MMA t: word t of the lane's 32 codes of each row.
-                const uint32_t ca = gemvm_word(wv[u], t), cb = gemvm_word(wv[u], 8 + t);
-                gemvm_mma(d, gemvm_codes((unsigned short)ca), gemvm_codes((unsigned short)cb),
-                          gemvm_codes((unsigned short)(ca >> 16)), gemvm_codes((unsigned short)(cb >> 16)),
-                          gemvm_word(xv, 2 * t), gemvm_word(xv, 2 * t + 1));
+                if constexpr (W16) {
+                    // MMA t: the lane's columns 4t .. 4t + 3 of each half (words 2t, 2t + 1).
+                    const uint4 (&ha)[4] = *reinterpret_cast<const uint4(*)[4]>(&wv[u][0]);
+                    const uint4 (&hb)[4] = *reinterpret_cast<const uint4(*)[4]>(&wv[u][4]);
+                    const uint32_t a0 = gemvm_word(ha, 2 * t), a2 = gemvm_word(ha, 2 * t + 1);
+                    const uint32_t a1 = gemvm_word(hb, 2 * t), a3 = gemvm_word(hb, 2 * t + 1);
+                    if constexpr (BF16)
+                        gemvm_mma_bf16(d, a0, a1, a2, a3, gemvm_word(xv, 2 * t), gemvm_word(xv, 2 * t + 1));
+                    else
+                        gemvm_mma(d, a0, a1, a2, a3, gemvm_word(xv, 2 * t), gemvm_word(xv, 2 * t + 1));
+                } else {
+                    // MMA t: word t of the lane's 32 codes of each row.
+                    const uint32_t ca = gemvm_word(wv[u], t), cb = gemvm_word(wv[u], 8 + t);
+                    gemvm_mma(d, gemvm_codes((unsigned short)ca), gemvm_codes((unsigned short)cb),
+                              gemvm_codes((unsigned short)(ca >> 16)), gemvm_codes((unsigned short)(cb >> 16)),
+                              gemvm_word(xv, 2 * t), gemvm_word(xv, 2 * t + 1));
+                }
             }
-            acc[0] = fmaf(d[0], sv[u][0], acc[0]);
-            acc[1] = fmaf(d[1], sv[u][0], acc[1]);
-            acc[2] = fmaf(d[2], sv[u][1], acc[2]);
-            acc[3] = fmaf(d[3], sv[u][1], acc[3]);
+            if constexpr (W16) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[i] += d[i];
+            } else {
+                acc[0] = fmaf(d[0], sv[u][0], acc[0]);
+                acc[1] = fmaf(d[1], sv[u][0], acc[1]);
+                acc[2] = fmaf(d[2], sv[u][1], acc[2]);
+                acc[3] = fmaf(d[3], sv[u][1], acc[3]);
+            }
             fetch(u, s + GEMVM_RING);
         }
     }
@@ -294,7 +370,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) v[i] += red[w][i][lane];
         const int r = 2 * q + (i & 1);
-        if (r < R) v[i] /= row_scale[r];
+        if (!W16 && r < R) v[i] /= row_scale[r];
     }
     // v[2h + c]: tile row g + 8h (half h), input row 2q + c.
 #pragma unroll
@@ -354,3 +430,26 @@ FLASHRT_GEMVM_ENTRY(5)
 FLASHRT_GEMVM_ENTRY(6)
 FLASHRT_GEMVM_ENTRY(7)
 FLASHRT_GEMVM_ENTRY(8)
+
+// `gemv16m_*`: 16-bit weights on the tensor cores (see the header), same entry points.
+#define FLASHRT_GEMV16M_ENTRY_T(NAME, R, NORM, WARPS)                                                    \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, GEMVM16_MINB_OF(WARPS)) NAME##_bf16(const GemvParams p) { \
+        gemv8m_impl<__nv_bfloat16, R, NORM, WARPS, true>(p);                                             \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, GEMVM16_MINB_OF(WARPS)) NAME##_f16(const GemvParams p) {  \
+        gemv8m_impl<__half, R, NORM, WARPS, true>(p);                                                    \
+    }
+#define FLASHRT_GEMV16M_ENTRY(R)                                                                         \
+    FLASHRT_GEMV16M_ENTRY_T(gemv16m_r##R, R, false, 8)                                                   \
+    FLASHRT_GEMV16M_ENTRY_T(gemv16m_norm_r##R, R, true, 8)                                               \
+    FLASHRT_GEMV16M_ENTRY_T(gemv16m_r##R##w4, R, false, 4)                                               \
+    FLASHRT_GEMV16M_ENTRY_T(gemv16m_norm_r##R##w4, R, true, 4)
+
+FLASHRT_GEMV16M_ENTRY(1)
+FLASHRT_GEMV16M_ENTRY(2)
+FLASHRT_GEMV16M_ENTRY(3)
+FLASHRT_GEMV16M_ENTRY(4)
+FLASHRT_GEMV16M_ENTRY(5)
+FLASHRT_GEMV16M_ENTRY(6)
+FLASHRT_GEMV16M_ENTRY(7)
+FLASHRT_GEMV16M_ENTRY(8)

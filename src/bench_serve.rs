@@ -442,7 +442,7 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
     // Chunk costs and the device tier as `flashrt serve` finds them.
     let costs = flashrt_serve::calibrate_chunking(model);
     eprintln!("[bench --serve] chunk planner: {costs}");
-    if let Some(plan) = cfg.fit_memory(model, Some(4), None)? {
+    if let Some(plan) = cfg.fit_memory(model, Some(opts.clients.max(4)), None)? {
         eprintln!("[bench --serve] device memory: {plan}");
     }
     let server = flashrt_serve::Server::start(model.clone(), None, cfg)?;

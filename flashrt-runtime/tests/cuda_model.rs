@@ -1204,14 +1204,39 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
         "\"num_hidden_layers\": 4,",
         "\"num_hidden_layers\": 4, \"mtp_num_hidden_layers\": 1,",
     );
-    let cases: [(&str, &str, DType, bool); 3] = [
-        ("qwen-like bf16", QWEN_LIKE, DType::Bf16, true),
-        ("qwen-like + MTP bf16", &mtp, DType::Bf16, true),
-        ("qwen-like f32 (one by one)", QWEN_LIKE, DType::F32, false),
+    // And with small phases' 16-bit matmuls on the tensor cores (`gemv16m`, opt-in).
+    let mma: Arc<dyn Backend> = cuda_with(
+        "batched decode (gemv16m)",
+        CudaOptions {
+            gemv16_mma: true,
+            ..CudaOptions::default()
+        },
+    )
+    .expect("a CUDA device");
+    let gpu: Arc<dyn Backend> = gpu;
+    // (what, config, dtype, batched on the device, backend)
+    type Case<'a> = (&'a str, &'a str, DType, bool, &'a Arc<dyn Backend>);
+    let cases: [Case; 4] = [
+        ("qwen-like bf16", QWEN_LIKE, DType::Bf16, true, &gpu),
+        ("qwen-like + MTP bf16", &mtp, DType::Bf16, true, &gpu),
+        (
+            "qwen-like f32 (one by one)",
+            QWEN_LIKE,
+            DType::F32,
+            false,
+            &gpu,
+        ),
+        (
+            "qwen-like bf16, gemv16m",
+            QWEN_LIKE,
+            DType::Bf16,
+            true,
+            &mma,
+        ),
     ];
-    for (what, json, dtype, batched) in cases {
+    for (what, json, dtype, batched, backend) in cases {
         let ir = ir_of(json, dtype, &[8, 32], 512);
-        let model = model_on(gpu.clone(), &ir, None);
+        let model = model_on(backend.clone(), &ir, None);
         assert_eq!(
             model.batch_unsupported().is_none(),
             batched,

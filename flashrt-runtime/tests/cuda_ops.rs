@@ -85,7 +85,18 @@ fn rms_norm() {
 #[test]
 fn linear() {
     let Some(gpu) = cuda("linear") else { return };
-    for dtype in DTYPES {
+    // And with small phases' 16-bit matmuls on the tensor cores (`gemv16m`, opt-in).
+    let mma = cuda_with(
+        "linear (gemv16m)",
+        CudaOptions {
+            gemv16_mma: true,
+            ..CudaOptions::default()
+        },
+    );
+    for (gpu, dtype) in std::iter::once(gpu)
+        .chain(mma)
+        .flat_map(|g| DTYPES.map(|d| (g.clone(), d)))
+    {
         for (bucket, k, n, bias, accumulate) in [
             (3, 783, 50, true, false),
             (50, 50, 783, false, true),
@@ -94,6 +105,10 @@ fn linear() {
             // k % 8 == 0 and at most 8 rows: the gemv kernel, with a tail of k chunks.
             (3, 264, 100, false, true),
             (8, 1032, 37, false, false),
+            // k % 128 == 0: 16-bit weights on the tensor cores (`gemv16m`), 1 to 8 rows.
+            (1, 384, 40, false, true),
+            (5, 640, 33, false, false),
+            (8, 1280, 100, false, true),
         ] {
             let name = format!("linear {k}->{n} bias={bias} acc={accumulate}");
             // Input: x in columns 0..k, the residual (accumulate target) in k..k+n.
@@ -343,7 +358,17 @@ fn gemv_groups_and_glu() {
     let Some(gpu) = cuda("gemv_groups_and_glu") else {
         return;
     };
-    for dtype in DTYPES {
+    let mma = cuda_with(
+        "gemv_groups_and_glu (gemv16m)",
+        CudaOptions {
+            gemv16_mma: true,
+            ..CudaOptions::default()
+        },
+    );
+    for (gpu, dtype) in std::iter::once(gpu)
+        .chain(mma)
+        .flat_map(|g| DTYPES.map(|d| (g.clone(), d)))
+    {
         for bucket in [3, 5] {
             // Four projections of one input, widths not multiples of the block's features.
             let (k, ns) = (264, [50, 7, 130, 9]);
@@ -363,9 +388,9 @@ fn gemv_groups_and_glu() {
                 }
             });
             // RmsNorm fused into the projections' launch: outputs [normed | p0 | p1], with and
-            // without a (1 + w) weight.
-            let (k, n0, n1) = (264, 40, 17);
-            for weighted in [true, false] {
+            // without a (1 + w) weight (k = 256: on the tensor cores for 16-bit targets).
+            let (n0, n1) = (40, 17);
+            for (k, weighted) in [(264, true), (264, false), (256, true)] {
                 OpCase::new(
                     &format!("gemv rms_norm + group weighted={weighted}"),
                     bucket,

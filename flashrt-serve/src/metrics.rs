@@ -120,6 +120,10 @@ pub struct Metrics {
     /// Completions generating now (interleaved token by token), and waiting for a slot.
     pub generating: AtomicU64,
     pub waiting: AtomicU64,
+    /// Batched decode steps (several generations fed in one step) and the rows they fed:
+    /// rows / steps is the batch occupancy.
+    pub batched_steps: AtomicU64,
+    pub batched_rows: AtomicU64,
     pub capsules: [AtomicU64; 3],
     pub tier_bytes: [AtomicU64; 3],
     pub tier_budget: [AtomicU64; 3],
@@ -250,6 +254,18 @@ impl Metrics {
             "gauge",
             "Completions generating now, a token each in turn.",
             get(&self.generating),
+        );
+        one(
+            "flashrt_batched_steps_total",
+            "counter",
+            "Batched decode steps: one step feeding several generations at once.",
+            get(&self.batched_steps),
+        );
+        one(
+            "flashrt_batched_rows_total",
+            "counter",
+            "Tokens fed by batched decode steps (divided by the steps: the batch occupancy).",
+            get(&self.batched_rows),
         );
         one(
             "flashrt_generation_waiting",

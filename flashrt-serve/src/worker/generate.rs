@@ -55,6 +55,24 @@ pub(super) struct GenState {
     spec: flashrt_runtime::SpecStats,
 }
 
+impl GenState {
+    /// The token this generation's next [`Worker::gen_step`] feeds before it chooses another
+    /// — its last, unfed one, when generation goes on (tokens left, room in the session) — if
+    /// another step may feed it instead: a scheduler round feeds these together, in one
+    /// batched step. Speculative generations feed inside their own rounds (`None`).
+    pub(super) fn feed_due(&self, req: &GenReq, pos: usize, max_seq: usize) -> Option<u32> {
+        if self.speculate || self.out.len() >= req.max_tokens || pos + 1 >= max_seq {
+            return None;
+        }
+        self.unfed
+    }
+
+    /// The token [`GenState::feed_due`] gave was fed.
+    pub(super) fn fed(&mut self) {
+        self.unfed = None;
+    }
+}
+
 impl Worker {
     /// A generation of `req` from `s`'s boundary, for a request that arrived at `enqueued`.
     pub(super) fn gen_start(&self, s: &Session, req: &GenReq, enqueued: Instant) -> GenState {

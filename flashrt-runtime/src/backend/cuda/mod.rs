@@ -160,6 +160,14 @@ pub struct CudaOptions {
     /// `false`, or any other device, uses the CUDA-core `gemv8_*` of kernels/gemv.cu. Default
     /// from `FLASHRT_GEMV_MMA` (`0` = off).
     pub gemv_mma: bool,
+    /// Run small phases' matmuls over bf16/f16 weights on the tensor cores
+    /// (kernels/gemv_mma.cu `gemv16m_*`) on compute capability 9.x: eight rows cost about 1.8
+    /// one-row steps instead of 4.8 (a batched step of 8 sessions gives 251 tokens/s against
+    /// 123 at the 27B shape on the H200), but one row costs 17.8 ms against the CUDA-core
+    /// kernel's 13.6 (it streams the weights at ~2.9 TB/s). Off by default (latency first);
+    /// every phase of a model uses the same kernel either way, so rows round alike across
+    /// decode, verify and batched steps. `FLASHRT_GEMV16_MMA=1` turns it on.
+    pub gemv16_mma: bool,
     /// Sample non-greedy tokens on the device (kernels/sample.cu) from the row the step left
     /// in the I/O arena (default): only the id crosses to the host. `false` samples on the
     /// host from the copied row; both choose the same token. Default from
@@ -185,6 +193,7 @@ impl Default for CudaOptions {
             gdn_fused: on("FLASHRT_GDN_FUSED"),
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
             gemv_mma: on("FLASHRT_GEMV_MMA"),
+            gemv16_mma: std::env::var("FLASHRT_GEMV16_MMA").is_ok_and(|v| v == "1"),
             device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
             gemv_tiles: std::env::var("FLASHRT_GEMV_TILES").is_ok_and(|v| v == "1"),
         }
@@ -833,6 +842,7 @@ impl WeightSink for CudaSink {
                 gdn_fused: clusters && sink.options.gdn_fused,
                 fp8_gemm: cc.is_some_and(|(major, _)| major == 9) && sink.options.fp8_gemm,
                 gemv_mma: cc.is_some_and(|(major, _)| major == 9) && sink.options.gemv_mma,
+                gemv16_mma: cc.is_some_and(|(major, _)| major == 9) && sink.options.gemv16_mma,
                 exec: Mutex::new(None),
                 sessions: AtomicU64::new(1),
             }),
@@ -858,6 +868,7 @@ struct ModelInner {
     gdn_fused: bool,
     fp8_gemm: bool,
     gemv_mma: bool,
+    gemv16_mma: bool,
     /// What its sessions share, from the first session on ([`exec`]).
     exec: Mutex<Option<Arc<Exec>>>,
     /// Ids handed to sessions (from 1), for [`exec::ExecState::owner`].
@@ -950,6 +961,7 @@ fn builder<'a>(
         gdn_fused: model.gdn_fused,
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,
+        gemv16_mma: model.gemv16_mma,
         gemv_tiles: model.options.gemv_tiles,
         fp8: exec.fp8,
         batch,

@@ -240,6 +240,10 @@ impl Builder<'_> {
         let (prefix, qbr, qbc) = first.weights.kernel();
         // (Without a norm the rows are staged when they fit, else converted at each step.)
         let staged = shape_rows * (k + 8) * 2;
+        // 16-bit weights: whether the tensor-core kernel runs depends on the shape alone, never
+        // on the rows (with a norm, the most rows' staged inputs must fit), so every phase of
+        // a model computes a row the same way (decode, verify and batched steps bit for bit).
+        let staged_max = 8 * (k + 8) * 2;
         let mma = match first.weights {
             GemvWeights::Fp8 { block } => {
                 self.gemv_mma
@@ -248,7 +252,11 @@ impl Builder<'_> {
                     && (block[1] / GEMVM_STEP).is_power_of_two()
                     && (norm.is_none() || staged <= GEMVM_MAX_SMEM)
             }
-            GemvWeights::Plain => false,
+            GemvWeights::Plain => {
+                self.gemv16_mma
+                    && k.is_multiple_of(GEMVM_STEP)
+                    && (norm.is_none() || staged_max <= GEMVM_MAX_SMEM)
+            }
         };
         let stage = mma && staged <= GEMVM_MAX_SMEM;
         let mma_smem = if stage { staged } else { 0 };
@@ -256,7 +264,11 @@ impl Builder<'_> {
         // the last wave of resident blocks mostly empty (see `gemv_r1f<F>`).
         let widths: Vec<usize> = group.iter().map(|(op, _)| out_view(op).0.width).collect();
         let (prefix, feats, suffix) = if mma {
-            ("gemv8m", 16, "")
+            let name = match first.weights {
+                GemvWeights::Plain => "gemv16m",
+                GemvWeights::Fp8 { .. } => "gemv8m",
+            };
+            (name, 16, "")
         } else {
             let (feats, suffix) = self.gemv_shape(
                 shape_rows,
@@ -330,15 +342,22 @@ impl Builder<'_> {
         // a second, mostly empty wave. Chosen from the shape alone (as if three 8-warp blocks
         // fit an SM at every row count), so every row count of a matrix reduces in the same
         // order.
-        let (suffix, warps) =
-            if mma && total_blocks as usize > 3 * self.sms && total_blocks as usize <= 6 * self.sms
-            {
-                ("w4", 4)
-            } else if mma {
-                ("", GEMV_WARPS)
-            } else {
-                (suffix, GEMV_WARPS)
-            };
+        // (16-bit weights: two 8-warp blocks per SM, `GEMVM16_MINB_OF`.)
+        let per_sm = if first.weights == GemvWeights::Plain {
+            2
+        } else {
+            3
+        };
+        let (suffix, warps) = if mma
+            && total_blocks as usize > per_sm * self.sms
+            && total_blocks as usize <= 2 * per_sm * self.sms
+        {
+            ("w4", 4)
+        } else if mma {
+            ("", GEMV_WARPS)
+        } else {
+            (suffix, GEMV_WARPS)
+        };
         let kernel = if norm.is_some() {
             format!("{prefix}_norm_r{shape_rows}{suffix}")
         } else {

@@ -437,6 +437,9 @@ pub struct Builder<'a> {
     /// Small phases' FP8 matmuls on the tensor cores where their scale blocks allow
     /// (kernels/gemv_mma.cu, compute capability 9.x; [`Builder::gemv`]).
     pub gemv_mma: bool,
+    /// Small phases' matmuls over 16-bit weights on the tensor cores (kernels/gemv_mma.cu
+    /// `gemv16m_*`, compute capability 9.x; [`Builder::gemv`]).
+    pub gemv16_mma: bool,
     /// Several rows' 16-bit `gemv` launches as resident blocks looping over tiles
     /// ([`Builder::gemv`]; `CudaOptions::gemv_tiles`).
     pub gemv_tiles: bool,
