@@ -46,6 +46,10 @@ pub fn ir_to_toml(ir: &ModelIr) -> String {
     let _ = writeln!(out, "max_seq = {}", ir.max_seq);
     let buckets: Vec<String> = ir.prefill_buckets.iter().map(|b| b.to_string()).collect();
     let _ = writeln!(out, "prefill_buckets = [{}]", buckets.join(", "));
+    if ir.decode_batches != flashrt_ir::DEFAULT_DECODE_BATCHES {
+        let b: Vec<String> = ir.decode_batches.iter().map(|b| b.to_string()).collect();
+        let _ = writeln!(out, "decode_batches = [{}]", b.join(", "));
+    }
     let weight = match ir.norm.weight {
         NormWeight::Plain => "plain",
         NormWeight::OnePlus => "one_plus",

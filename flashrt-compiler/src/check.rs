@@ -74,6 +74,7 @@ pub fn check(cx: &mut Errors, spec: &ModelSpec) -> Option<ModelIr> {
 }
 
 fn check_model(cx: &mut Errors, m: &ModelSection) {
+    check_decode_batches(cx, m);
     if let Some(name) = &m.name {
         let ok = name.v.starts_with(|c: char| c.is_ascii_lowercase())
             && name
@@ -111,6 +112,49 @@ fn check_model(cx: &mut Errors, m: &ModelSection) {
                     );
                 }
             }
+        }
+    }
+}
+
+/// `decode_batches`: ascending sizes of 2..=8 rows, within the largest prefill bucket (the
+/// activation buffers' rows).
+fn check_decode_batches(cx: &mut Errors, m: &ModelSection) {
+    let Some(Some(batches)) = &m.decode_batches else {
+        return;
+    };
+    let max = flashrt_ir::MAX_DECODE_BATCH as u64;
+    for w in batches.v.windows(2) {
+        if w[1].v <= w[0].v {
+            cx.push(
+                w[1].loc,
+                format!(
+                    "decode batches must be strictly ascending: {} follows {}",
+                    w[1].v, w[0].v
+                ),
+            );
+        }
+    }
+    let rows = m
+        .prefill_buckets
+        .as_ref()
+        .and_then(|b| b.v.iter().map(|x| x.v).max());
+    for b in &batches.v {
+        if !(2..=max).contains(&b.v) {
+            cx.push(
+                b.loc,
+                format!(
+                    "decode batch {} is not in 2..={max} (sessions per batched step)",
+                    b.v
+                ),
+            );
+        } else if let Some(rows) = rows.filter(|&r| b.v > r) {
+            cx.push(
+                b.loc,
+                format!(
+                    "decode batch {} exceeds the largest prefill bucket ({rows})",
+                    b.v
+                ),
+            );
         }
     }
 }
@@ -390,6 +434,10 @@ fn build(spec: &ModelSpec) -> Option<ModelIr> {
         layers,
         mtp,
         weights: m.weights.as_ref()?.v,
+        decode_batches: match &m.decode_batches {
+            None => flashrt_ir::DEFAULT_DECODE_BATCHES.to_vec(),
+            Some(b) => b.as_ref()?.v.iter().map(|x| x.v as usize).collect(),
+        },
         quant: match &m.quantize {
             None => None,
             Some(q) => Some(build_quant(q)?),

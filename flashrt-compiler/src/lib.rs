@@ -48,6 +48,7 @@
 //! | `dtype` | `"f32"` \| `"bf16"` \| `"f16"` | required | weight/activation dtype on accelerators (`float32`, `bfloat16`, `fp16`, ... also accepted) |
 //! | `max_seq` | size | required | longest sequence (KV capacity) |
 //! | `prefill_buckets` | array of sizes | required | prefill chunk sizes, strictly ascending, each `<= max_seq` (may be empty) |
+//! | `decode_batches` | array of sizes | `[2, 4, 8]` | batch sizes of the batched decode step (several sessions' decode steps as one; a step of n sessions runs the smallest size `>= n`): strictly ascending, each in `2..=8` and at most the largest prefill bucket |
 //! | `norm` | table | required | `{ kind = "rms" (default), eps = number > 0 (required), weight = "plain" (default) \| "one_plus" }`; `one_plus` stores `w` for a scale of `1 + w` |
 //! | `tie_embeddings` | bool | `false` | the LM head reuses the embedding table |
 //! | `weights` | `"qwen3_5_text"` \| `"lfm2"` \| `"nemotron_h"` | required | checkpoint naming convention (the HF `model_type`) |

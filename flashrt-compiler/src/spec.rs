@@ -53,6 +53,8 @@ pub struct ModelSection {
     pub dtype: F<DType>,
     pub max_seq: F<u64>,
     pub prefill_buckets: F<Vec<S<u64>>>,
+    /// `None`: no `decode_batches` key (the default ladder).
+    pub decode_batches: Option<F<Vec<S<u64>>>>,
     pub norm: Option<NormSpec>,
     pub tie_embeddings: F<bool>,
     pub weights: F<WeightNaming>,
@@ -322,6 +324,23 @@ fn mismatch(cx: &mut Errors, v: &Value, expected: &str) {
     );
 }
 
+/// An array of positive integers, each located.
+fn sizes(cx: &mut Errors, v: &Value, expected: &str) -> Option<Vec<S<u64>>> {
+    match &v.kind {
+        ValueKind::Array(items) => {
+            let out: Vec<Option<S<u64>>> = items
+                .iter()
+                .map(|i| size(cx, i).map(|x| S { v: x, loc: i.loc }))
+                .collect();
+            out.into_iter().collect::<Option<Vec<_>>>()
+        }
+        _ => {
+            mismatch(cx, v, expected);
+            None
+        }
+    }
+}
+
 /// A positive integer no larger than [`MAX_SIZE`].
 fn size(cx: &mut Errors, v: &Value) -> Option<u64> {
     match v.kind {
@@ -482,19 +501,12 @@ fn read_model(cx: &mut Errors, t: &Table, loc: Loc, default_name: Option<&str>) 
         choice(cx, v, "dtype", DTYPES, DType::parse)
     });
     let max_seq = f.req(cx, "max_seq", size);
-    let prefill_buckets = f.req(cx, "prefill_buckets", |cx, v| match &v.kind {
-        ValueKind::Array(items) => {
-            let out: Vec<Option<S<u64>>> = items
-                .iter()
-                .map(|i| size(cx, i).map(|x| S { v: x, loc: i.loc }))
-                .collect();
-            out.into_iter().collect::<Option<Vec<_>>>()
-        }
-        _ => {
-            mismatch(cx, v, "an array of chunk sizes");
-            None
-        }
+    let prefill_buckets = f.req(cx, "prefill_buckets", |cx, v| {
+        sizes(cx, v, "an array of chunk sizes")
     });
+    let decode_batches = f
+        .get("decode_batches")
+        .map(|v| sizes(cx, v, "an array of batch sizes").map(|x| S { v: x, loc: v.loc }));
     let norm = match f.entry("norm") {
         Some(e) => table(cx, &e.value).map(|t| read_norm(cx, t, e.key_loc)),
         None => {
@@ -527,6 +539,7 @@ fn read_model(cx: &mut Errors, t: &Table, loc: Loc, default_name: Option<&str>) 
         dtype,
         max_seq,
         prefill_buckets,
+        decode_batches,
         norm,
         tie_embeddings,
         weights,

@@ -461,3 +461,60 @@ fn quantize_exclude_names_must_exist() {
     );
     assert!(got[0].2.contains("did you mean `mlp.down_proj`"), "{got:?}");
 }
+
+#[test]
+fn decode_batch_ladder_errors_are_all_reported() {
+    // Line 10: `decode_batches = [1, 4, 4, 32]`, columns 19, 22, 25, 28.
+    let src = QUANT_BASE.replace("QUANTIZE", "decode_batches = [1, 4, 4, 32]");
+    assert_errors(
+        &toml_errors(&src),
+        &[
+            (10, 19, "decode batch 1 is not in 2..=8"),
+            (
+                10,
+                25,
+                "decode batches must be strictly ascending: 4 follows 4",
+            ),
+            (10, 28, "decode batch 32 is not in 2..=8"),
+        ],
+    );
+    // Within the largest prefill bucket (16 here).
+    let src = QUANT_BASE
+        .replace("prefill_buckets = [16]", "prefill_buckets = [4]")
+        .replace("QUANTIZE", "decode_batches = [2, 8]");
+    assert_errors(
+        &toml_errors(&src),
+        &[(
+            10,
+            22,
+            "decode batch 8 exceeds the largest prefill bucket (4)",
+        )],
+    );
+    let src = QUANT_BASE.replace("QUANTIZE", "decode_batches = 4");
+    assert_errors(
+        &toml_errors(&src),
+        &[(10, 18, "expected an array of batch sizes, found")],
+    );
+}
+
+#[test]
+fn decode_batch_ladder_reaches_the_ir_and_round_trips() {
+    let src = QUANT_BASE.replace("QUANTIZE", "decode_batches = [2, 3]");
+    let ir = model_from_toml(&src, "q.toml").expect("valid");
+    assert_eq!(ir.decode_batches, vec![2, 3]);
+    assert_eq!(ir.batch_sizes(), vec![2, 3]);
+    let again = model_from_toml(&flashrt_compiler::ir_to_toml(&ir), "again.toml")
+        .expect("the canonical form parses");
+    assert_eq!(again, ir);
+    // Without the key: the default ladder, left out of the canonical form and the hash.
+    let plain = model_from_toml(&QUANT_BASE.replace("QUANTIZE", ""), "q.toml").expect("valid");
+    assert_eq!(plain.decode_batches, flashrt_ir::DEFAULT_DECODE_BATCHES);
+    assert_eq!(plain.batch_sizes(), vec![2, 4, 8]);
+    assert!(!flashrt_compiler::ir_to_toml(&plain).contains("decode_batches"));
+    assert!(
+        !serde_json::to_string(&plain)
+            .unwrap()
+            .contains("decode_batches")
+    );
+    assert_ne!(plain.ir_hash(), ir.ir_hash());
+}

@@ -451,9 +451,44 @@ pub struct ModelIr {
     /// Block-quantized weights (`None`: every weight in `dtype`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quant: Option<QuantIr>,
+    /// Batch sizes of the batched decode step (`decode[b]`: b sessions' decode steps as one,
+    /// each row at its own position in its own session's state), ascending, each 2..=8 and at
+    /// most the largest prefill bucket; a step of n sessions runs the smallest b >= n.
+    /// [`DEFAULT_DECODE_BATCHES`] unless the model says otherwise (and then left out of the
+    /// canonical form, so the IR hash of a model without the key is what it was before it).
+    #[serde(
+        default = "default_decode_batches",
+        skip_serializing_if = "is_default_decode_batches"
+    )]
+    pub decode_batches: Vec<usize>,
+}
+
+/// The batched decode ladder of a model that does not name one.
+pub const DEFAULT_DECODE_BATCHES: [usize; 3] = [2, 4, 8];
+
+/// The most rows a batched decode step takes (the small-phase kernels' bound).
+pub const MAX_DECODE_BATCH: usize = 8;
+
+fn default_decode_batches() -> Vec<usize> {
+    DEFAULT_DECODE_BATCHES.to_vec()
+}
+
+fn is_default_decode_batches(v: &[usize]) -> bool {
+    v == DEFAULT_DECODE_BATCHES
 }
 
 impl ModelIr {
+    /// The batch sizes this model's batched decode steps run at: its ladder, up to the largest
+    /// prefill bucket (the activation buffers' rows).
+    pub fn batch_sizes(&self) -> Vec<usize> {
+        let max_rows = self.prefill_buckets.iter().copied().max().unwrap_or(1);
+        self.decode_batches
+            .iter()
+            .copied()
+            .filter(|&b| (2..=MAX_DECODE_BATCH).contains(&b) && b <= max_rows)
+            .collect()
+    }
+
     /// A stable 64-bit hash of the IR (FNV-1a over its canonical JSON form).
     pub fn ir_hash(&self) -> u64 {
         fnv1a(

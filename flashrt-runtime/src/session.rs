@@ -427,7 +427,8 @@ impl Model {
     /// counters — so capsules move freely between batched and one-by-one stepping.
     ///
     /// On the CUDA backend up to 8 sessions run as one graph replay that reads the weights once
-    /// for all of them (`decode[b]`, b in 2, 4, 8; larger sets go in groups of 8); the CPU
+    /// for all of them (`decode[b]`, b from the model's `decode_batches` ladder, default 2, 4,
+    /// 8; larger sets go in groups of the largest); the CPU
     /// reference, and models whose decode plan has no batched kernels
     /// ([`Model::batch_unsupported`]), step the sessions one after the other. A robot or agent
     /// loop calls this once per tick for all its streams; the server's scheduler does too.
@@ -452,8 +453,11 @@ impl Model {
             s.validate(&[t])
                 .map_err(|e| Error::Input(format!("step_batch: session {r}: {e}")))?;
         }
-        const GROUP: usize = 8;
-        for (group, toks) in sessions.chunks_mut(GROUP).zip(tokens.chunks(GROUP)) {
+        let group_size = self.ir().batch_sizes().last().copied().unwrap_or(1);
+        for (group, toks) in sessions
+            .chunks_mut(group_size)
+            .zip(tokens.chunks(group_size))
+        {
             let positions: Vec<usize> = group.iter().map(|s| s.pos).collect();
             let rows = {
                 let mut devs: Vec<&mut dyn DeviceSession> = Vec::with_capacity(group.len());

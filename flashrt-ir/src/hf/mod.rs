@@ -421,6 +421,7 @@ fn finish(
         mtp,
         weights,
         quant: None,
+        decode_batches: crate::DEFAULT_DECODE_BATCHES.to_vec(),
     }
 }
 

@@ -572,6 +572,7 @@ impl OpBuilder {
             mtp: None,
             weights: WeightNaming::Qwen35,
             quant: None,
+            decode_batches: Vec::new(),
         };
         let plans = vec![
             Plan {

@@ -31,11 +31,11 @@ use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
 use flashrt_ir::Phase;
 use std::sync::Arc;
 
-/// Batch sizes with a program: a step of n sessions runs the smallest one >= n (its padding
-/// rows compute nothing). 8 is the `gemv` kernels' row bound.
-pub const BATCH_SIZES: [usize; 3] = [2, 4, 8];
-/// The most sessions one batched step takes.
-pub const MAX_BATCH: usize = 8;
+/// The most sessions one batched step takes (the `gemv` kernels' row bound). The batch sizes
+/// with a program are the model's ladder ([`flashrt_ir::ModelIr::batch_sizes`], `decode_batches`
+/// in its description): a step of n sessions runs the smallest one >= n (its padding rows
+/// compute nothing), more than the largest go one by one.
+pub const MAX_BATCH: usize = flashrt_ir::MAX_DECODE_BATCH;
 
 /// One batch size's program and graph.
 struct BatchProgram {
@@ -82,7 +82,7 @@ impl BatchExec {
             .iter()
             .find(|p| p.phase == Phase::Decode)
             .ok_or_else(|| Error::Config("the model has no decode plan".into()))?;
-        for rows in BATCH_SIZES.into_iter().filter(|&b| b <= max_rows) {
+        for rows in inner.compiled.ir.batch_sizes() {
             let tables = BatchTables {
                 rows,
                 rows_pos: base + 4 * rows_pos_at as u64,
@@ -105,7 +105,10 @@ impl BatchExec {
             }
         }
         if programs.is_empty() && unsupported.is_none() {
-            unsupported = Some(format!("max_rows {max_rows} < 2"));
+            unsupported = Some(format!(
+                "no batch size in the model's decode_batches {:?} fits its {max_rows} rows",
+                inner.compiled.ir.decode_batches
+            ));
         }
         Ok(BatchExec {
             staging_dev,
