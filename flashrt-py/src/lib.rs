@@ -223,6 +223,50 @@ impl PyModel {
         Ok(PySession::wrap(self.loaded.clone(), s))
     }
 
+    /// One decode step for several sessions of this model at once: `sessions[i]` feeds
+    /// `tokens[i]` at its own position. Each ends exactly as after its own `step` (same state
+    /// bytes, same logits); on a GPU up to 8 of them run as one step that reads the weights
+    /// once (`Model::step_batch`). A controller of several streams calls this once per tick.
+    fn step_batch(
+        &self,
+        py: Python<'_>,
+        sessions: Vec<Bound<'_, PySession>>,
+        tokens: Vec<u32>,
+    ) -> PyResult<()> {
+        if sessions.len() != tokens.len() {
+            return Err(PyValueError::new_err(format!(
+                "step_batch: {} sessions but {} tokens",
+                sessions.len(),
+                tokens.len()
+            )));
+        }
+        let handles: Vec<Handle> = sessions.iter().map(|s| s.get().inner.clone()).collect();
+        for i in 0..handles.len() {
+            if let Some(j) = (0..i).find(|&j| Arc::ptr_eq(&handles[i], &handles[j])) {
+                return Err(PyValueError::new_err(format!(
+                    "step_batch: sessions {j} and {i} are the same session"
+                )));
+            }
+        }
+        let model = self.model().clone();
+        py.detach(move || {
+            // Locked in address order, so two batches over overlapping sessions cannot deadlock.
+            let mut order: Vec<usize> = (0..handles.len()).collect();
+            order.sort_by_key(|&i| Arc::as_ptr(&handles[i]) as usize);
+            let mut guards: Vec<Option<std::sync::MutexGuard<'_, Shared>>> =
+                (0..handles.len()).map(|_| None).collect();
+            for &i in &order {
+                guards[i] = Some(lock(&handles[i]));
+            }
+            let mut refs: Vec<&mut Session> = Vec::with_capacity(guards.len());
+            for g in guards.iter_mut() {
+                refs.push(g.as_mut().expect("locked above").settle()?);
+            }
+            model.step_batch(&mut refs, &tokens)
+        })
+        .map_err(err)
+    }
+
     /// A new, independent session at `capsule`'s boundary.
     fn fork(&self, py: Python<'_>, capsule: &PyCapsule) -> PyResult<PySession> {
         let s = py

@@ -104,6 +104,37 @@ def test_two_forks_equal_two_cold_runs(model):
     assert s.pos == 29 and state(s) == {r: cap.region(r) for r in model.state_regions}
 
 
+def test_step_batch_equals_each_session_stepping(model):
+    # Sessions at different positions (two forks of one capsule among them), stepped together
+    # over changing subsets: each ends as after its own steps, bit for bit.
+    v = model.vocab
+    batch, alone = [], []
+    for i in range(4):
+        s = model.session()
+        s.append(tokens(40 + i, 3 + 5 * i, v))
+        batch.append(s)
+        alone.append(model.fork(s.snapshot()))
+    cap = batch[1].snapshot()
+    batch.append(model.fork(cap))
+    alone.append(model.fork(cap))
+    for who in ([0, 1, 2, 3, 4], [4, 1], [2, 0, 3]):
+        toks = [int(np.argmax(logits(batch[i]))) for i in who]
+        model.step_batch([batch[i] for i in who], toks)
+        for i, t in zip(who, toks):
+            alone[i].step(t)
+            assert np.array_equal(logits(batch[i]), logits(alone[i]))
+    for b, a in zip(batch, alone):
+        assert b.pos == a.pos and b.tokens == a.tokens and state(b) == state(a)
+    # Refused before anything runs.
+    with pytest.raises(ValueError, match="same session"):
+        model.step_batch([batch[0], batch[0]], [1, 1])
+    with pytest.raises(ValueError, match="2 sessions but 1 tokens"):
+        model.step_batch([batch[0], batch[1]], [1])
+    with pytest.raises(ValueError, match="out of range"):
+        model.step_batch([batch[0], batch[1]], [1, v])
+    assert [b.pos for b in batch] == [a.pos for a in alone]
+
+
 def test_restore_and_append_at_any_boundary_equals_cold_prefill_bitwise(model):
     v = model.vocab
     full = tokens(7, 40, v)
