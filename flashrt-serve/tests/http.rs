@@ -955,6 +955,24 @@ fn n_choices_equal_separately_seeded_completions() {
     }
     assert_eq!(per, all[..3].to_vec());
     assert_eq!(finished, [1, 1, 1]);
+    // Side by side (the generating set has room for a session per choice): the choices'
+    // chunks interleave, and every round fed them in one batched step.
+    let order: Vec<u64> = chunks[..chunks.len() - 1]
+        .iter()
+        .map(|ch| ch["choices"][0]["index"].as_u64().unwrap())
+        .collect();
+    let last_zero = order.iter().rposition(|&i| i == 0).unwrap();
+    assert!(
+        order[..last_zero].contains(&2),
+        "choices stream interleaved: {order:?}"
+    );
+    let metrics = String::from_utf8(c.get("/metrics").body).unwrap();
+    let batched = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("flashrt_batched_steps_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(batched > 0, "no batched steps: {metrics}");
     let usage = chunks.last().unwrap();
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], 36);
@@ -974,6 +992,29 @@ fn n_choices_equal_separately_seeded_completions() {
         .map(|v| v["choices"][0]["index"].as_u64().unwrap())
         .collect();
     assert_eq!(roles, [0, 1]);
+    server.shutdown().unwrap();
+
+    // No room for a session per choice (one session in the memory plan): the choices run
+    // one after another, with the same tokens.
+    let mut cfg = config(None, None);
+    cfg.max_sessions = 1;
+    let server = start(&m, cfg);
+    let c = Client::new(server.addr(), None);
+    let r = c.ok("/v1/completions", &body);
+    let one_by_one: Vec<Vec<u32>> = r["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|ch| ids(&ch["token_ids"]))
+        .collect();
+    assert_eq!(one_by_one, all);
+    let ev = c.post("/v1/completions", &sbody).events();
+    let order: Vec<u64> = ev
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| v["choices"][0]["index"].as_u64())
+        .collect();
+    assert!(order.windows(2).all(|w| w[0] <= w[1]), "{order:?}");
     server.shutdown().unwrap();
 }
 

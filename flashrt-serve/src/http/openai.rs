@@ -555,6 +555,10 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
     let mut first = true;
     let mut offset = 0usize;
     let mut index = 0usize;
+    // n > 1: choices may interleave; each keeps its own first-chunk flag and text offset
+    // (saved here while another choice streams).
+    let mut saved: std::collections::HashMap<usize, (bool, usize)> =
+        std::collections::HashMap::new();
     let count = TokenCount::default();
     let count2 = count.clone();
     let mut r = sse(
@@ -607,9 +611,9 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                     vec![chunk(c)]
                 }
                 Event::Choice(i) => {
+                    saved.insert(index, (first, offset));
                     index = i;
-                    first = true;
-                    offset = 0;
+                    (first, offset) = saved.get(&i).copied().unwrap_or((true, 0));
                     vec![]
                 }
                 // n > 1: each choice's last chunk carries its finish reason.

@@ -21,10 +21,14 @@
 //! it generates, and its owner's commands on it meanwhile wait, in order, until it ends
 //! ([`Worker::defer_if_busy`]), so commands on one session stay serialized.
 //!
-//! Choices (`n` > 1) run one after another inside their completion: the prompt boundary is a
-//! capsule, and each later choice restores it and samples with seed `seed + i`.
+//! Choices (`n` > 1) start from one prefilled prompt: its boundary is a capsule, and choice
+//! `i` samples with seed `seed + i`. When the generating set has room for a session per
+//! choice, choices 1.. are forked from the boundary and generate beside choice 0 (their
+//! tokens fed in the round's batched step, streamed interleaved, each chunk naming its
+//! choice); otherwise they run one after another, each restoring the boundary. Either way
+//! choice `i` is exactly the single completion with seed `seed + i`.
 
-use super::generate::{GenState, choice_sampler};
+use super::generate::{GenState, Generated, choice_sampler};
 use super::*;
 use std::collections::VecDeque;
 
@@ -60,10 +64,24 @@ pub(super) struct Active {
 /// `n` > 1: the prompt boundary and the choices that ended.
 struct Choices {
     boundary: flashrt_runtime::Capsule,
+    /// One after another: the choice generating now.
     index: usize,
     done: Vec<Value>,
     completion_tokens: usize,
     spec: Option<flashrt_runtime::SpecStats>,
+    /// Side by side: choices 1.. in their own sessions (choice 0 is the completion's own),
+    /// whether choice 0 has ended, and the choice the stream's last token belonged to.
+    branches: Vec<Branch>,
+    zero_done: bool,
+    streaming: usize,
+}
+
+/// Choice `index` of a completion generating beside choice 0, in a session of its own.
+struct Branch {
+    index: usize,
+    s: Session,
+    g: GenState,
+    done: bool,
 }
 
 /// The generating completions and session generations, and completions waiting for a place
@@ -83,9 +101,22 @@ impl Schedule {
     pub(super) fn is_idle(&self) -> bool {
         self.active.is_empty() && self.waiting.is_empty()
     }
-    /// Generating completions (each holding a session of its own from the pool).
+    /// Sessions held by generating completions: one each from the pool, plus one per choice
+    /// generating beside choice 0.
     pub(super) fn completions(&self) -> usize {
-        self.active.len() - self.busy.len()
+        self.active.len() - self.busy.len() + self.branches()
+    }
+    /// Sessions held by choices generating beside their completion's choice 0.
+    fn branches(&self) -> usize {
+        self.active
+            .iter()
+            .filter_map(|a| a.choices.as_ref())
+            .map(|c| c.branches.len())
+            .sum()
+    }
+    /// Sessions the generating set holds (what [`Worker::generating_capacity`] bounds).
+    fn generating(&self) -> usize {
+        self.active.len() + self.branches()
     }
 }
 
@@ -93,7 +124,7 @@ impl Worker {
     /// Take a completion job: set it up and add it to the generating set, or queue it when
     /// the set is full.
     pub(super) fn start_completion(&mut self, job: Job) {
-        if self.sched.active.len() >= self.generating_capacity() {
+        if self.sched.generating() >= self.generating_capacity() {
             self.sched.waiting.push_back(job);
             self.publish_schedule();
             return;
@@ -299,12 +330,39 @@ impl Worker {
         // Several choices: the boundary each later one starts from (one device copy before
         // the first token).
         if a.req.n > 1 {
+            let boundary = a.s.snapshot()?;
+            // Side by side when a session per choice fits in the generating set (`a` is out
+            // of the set while it advances: it counts itself).
+            let room = self
+                .generating_capacity()
+                .saturating_sub(self.sched.generating() + 1);
+            let mut branches = Vec::new();
+            if room >= a.req.n - 1 {
+                for i in 1..a.req.n {
+                    let mut s = match self.pool.pop() {
+                        Some(s) => s,
+                        None => self.fresh_session()?,
+                    };
+                    s.restore(&boundary)?;
+                    s.set_sampler(choice_sampler(&a.sampler, i));
+                    let g = self.gen_start(&s, &a.req, a.enqueued);
+                    branches.push(Branch {
+                        index: i,
+                        s,
+                        g,
+                        done: false,
+                    });
+                }
+            }
             a.choices = Some(Choices {
-                boundary: a.s.snapshot()?,
+                boundary,
                 index: 0,
                 done: Vec::with_capacity(a.req.n),
                 completion_tokens: 0,
                 spec: None,
+                branches,
+                zero_done: false,
+                streaming: 0,
             });
         }
         a.g = Some(self.gen_start(&a.s, &a.req, a.enqueued));
@@ -363,7 +421,7 @@ impl Worker {
                 }
             }
         }
-        while self.sched.active.len() < self.generating_capacity() {
+        while self.sched.generating() < self.generating_capacity() {
             let Some(job) = self.sched.waiting.pop_front() else {
                 break;
             };
@@ -384,27 +442,41 @@ impl Worker {
             return;
         }
         let max = self.model.max_seq();
-        let mut picked: Vec<(&mut Active, u32)> = self
-            .sched
-            .active
-            .iter_mut()
-            .filter_map(|a| {
-                let t = a.g.as_ref()?.feed_due(&a.req, a.s.pos(), max)?;
-                Some((a, t))
-            })
-            .collect();
+        let mut picked: Vec<(&mut Session, &mut GenState, u32)> = Vec::new();
+        for a in self.sched.active.iter_mut() {
+            let Active {
+                s, g, req, choices, ..
+            } = a;
+            let zero_done = choices.as_ref().is_some_and(|c| c.zero_done);
+            if let Some(g) = g.as_mut()
+                && !zero_done
+                && let Some(t) = g.feed_due(req, s.pos(), max)
+            {
+                picked.push((s, g, t));
+            }
+            for b in choices.iter_mut().flat_map(|c| c.branches.iter_mut()) {
+                if !b.done
+                    && let Some(t) = b.g.feed_due(req, b.s.pos(), max)
+                {
+                    picked.push((&mut b.s, &mut b.g, t));
+                }
+            }
+        }
         if picked.len() < 2 {
             return;
         }
-        let toks: Vec<u32> = picked.iter().map(|(_, t)| *t).collect();
-        let mut sessions: Vec<&mut Session> = picked.iter_mut().map(|(a, _)| &mut a.s).collect();
-        if self.model.step_batch(&mut sessions, &toks).is_ok() {
+        let toks: Vec<u32> = picked.iter().map(|p| p.2).collect();
+        let fed = {
+            let mut sessions: Vec<&mut Session> = picked.iter_mut().map(|p| &mut *p.0).collect();
+            self.model.step_batch(&mut sessions, &toks).is_ok()
+        };
+        if fed {
             self.metrics.batched_steps.fetch_add(1, Ordering::Relaxed);
             self.metrics
                 .batched_rows
                 .fetch_add(toks.len() as u64, Ordering::Relaxed);
-            for (a, _) in picked {
-                a.g.as_mut().expect("picked").fed();
+            for (_, g, _) in picked {
+                g.fed();
             }
         }
     }
@@ -424,6 +496,9 @@ impl Worker {
         }
         let first_choice = a.choices.as_ref().is_none_or(|c| c.index == 0);
         let cache = (a.cache_prompt && first_choice).then(|| a.tenant.clone());
+        if a.choices.as_ref().is_some_and(|c| !c.branches.is_empty()) {
+            return self.advance_side_by_side(a, cache);
+        }
         let g = a.g.as_mut().expect("generating");
         if !self.gen_step(&mut a.s, g, &a.req, a.stream.as_ref(), cache.as_ref())? {
             return Ok(false);
@@ -466,6 +541,47 @@ impl Worker {
         Ok(false)
     }
 
+    /// One token of every choice of `a` still generating, choice 0 and its branches (a
+    /// completion whose choices run side by side); `true` when all have ended.
+    fn advance_side_by_side(&mut self, a: &mut Active, cache: Option<Tenant>) -> WResult<bool> {
+        let Active {
+            s,
+            g,
+            req,
+            stream,
+            sampler,
+            choices,
+            ..
+        } = a;
+        let c = choices.as_mut().expect("choices side by side");
+        let g = g.as_mut().expect("generating");
+        let mut gone = false;
+        if !c.zero_done {
+            switch_choice(c, 0, stream.as_ref());
+            if self.gen_step(s, g, req, stream.as_ref(), cache.as_ref())? {
+                let out = self.gen_end(g, stream.as_ref());
+                gone |= out.finish == "cancelled";
+                record_choice(c, 0, out, req, sampler, stream.as_ref());
+                c.zero_done = true;
+            }
+        }
+        for i in 0..c.branches.len() {
+            if c.branches[i].done || gone {
+                continue;
+            }
+            let index = c.branches[i].index;
+            switch_choice(c, index, stream.as_ref());
+            let b = &mut c.branches[i];
+            if self.gen_step(&mut b.s, &mut b.g, req, stream.as_ref(), None)? {
+                let out = self.gen_end(&mut b.g, stream.as_ref());
+                b.done = true;
+                gone |= out.finish == "cancelled";
+                record_choice(c, index, out, req, sampler, stream.as_ref());
+            }
+        }
+        Ok(gone || (c.zero_done && c.branches.iter().all(|b| b.done)))
+    }
+
     /// An ended completion: its summary to the client, its capsule to the store, its session
     /// to the pool.
     fn answer(&mut self, mut a: Active) {
@@ -473,14 +589,19 @@ impl Worker {
             return self.answer_session(id, a);
         }
         let summary = match a.choices.take() {
-            Some(c) => json!({
+            Some(mut c) => {
+                // Side by side, choices end in any order; the answer lists them by index.
+                c.done.sort_by_key(|v| v["index"].as_u64());
+                self.pool.extend(c.branches.drain(..).map(|b| b.s));
+                json!({
                 "choices": c.done,
                 "completion_tokens": c.completion_tokens,
                 "prompt_tokens": a.prompt_len,
                 "cached_tokens": a.cached,
                 "seed": a.sampler.seed,
                 "speculative": spec_json(&c.spec),
-            }),
+                })
+            }
             None => {
                 let g = self.gen_end(a.g.as_mut().expect("generated"), a.stream.as_ref());
                 // The session stands before the last token (never fed: nothing will read
@@ -617,4 +738,43 @@ fn fail(rep: &mut Replier, stream: Option<&mpsc::UnboundedSender<Event>>, e: Api
         let _ = tx.send(Event::Error(e.clone()));
     }
     rep.send(Err(e));
+}
+
+/// Side by side: tell the stream that the tokens that follow are choice `i`'s (the SSE layer
+/// keeps each choice's own first-chunk and offset state).
+fn switch_choice(c: &mut Choices, i: usize, stream: Option<&mpsc::UnboundedSender<Event>>) {
+    if c.streaming != i {
+        c.streaming = i;
+        if let Some(tx) = stream {
+            let _ = tx.send(Event::Choice(i));
+        }
+    }
+}
+
+/// Choice `i` ended with `out`: its entry in the answer, its finish chunk on the stream.
+fn record_choice(
+    c: &mut Choices,
+    i: usize,
+    out: Generated,
+    req: &GenReq,
+    sampler: &SamplerState,
+    stream: Option<&mpsc::UnboundedSender<Event>>,
+) {
+    c.completion_tokens += out.tokens.len();
+    if let Some(st) = out.spec {
+        *c.spec.get_or_insert_with(Default::default) += st;
+    }
+    if let Some(tx) = stream {
+        let _ = tx.send(Event::ChoiceEnd(
+            json!({"index": i, "finish_reason": out.finish}),
+        ));
+    }
+    c.done.push(json!({
+        "index": i,
+        "tokens": out.tokens,
+        "text": out.text,
+        "finish_reason": out.finish,
+        "seed": choice_sampler(sampler, i).seed,
+        "logprobs": logprobs_json(req, &out.logprobs),
+    }));
 }
