@@ -1076,5 +1076,45 @@ fn fork_n_makes_branches_that_draw_apart() {
         got[1] != got[0] && got[2] != got[1] && got[2] != got[0],
         "{got:?}"
     );
+
+    // The same three branches generated in one batched generate: each answers what its own
+    // generate answered, in the listed order, and an unknown or repeated id is its own error.
+    let again = c.ok("/v1/sessions", &json!({"tokens": head, "sampler": sampler}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let f = c.ok(&format!("/v1/sessions/{again}/fork"), &json!({"n": 3}));
+    let fresh: Vec<String> = f["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap().to_string())
+        .collect();
+    let mut listed = vec![fresh[2].clone(), "0".repeat(32)];
+    listed.extend([fresh[0].clone(), fresh[1].clone()]);
+    let r = c.ok(
+        "/v1/sessions/generate",
+        &json!({"sessions": listed, "max_tokens": 10, "ignore_eos": true}),
+    );
+    let results = r["results"].as_array().unwrap();
+    assert_eq!(results.len(), 4);
+    assert_eq!(results[1]["status"], 404, "{}", results[1]);
+    for (at, branch) in [(0, 2), (2, 0), (3, 1)] {
+        assert_eq!(results[at]["session"], listed[at]);
+        assert_eq!(ids(&results[at]["tokens"]), got[branch], "branch {branch}");
+    }
+    for (bad, code) in [
+        (json!({"sessions": []}), "invalid_sessions"),
+        (
+            json!({"sessions": [fresh[0], fresh[0]]}),
+            "invalid_sessions",
+        ),
+        (
+            json!({"sessions": [fresh[0]], "stream": true}),
+            "unsupported_parameter",
+        ),
+    ] {
+        assert_4xx(&c.post("/v1/sessions/generate", &bad), 400, code);
+    }
     server.shutdown().unwrap();
 }

@@ -106,6 +106,7 @@ fuzz_target!(|data: &[u8]| {
         16 => ("GET", "/metrics".to_string()),
         17 => ("POST", format!("/v1/sessions/{}", String::from_utf8_lossy(&body[..body.len().min(8)]).escape_default())),
         18 => ("DELETE", "/v1/sessions/zzzz".to_string()),
+        19 if which & 0x20 == 0 => ("POST", "/v1/sessions/generate".to_string()),
         _ => ("GET", "/health".to_string()),
     };
     let ctype = if ct & 1 == 0 { "application/json" } else { "application/octet-stream" };

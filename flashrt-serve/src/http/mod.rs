@@ -113,6 +113,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/sessions/{id}/append", post(append))
         .route("/v1/sessions/{id}/generate", post(generate))
+        .route("/v1/sessions/generate", post(generate_many))
         .route("/v1/sessions/{id}/snapshot", post(snapshot))
         .route("/v1/sessions/{id}/restore", post(restore))
         .route("/v1/sessions/{id}/rollback", post(rollback))
@@ -315,6 +316,14 @@ async fn read_body(st: &AppState, body: Body) -> Result<Bytes, ApiError> {
 
 /// Send a command and await its answer.
 async fn call(st: &AppState, cmd: Cmd) -> Result<Out, ApiError> {
+    send(st, cmd)?
+        .await
+        .map_err(|_| ApiError::new(503, "shutting_down", "the model worker has stopped"))?
+}
+
+/// Queue `cmd` for the worker; the answer comes on the returned channel. Several jobs queued
+/// before any answer is awaited are taken up together (a batched generate).
+fn send(st: &AppState, cmd: Cmd) -> Result<oneshot::Receiver<Result<Out, ApiError>>, ApiError> {
     let tenant = current_tenant()?;
     let (tx, rx) = oneshot::channel();
     st.jobs
@@ -332,8 +341,7 @@ async fn call(st: &AppState, cmd: Cmd) -> Result<Out, ApiError> {
                 ApiError::new(503, "shutting_down", "the model worker has stopped")
             }
         })?;
-    rx.await
-        .map_err(|_| ApiError::new(503, "shutting_down", "the model worker has stopped"))?
+    Ok(rx)
 }
 
 async fn call_json(st: &AppState, cmd: Cmd) -> Response {

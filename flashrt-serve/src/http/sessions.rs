@@ -159,6 +159,106 @@ pub(super) async fn generate(State(st): St, Path(id): Path<String>, body: Body) 
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
+struct GenerateManyBody {
+    sessions: Vec<String>,
+    max_tokens: Option<usize>,
+    sampler: Option<SamplerBody>,
+    stop_token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    ignore_eos: bool,
+    logprobs: Option<usize>,
+}
+
+/// Sessions generating one batched generate may list (the most a batched step takes).
+const MAX_GENERATE_MANY: usize = 8;
+
+/// `POST /v1/sessions/generate`: one generate of several sessions at once (the branches of a
+/// fork, a robot's streams): queued together, they join the worker's generating set in
+/// consecutive rounds (one job per round), and from then on every round feeds them in one
+/// batched step. `results[i]` is what `generate` on `sessions[i]` answers
+/// (or its error); a `sampler` applies to each session (else each keeps its own and its RNG
+/// position). Not streamed: stream each session's own `generate` for that.
+pub(super) async fn generate_many(State(st): St, body: Body) -> Response {
+    let r = async {
+        let b: GenerateManyBody = parse(&st, body).await?;
+        if b.sessions.is_empty() || b.sessions.len() > MAX_GENERATE_MANY {
+            return Err(ApiError::bad(
+                "invalid_sessions",
+                format!(
+                    "`sessions` lists 1 to {MAX_GENERATE_MANY} session ids, not {}",
+                    b.sessions.len()
+                ),
+            ));
+        }
+        for (i, id) in b.sessions.iter().enumerate() {
+            check_id(id, "unknown_session")?;
+            if b.sessions[..i].contains(id) {
+                return Err(ApiError::bad(
+                    "invalid_sessions",
+                    format!("session `{id}` is listed twice"),
+                ));
+            }
+        }
+        let req = GenReq {
+            max_tokens: max_tokens(&st, b.max_tokens, 16)?,
+            sampler: b.sampler.map(|s| s.build(&st)).transpose()?,
+            stop: stops(&st, b.stop_token_ids, b.ignore_eos),
+            stop_strings: Vec::new(),
+            logprobs: super::openai::top_logprobs_count(b.logprobs)?,
+            speculative: Some(0),
+            n: 1,
+        };
+        // Every job queued before any answer is awaited, so the worker takes them up together.
+        let pending = b
+            .sessions
+            .into_iter()
+            .map(|session| {
+                send(
+                    &st,
+                    Cmd::Generate {
+                        session,
+                        req: req.clone(),
+                        stream: None,
+                    },
+                )
+            })
+            .collect::<Vec<_>>();
+        let mut results = Vec::with_capacity(pending.len());
+        for p in pending {
+            let answer = match p {
+                Ok(rx) => rx.await.unwrap_or_else(|_| {
+                    Err(ApiError::new(
+                        503,
+                        "shutting_down",
+                        "the model worker has stopped",
+                    ))
+                }),
+                Err(e) => Err(e),
+            };
+            // A session's failure is its entry (with the status its own generate would have
+            // answered), not the batch's.
+            let failed = |e: ApiError| {
+                let mut v = e.body();
+                v["status"] = json!(e.status);
+                v
+            };
+            results.push(match answer {
+                Ok(Out::Json(v)) => v,
+                Ok(_) => failed(ApiError::new(500, "internal", "unexpected answer")),
+                Err(e) => failed(e),
+            });
+        }
+        Ok(json!({ "results": results }))
+    }
+    .await;
+    match r {
+        Ok(v) => ok(v),
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 struct SnapshotBody {
     #[serde(default)]
     persist: bool,
