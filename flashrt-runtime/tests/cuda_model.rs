@@ -415,10 +415,7 @@ fn mtp_phases_track_cpu() {
     let Some(gpu) = cuda("mtp_phases_track_cpu") else {
         return;
     };
-    let json = QWEN_LIKE.replace(
-        "\"num_hidden_layers\": 4,",
-        "\"num_hidden_layers\": 4, \"mtp_num_hidden_layers\": 1,",
-    );
+    let json = qwen_like_mtp();
     let ir = ir_of(&json, DType::Bf16, &[8, 32], 256);
     assert!(ir.mtp.is_some(), "the config should have an MTP head");
     let run = |backend: Arc<dyn Backend>| {
@@ -807,11 +804,7 @@ fn speculative_greedy_matches_plain_on_gpu() {
     let Some(gpu) = cuda("speculative_greedy_matches_plain_on_gpu") else {
         return;
     };
-    let json = QWEN_LIKE.replace(
-        "\"num_hidden_layers\": 4,",
-        "\"num_hidden_layers\": 4, \"mtp_num_hidden_layers\": 1,",
-    );
-    assert_ne!(json, QWEN_LIKE, "the MTP key was inserted");
+    let json = qwen_like_mtp();
     let ir = ir_of(&json, DType::Bf16, &[8, 32], 512);
     assert!(ir.mtp.is_some());
     let model = Model::with_random_weights(gpu, &ir, 3).expect("model");
@@ -866,10 +859,7 @@ fn speculative_capsule_mid_run_restores_exactly_on_gpu() {
     let Some(gpu) = cuda("speculative_capsule_mid_run_restores_exactly_on_gpu") else {
         return;
     };
-    let json = QWEN_LIKE.replace(
-        "\"num_hidden_layers\": 4,",
-        "\"num_hidden_layers\": 4, \"mtp_num_hidden_layers\": 1,",
-    );
+    let json = qwen_like_mtp();
     let ir = ir_of(&json, DType::Bf16, &[8, 32], 512);
     let model = Model::with_random_weights(gpu, &ir, 3).expect("model");
     let p = prompt(33, model.vocab(), 12);
@@ -1200,19 +1190,9 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
     let Some(gpu) = cuda("batched_decode_rows_equal_single_steps_on_gpu") else {
         return;
     };
-    let mtp = QWEN_LIKE.replace(
-        "\"num_hidden_layers\": 4,",
-        "\"num_hidden_layers\": 4, \"mtp_num_hidden_layers\": 1,",
-    );
+    let mtp = qwen_like_mtp();
     // And with small phases' 16-bit matmuls on the tensor cores (`gemv16m`, opt-in).
-    let mma: Arc<dyn Backend> = cuda_with(
-        "batched decode (gemv16m)",
-        CudaOptions {
-            gemv16_mma: true,
-            ..CudaOptions::default()
-        },
-    )
-    .expect("a CUDA device");
+    let mma: Arc<dyn Backend> = cuda_gemv16m("batched decode").expect("a CUDA device");
     let gpu: Arc<dyn Backend> = gpu;
     // (what, config, dtype, batched on the device, backend)
     type Case<'a> = (&'a str, &'a str, DType, bool, &'a Arc<dyn Backend>);

@@ -86,13 +86,7 @@ fn rms_norm() {
 fn linear() {
     let Some(gpu) = cuda("linear") else { return };
     // And with small phases' 16-bit matmuls on the tensor cores (`gemv16m`, opt-in).
-    let mma = cuda_with(
-        "linear (gemv16m)",
-        CudaOptions {
-            gemv16_mma: true,
-            ..CudaOptions::default()
-        },
-    );
+    let mma = cuda_gemv16m("linear");
     for (gpu, dtype) in std::iter::once(gpu)
         .chain(mma)
         .flat_map(|g| DTYPES.map(|d| (g.clone(), d)))
@@ -358,13 +352,7 @@ fn gemv_groups_and_glu() {
     let Some(gpu) = cuda("gemv_groups_and_glu") else {
         return;
     };
-    let mma = cuda_with(
-        "gemv_groups_and_glu (gemv16m)",
-        CudaOptions {
-            gemv16_mma: true,
-            ..CudaOptions::default()
-        },
-    );
+    let mma = cuda_gemv16m("gemv_groups_and_glu");
     for (gpu, dtype) in std::iter::once(gpu)
         .chain(mma)
         .flat_map(|g| DTYPES.map(|d| (g.clone(), d)))

@@ -55,6 +55,18 @@ pub fn cuda_with(test: &str, options: CudaOptions) -> Option<Arc<CudaBackend>> {
     }
 }
 
+/// The CUDA backend with small phases' 16-bit matmuls on the tensor cores (`gemv16m`,
+/// opt-in), or `None` as [`cuda_with`].
+pub fn cuda_gemv16m(test: &str) -> Option<Arc<CudaBackend>> {
+    cuda_with(
+        &format!("{test} (gemv16m)"),
+        CudaOptions {
+            gemv16_mma: true,
+            ..CudaOptions::default()
+        },
+    )
+}
+
 pub fn cpu() -> Arc<dyn Backend> {
     Arc::new(CpuBackend::with_threads(4))
 }
@@ -85,6 +97,16 @@ pub const QWEN_LIKE: &str = r#"{
   "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
   "tie_word_embeddings": false, "hidden_act": "silu", "dtype": "bfloat16"
 }"#;
+
+/// [`QWEN_LIKE`] with one MTP layer.
+pub fn qwen_like_mtp() -> String {
+    let json = QWEN_LIKE.replace(
+        "\"num_hidden_layers\": 4,",
+        "\"num_hidden_layers\": 4, \"mtp_num_hidden_layers\": 1,",
+    );
+    assert_ne!(json, QWEN_LIKE, "the MTP key was inserted");
+    json
+}
 
 // ---- random data ------------------------------------------------------------------------
 

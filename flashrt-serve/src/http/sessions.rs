@@ -91,21 +91,40 @@ struct GenerateBody {
     logprobs: Option<usize>,
 }
 
+/// A sessions-API generation request (`generate` and `sessions/generate` take the same fields).
+fn session_gen_req(
+    st: &AppState,
+    max: Option<usize>,
+    sampler: Option<SamplerBody>,
+    stop_token_ids: Option<Vec<u32>>,
+    ignore_eos: bool,
+    logprobs: Option<usize>,
+) -> Result<GenReq, ApiError> {
+    Ok(GenReq {
+        max_tokens: max_tokens(st, max, 16)?,
+        sampler: sampler.map(|s| s.build(st)).transpose()?,
+        stop: stops(st, stop_token_ids, ignore_eos),
+        stop_strings: Vec::new(),
+        logprobs: super::openai::top_logprobs_count(logprobs)?,
+        // A session must stand exactly after the tokens it returned; a speculative round may
+        // commit past a stop token, so the sessions API decodes plainly.
+        speculative: Some(0),
+        n: 1,
+    })
+}
+
 pub(super) async fn generate(State(st): St, Path(id): Path<String>, body: Body) -> Response {
     let r = async {
         check_id(&id, "unknown_session")?;
         let b: GenerateBody = parse(&st, body).await?;
-        let req = GenReq {
-            max_tokens: max_tokens(&st, b.max_tokens, 16)?,
-            sampler: b.sampler.map(|s| s.build(&st)).transpose()?,
-            stop: stops(&st, b.stop_token_ids, b.ignore_eos),
-            stop_strings: Vec::new(),
-            logprobs: super::openai::top_logprobs_count(b.logprobs)?,
-            // A session must stand exactly after the tokens it returned; a speculative round
-            // may commit past a stop token, so the sessions API decodes plainly.
-            speculative: Some(0),
-            n: 1,
-        };
+        let req = session_gen_req(
+            &st,
+            b.max_tokens,
+            b.sampler,
+            b.stop_token_ids,
+            b.ignore_eos,
+            b.logprobs,
+        )?;
         Ok::<_, ApiError>((req, b.stream))
     }
     .await;
@@ -199,15 +218,14 @@ pub(super) async fn generate_many(State(st): St, body: Body) -> Response {
                 ));
             }
         }
-        let req = GenReq {
-            max_tokens: max_tokens(&st, b.max_tokens, 16)?,
-            sampler: b.sampler.map(|s| s.build(&st)).transpose()?,
-            stop: stops(&st, b.stop_token_ids, b.ignore_eos),
-            stop_strings: Vec::new(),
-            logprobs: super::openai::top_logprobs_count(b.logprobs)?,
-            speculative: Some(0),
-            n: 1,
-        };
+        let req = session_gen_req(
+            &st,
+            b.max_tokens,
+            b.sampler,
+            b.stop_token_ids,
+            b.ignore_eos,
+            b.logprobs,
+        )?;
         // Every job queued before any answer is awaited, so the worker takes them up together.
         let pending = b
             .sessions

@@ -509,24 +509,9 @@ impl Worker {
         // A choice ended: record it, and start the next one from the prompt boundary.
         let g = self.gen_end(a.g.as_mut().expect("generating"), a.stream.as_ref());
         let i = c.index;
-        c.completion_tokens += g.tokens.len();
-        if let Some(st) = g.spec {
-            *c.spec.get_or_insert_with(Default::default) += st;
-        }
-        if let Some(tx) = &a.stream {
-            let _ = tx.send(Event::ChoiceEnd(
-                json!({"index": i, "finish_reason": g.finish}),
-            ));
-        }
-        c.done.push(json!({
-            "index": i,
-            "tokens": g.tokens,
-            "text": g.text,
-            "finish_reason": g.finish,
-            "seed": choice_sampler(&a.sampler, i).seed,
-            "logprobs": logprobs_json(&a.req, &g.logprobs),
-        }));
-        if g.finish == "cancelled" || i + 1 >= a.req.n {
+        let cancelled = g.finish == "cancelled";
+        record_choice(c, i, g, &a.req, &a.sampler, a.stream.as_ref());
+        if cancelled || i + 1 >= a.req.n {
             return Ok(true);
         }
         c.index = i + 1;
