@@ -80,6 +80,11 @@ struct GemvParams {
     // FP8 weights: rows and columns of a scale block (`qbc` a multiple of 16).
     int qbr;
     int qbc;
+    // `gemv8m_*` / `gemv16m_*` (gemv_mma.cu): the split tiles' partial sums (two slots of 128
+    // floats per warp of the launch) and arrival counters (one per warp), all zero between
+    // launches.
+    float* part;
+    unsigned* cnt;
     GemvMat m[GEMV_MATS];
 };
 

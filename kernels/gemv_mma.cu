@@ -16,19 +16,26 @@
 // 2^-39 of the row's largest lose bits, to f16 subnormals). The result is scaled back by 1 / f_r
 // in f32, exactly. f_r depends on row r alone, so rows round alike at any R.
 //
-// Work split. A tile is 16 weight rows: two halves of 8 (rows j0 .. j0 + 7 and j0 + 8 .. j0 + 15
-// of one matrix, or in `glu` mode gate rows j0 .. j0 + 7 and the up rows with the same
-// indices), one block per tile. The block's warps split k into 128-wide steps (warp w takes a
-// contiguous range of them; a step never straddles a scale block): per step, lane (g, q)
-// (g = lane / 4, q = lane % 4) loads 32 codes of tile row g and 32 of row g + 8, at the step's
-// columns 16q .. 16q + 15 and 64 + 16q .. 64 + 16q + 15 (16-byte streaming loads past L1; the four
-// lanes of a row read 64 contiguous bytes per load), and the 32 inputs of input row g at the
-// same columns when g < R. The MMA's k order is a permutation of the step's columns (logical
-// columns 2q, 2q + 1, 2q + 8, 2q + 9 of MMA t are the lane's t-th group of 4 columns), the same
-// for both operands, so each lane's loads feed its fragments without shuffles. Each warp keeps
-// GEMVM_RING steps of weights in flight (the first requested before the prologue). A step's
-// partial sums are scaled by each row's block scale and accumulated in f32; the warps' sums
-// are added in a fixed order.
+// Work split (stream-K). A tile is 16 weight rows: two halves of 8 (rows j0 .. j0 + 7 and
+// j0 + 8 .. j0 + 15 of one matrix, or in `glu` mode gate rows j0 .. j0 + 7 and the up rows with
+// the same indices) over all of k, in 128-wide steps (a step never straddles a scale block).
+// The launch's S = tiles x k / 128 steps, tile after tile, are dealt to its TW warps as equal
+// contiguous ranges (the grid is a few resident blocks per SM, chosen by the host from the shape
+// alone), so every warp streams the same bytes without pause from its first step to its last,
+// across tile boundaries: no block waits on another, no wave is half empty, and the prologue
+// runs once per block. Per step, lane (g, q) (g = lane / 4, q = lane % 4) loads 32 codes of
+// tile row g and 32 of row g + 8 at the step's columns 16q .. 16q + 15 and 64 + 16q .. 64 + 16q
+// + 15 (16-byte streaming loads past L1; the four lanes of a row read 64 contiguous bytes, whole
+// sectors, per load), and the 32 inputs of input row g at the same columns when g < R. The
+// MMA's k order is a permutation of the step's columns (logical columns 2q, 2q + 1, 2q + 8,
+// 2q + 9 of MMA t are the lane's t-th group of 4 columns), the same for both operands, so each
+// lane's loads feed its fragments without shuffles. Each warp keeps a ring of steps in flight
+// (the first requested before the prologue, refilled as used). A step's sums are scaled by
+// each row's block scale and accumulated in f32. A tile whose steps fall to two or more warps
+// (at most one tile per warp boundary) is finished by the last of them to arrive: each writes
+// its share to its slot in `part` and counts itself in `cnt`, the last adds the shares in warp
+// order and stores. Every output is thus the same sum in the same order whatever R is, and
+// whichever warp arrives last.
 //
 // Prologue: one pass over the R input rows from L2 takes each row's largest magnitude (with a
 // fused RMSNorm, `norm`: its sum of squares and the largest |x * s|, s the norm weight) and,
@@ -36,18 +43,19 @@
 // there; then the staged rows become their f16 operands in place — after the norm, normalised
 // and rounded to the element type first, as the separate `rms_norm` op stores them (block 0
 // also writes those to `norm_out`). Rows not staged are read from global memory and converted
-// at each step. Rows of shared memory are padded by 16 bytes: the fragment loads are
-// conflict-free. The epilogue is gemv.cu's: outputs in the element type or f32 (accumulating
+// at each step. Rows of shared memory are padded (16 bytes; 64 for 16-bit weights): the
+// fragment loads are conflict-free. The epilogue is gemv.cu's: outputs in the element type or f32 (accumulating
 // when asked), or the glu product from the rounded gate and up values.
 //
-// Traffic: n * k bytes of codes plus the scales; R * k input elements per block from L2.
-// Requires k % 128 == 0, 16-byte aligned rows, and with the norm R * (k + 8) 16-bit elements of
-// shared memory (the host checks and otherwise uses `gemv8_*`).
+// Traffic: n * k bytes of codes plus the scales; R * k input elements per block from L2; 512
+// bytes per split tile and warp through L2. Requires k % 128 == 0, k >= 128 x the ring depth,
+// 16-byte aligned rows, and with the norm R * (k + pad) 16-bit elements of shared memory (the
+// host checks and otherwise uses `gemv8_*`).
 //
 // 16-bit weights (`gemv16m_*`, the same kernel with W16): bf16/f16 weights are already MMA
 // operands, so the rows x weights products run on the tensor cores (bf16 x bf16 or f16 x f16,
 // f32 accumulation) with no conversion at all: a lane's 32 columns of a tile row are 64 bytes
-// (four 16-byte loads), the inputs are the rows as stored (no power-of-two scaling: they are
+// (four 16-byte loads, at 16q + 64i bytes of the step's 256), the inputs are the rows as stored (no power-of-two scaling: they are
 // operands of their own type), and there are no block scales. On the CUDA cores (`gemv_*` in
 // gemv.cu) every weight element costs an f32 conversion and one FMA per input row, so R rows
 // cost R times the instructions and a verify or batched step of 5 to 8 rows is compute-bound
@@ -57,15 +65,20 @@
 #include "common.cuh"
 
 #define GEMVM_STEP 128
-// Weight steps each warp has in flight (2 KiB each): 2 for one or two rows, whose kernels fit
-// 64 registers and so four 8-warp blocks per SM (the prologue of one block overlaps the
-// others' streaming); 4 for more rows, two blocks per SM.
-#define GEMVM_RING_OF(R) ((R) <= 2 ? 2 : 4)
-#define GEMVM_MINB_OF(R, WARPS) ((GEMVM_RING_OF(R) == 2 ? 24 : 16) / (WARPS))
-// 16-bit weights: two 4 KiB steps per warp in flight (64 registers of loads), two 8-warp blocks
-// per SM.
+#define GEMVM_WARPS 8
+// Blocks per SM (the register budget: 128 per thread) and steps each warp keeps in flight:
+// 4 KiB steps of 16-bit weights, 2 KiB of codes, so 8 KiB per warp, 128 KiB per SM either way.
+#define GEMVM_MINB 2
+#ifndef GEMVM16_RING
 #define GEMVM16_RING 2
-#define GEMVM16_MINB_OF(WARPS) (16 / (WARPS))
+#endif
+#ifndef GEMVM8_RING
+#define GEMVM8_RING 2
+#endif
+// Shared-memory row padding of the staged inputs (elements): the fragment loads of a warp's
+// lanes (rows g, columns 8q or 16q of a step) fall in distinct banks.
+#define GEMVM16_PAD 8
+#define GEMVM8_PAD 8
 
 // Two E4M3 codes (first code in the low byte) as an f16x2 (exact).
 static __device__ __forceinline__ uint32_t gemvm_codes(unsigned short c) {
@@ -100,6 +113,17 @@ static __device__ __forceinline__ uint32_t gemvm_word(const uint4 (&v)[4], int i
     }
 }
 
+// Word i (< 8) of two 16-byte values.
+static __device__ __forceinline__ uint32_t gemvm_word2(const uint4* v, int i) {
+    const uint4 u = v[i >> 2];
+    switch (i & 3) {
+    case 0: return u.x;
+    case 1: return u.y;
+    case 2: return u.z;
+    default: return u.w;
+    }
+}
+
 // 8 values times f as f16 (round to nearest even; exact for the scaled inputs).
 static __device__ __forceinline__ uint4 gemvm_f16x8(const float (&v)[8], float f) {
     uint4 o;
@@ -123,80 +147,188 @@ static __device__ __forceinline__ float gemvm_row_scale(float amax) {
     return ldexpf(1.0f, min(max(15 - e, -120), 120));
 }
 
-// WARPS: warps per block (one tile per block). W16: weights of type T (`gemv16m_*`), else E4M3
-// codes with block scales. Waits for the previous launch itself (PDL).
-template <typename T, int R, bool NORM, int WARPS, bool W16 = false>
+// A 16-byte value from lane `src`.
+static __device__ __forceinline__ uint4 gemvm_shfl(uint4 v, int src) {
+    v.x = __shfl_sync(0xffffffffu, v.x, src);
+    v.y = __shfl_sync(0xffffffffu, v.y, src);
+    v.z = __shfl_sync(0xffffffffu, v.z, src);
+    v.w = __shfl_sync(0xffffffffu, v.w, src);
+    return v;
+}
+
+// Loads to fragments. A load instruction reads 4 rows x 128 contiguous bytes (lane 8a + b: row
+// 4 rg + a of the half, bytes 16b of the column block; `in0`, `in1`: rg = 0, 1), whole cache
+// lines, which streams at the full bandwidth where the fragments' own layout (4 lanes per row,
+// 64 bytes per row per instruction) does not (3.3 against 4.2 TB/s measured on the H200,
+// benches/kernels/gemv_pattern_micro.cu). Lane (g, q) needs 32 bytes of row g: pieces
+// b = 2q and 2q + 1 (slots `s0`, `s1`), held by lanes 8 (g % 4) + 2q + e of instruction rg =
+// g / 4. Rows g < 4 take piece 2q + e in exchange e, rows g >= 4 piece 2q + 1 - e, so every
+// source lane is read once per exchange and passes the instruction its reader wants.
+static __device__ __forceinline__ void gemvm_exchange(uint4 in0, uint4 in1, int lane, uint4& s0, uint4& s1) {
+    const int g = lane >> 2, q = lane & 3;
+    const bool lo = g < 4, odd = lane & 1;
+    const int base = 8 * (g & 3) + 2 * q;
+    const uint4 r0 = gemvm_shfl(odd ? in1 : in0, base + (lo ? 0 : 1));
+    const uint4 r1 = gemvm_shfl(odd ? in0 : in1, base + (lo ? 1 : 0));
+    s0 = lo ? r0 : r1;
+    s1 = lo ? r1 : r0;
+}
+
+// Stream-K: warp `gw` of the launch's TW warps takes the global steps [gw S / TW, (gw + 1) S / TW)
+// of the S = tiles x (k / 128) steps (tile-major), so every warp streams the same number of
+// steps (to one) whatever the shape. The warp owning global step `a`:
+// the largest w with floor(w S / TW) <= a.
+static __device__ __forceinline__ int gemvm_owner(long long a, long long S, long long tw) {
+    return (int)(((a + 1) * tw + S - 1) / S - 1);
+}
+
+// Tile t of the launch: its matrix `mi` and its first output row `j0` (glu: gate/up pair index).
+static __device__ __forceinline__ void gemvm_tile(const GemvParams& p, int t, int& mi, int& j0) {
+    mi = 0;
+    if (p.glu) {
+        j0 = t * 8;
+        return;
+    }
+    while (mi + 1 < p.nmats && t >= p.m[mi].blocks) {
+        t -= p.m[mi].blocks;
+        ++mi;
+    }
+    j0 = t * 16;
+}
+
+// Tile `t`'s finished sums (lane (g, q): v[2h + c] is tile row g + 8h, input row 2q + c) to the
+// outputs: the glu product, or the element type / f32 (accumulating when asked).
+template <typename T, int R, bool W16>
+static __device__ __forceinline__ void gemvm_store(const GemvParams& p, int t, float (&v)[4], int row0,
+                                                   const float* row_scale) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int mi, j0;
+    gemvm_tile(p, t, mi, j0);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int r = 2 * q + c;
+        if (r >= R) continue;
+        if (!W16) v[c] /= row_scale[r], v[2 + c] /= row_scale[r];
+        if (p.glu) {
+            const int j = j0 + g;
+            if (j >= p.m[0].n) continue;
+            const T gt = flashrt::from_f32<T>(v[c]);
+            const T ut = flashrt::from_f32<T>(v[2 + c]);
+            static_cast<T*>(p.m[0].out)[(size_t)r * p.m[0].ld_out + j] = gt;
+            static_cast<T*>(p.m[1].out)[(size_t)r * p.m[1].ld_out + j] = ut;
+            const float y = flashrt::apply_act(p.act, flashrt::to_f32(gt)) * flashrt::to_f32(ut);
+            static_cast<T*>(p.glu_out)[(size_t)r * p.ld_glu + j] = flashrt::from_f32<T>(y);
+            continue;
+        }
+        const GemvMat& m = p.m[mi];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int j = j0 + g + 8 * h;
+            if (j >= m.n) continue;
+            const size_t o = (size_t)(r + row0) * m.ld_out + j;
+            if (p.out_f32) {
+                float* out = static_cast<float*>(m.out);
+                out[o] = p.accumulate ? out[o] + v[2 * h + c] : v[2 * h + c];
+            } else {
+                T* out = static_cast<T*>(m.out);
+                const float prev = p.accumulate ? flashrt::to_f32(out[o]) : 0.0f;
+                out[o] = flashrt::from_f32<T>(v[2 * h + c] + prev);
+            }
+        }
+    }
+}
+
+// Weights of type T (`gemv16m_*`, W16) or E4M3 codes with block scales (`gemv8m_*`); blocks of
+// GEMVM_WARPS warps, the grid chosen by the host from the shape alone. Waits for the previous
+// launch itself (PDL).
+template <typename T, int R, bool NORM, bool W16 = false>
 static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
-    constexpr int GEMVM_RING = W16 ? GEMVM16_RING : GEMVM_RING_OF(R);
+    constexpr int WARPS = GEMVM_WARPS;
+    constexpr int RING = W16 ? GEMVM16_RING : GEMVM8_RING;
     constexpr int WB = W16 ? 2 : 1;       // weight bytes per element
     constexpr int NLD = W16 ? 8 : 4;      // 16-byte weight loads per step (both halves)
+    constexpr int PAD = W16 ? GEMVM16_PAD : GEMVM8_PAD;
     constexpr bool BF16 = W16 && GemvmIsBf16<T>::value;
     extern __shared__ __align__(16) unsigned char gemvm_smem[];
-    __shared__ float red[WARPS][4][32];
     __shared__ float nred[WARPS][2][R];
     __shared__ float row_scale[R];
 
-    int b = blockIdx.x, mi = 0;
-    while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
-        b -= p.m[mi].blocks;
-        ++mi;
-    }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, q = lane & 3;
-    const int k = p.k;
+    const int k = p.k, spt = k / GEMVM_STEP;
+    int tiles = p.m[0].blocks;
+    if (!p.glu)
+        for (int mi = 1; mi < p.nmats; ++mi) tiles += p.m[mi].blocks;
+    const long long S = (long long)tiles * spt, TW = (long long)gridDim.x * WARPS;
+    const int gw = blockIdx.x * WARPS + warp;
+    // (S < 2^31: the host checks.)
+    const int i0 = (int)(gw * S / TW), i1 = (int)((gw + 1) * S / TW);
+    const int qshift = W16 ? 0 : __ffs(p.qbc / GEMVM_STEP) - 1;
 
-    // This lane's two weight rows (half 0: tile row g, half 1: tile row g + 8) and their
-    // scale rows; rows past n read row 0 and are never written.
-    int j0;
-    const unsigned char* wr[2];
-    const float* sr[2];
+    // The fetch cursor: tile `ft`, column step `fs`, global step `fi`; this lane's two weight
+    // rows of the tile (half 0: tile row g, half 1: tile row g + 8; in glu mode gate and up row
+    // j0 + g) and their scale rows. Rows past n read row 0 and are never written.
+    int ft = i0 / spt, fs = i0 - ft * spt, fi = i0;
+    // Loads (see gemvm_exchange): lane 8a + b reads rows 4rg + a of each half, 16 bytes at 16b
+    // of each 128-byte column block; the scales are those of its fragment rows g, g + 8.
+    const int la = lane >> 3, lb = lane & 7;
+    const unsigned char* wr[2][2];
+    const float* sr[2] = {nullptr, nullptr};
+    auto point = [&](int t) {
+        int mi, j0;
+        gemvm_tile(p, t, mi, j0);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const GemvMat& m = p.glu ? p.m[h] : p.m[mi];
-        int j;
-        if (p.glu) {
-            j0 = b * 8;
-            j = j0 + g;
-        } else {
-            j0 = b * 16;
-            j = j0 + g + 8 * h;
-        }
-        if (j >= m.n) j = 0;
-        wr[h] = static_cast<const unsigned char*>(m.w) + ((size_t)j * k + 16 * q) * WB;
-        sr[h] = W16 ? nullptr : m.scale + (size_t)(j / p.qbr) * m.scale_ld;
-    }
-
-    // The weights stream through a ring of GEMVM_RING steps per warp: requested before the
-    // prologue, each slot refilled with the step GEMVM_RING later once used.
-    const int steps = k / GEMVM_STEP, qshift = W16 ? 0 : __ffs(p.qbc / GEMVM_STEP) - 1;
-    // Warp w's steps: a contiguous range, so each of its rows is read front to back.
-    const int s_begin = warp * steps / WARPS, s_end = (warp + 1) * steps / WARPS;
-    // Loads [0, NLD / 2): half 0 (tile row g), then half 1: the lane's columns 16q .. 16q + 15
-    // and 64 + 16q .. 64 + 16q + 15 of the step, in order.
-    uint4 wv[GEMVM_RING][NLD];
-    float sv[GEMVM_RING][2];
-    auto fetch = [&](int u, int s) {
-        if (s >= s_end) return;
-        const size_t kb = (size_t)s * GEMVM_STEP * WB;
-        if constexpr (W16) {
+        for (int h = 0; h < 2; ++h) {
+            const GemvMat& m = p.glu ? p.m[h] : p.m[mi];
+            const int h0 = p.glu ? j0 : j0 + 8 * h;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                wv[u][4 * h + 0] = load_stream(wr[h] + kb);
-                wv[u][4 * h + 1] = load_stream(wr[h] + kb + 16);
-                wv[u][4 * h + 2] = load_stream(wr[h] + kb + 128);
-                wv[u][4 * h + 3] = load_stream(wr[h] + kb + 144);
+            for (int rg = 0; rg < 2; ++rg) {
+                int j = h0 + 4 * rg + la;
+                if (j >= m.n) j = 0;
+                wr[h][rg] = static_cast<const unsigned char*>(m.w) + (size_t)j * k * WB + 16 * lb;
             }
-        } else {
-            wv[u][0] = load_stream(wr[0] + kb);
-            wv[u][1] = load_stream(wr[0] + kb + 64);
-            wv[u][2] = load_stream(wr[1] + kb);
-            wv[u][3] = load_stream(wr[1] + kb + 64);
-            sv[u][0] = __ldg(sr[0] + (s >> qshift));
-            sv[u][1] = __ldg(sr[1] + (s >> qshift));
+            if constexpr (!W16) {
+                int j = h0 + g;
+                if (j >= m.n) j = 0;
+                sr[h] = m.scale + (size_t)(j / p.qbr) * m.scale_ld;
+            }
         }
     };
+    if (i0 < i1) point(ft);
+    // The weights stream through a ring of RING steps per warp, requested before the prologue;
+    // each slot is refilled with the warp's next step once used, across tile boundaries. Loads
+    // of a step, per half h: W16 wv[4h + 2rg + cb] (column blocks cb of 128 bytes), codes
+    // wv[2h + rg].
+    uint4 wv[RING][NLD];
+    float sv[RING][2];
+    auto fetch = [&](int u) {
+        if (fi >= i1) return;
+        if (fs == spt) {
+            ++ft;
+            fs = 0;
+            point(ft);
+        }
+        const size_t kb = (size_t)fs * GEMVM_STEP * WB;
 #pragma unroll
-    for (int u = 0; u < GEMVM_RING; ++u) fetch(u, s_begin + u);
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int rg = 0; rg < 2; ++rg) {
+                if constexpr (W16) {
+                    wv[u][4 * h + 2 * rg] = load_stream(wr[h][rg] + kb);
+                    wv[u][4 * h + 2 * rg + 1] = load_stream(wr[h][rg] + kb + 128);
+                } else {
+                    wv[u][2 * h + rg] = load_stream(wr[h][rg] + kb);
+                }
+            }
+        if constexpr (!W16) {
+            sv[u][0] = __ldg(sr[0] + (fs >> qshift));
+            sv[u][1] = __ldg(sr[1] + (fs >> qshift));
+        }
+        ++fs;
+        ++fi;
+    };
+#pragma unroll
+    for (int u = 0; u < RING; ++u) fetch(u);
     // Weights and scales are constant while a plan runs, so the ring fills before the wait for
     // the previous launch (programmatic dependent launch); the inputs are read after it.
     flashrt::pdl_wait();
@@ -210,7 +342,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     // largest |x * s|), the rows staged in shared memory when `stage`.
     const bool stage = NORM || p.stage;
     __half* xs = reinterpret_cast<__half*>(gemvm_smem);
-    const int lds = k + 8, chunks = k >> 3;
+    const int lds = k + PAD, chunks = k >> 3;
     {
         float ss[R], am[R];
 #pragma unroll
@@ -295,132 +427,157 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     const bool feeds = g < R;
     const float fg = feeds ? row_scale[g] : 0.0f;
 
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int base = s_begin; base < s_end; base += GEMVM_RING) {
+    // A tile this warp finished (all its steps or its share): the whole tile goes straight to
+    // the outputs; a share goes to the warp's partial slot (0: its first tile, 1: its last),
+    // and the tile's last contributor to arrive adds the shares in warp order (fixed, so the
+    // result does not depend on timing) and stores them. The counter (indexed by the tile's
+    // first contributor, unique among split tiles) returns to 0 for the next launch.
+    auto finish = [&](int t, float (&a)[4]) {
+        const int ta = t * spt;
+        float v[4] = {a[0], a[1], a[2], a[3]};
+        if (ta < i0 || ta + spt > i1) {
+            const int slot = t == (int)(i0 / spt) ? 0 : 1;
+            float* mine = p.part + ((size_t)gw * 2 + slot) * 128;
 #pragma unroll
-        for (int u = 0; u < GEMVM_RING; ++u) {
-            const int s = base + u;
-            if (s >= s_end) break;
-            // Inputs 16q .. 16q + 15 and 64 + 16q .. 64 + 16q + 15 of the step, as f16 pairs.
+            for (int e = 0; e < 4; ++e) __stcg(mine + e * 32 + lane, a[e]);
+            __threadfence();
+            __syncwarp();
+            const int wf = gemvm_owner(ta, S, TW), wl = gemvm_owner(ta + spt - 1, S, TW);
+            unsigned seen = 0;
+            if (lane == 0) seen = atomicAdd(p.cnt + wf, 1u);
+            seen = __shfl_sync(0xffffffffu, seen, 0);
+            if (seen != (unsigned)(wl - wf)) return;
+            __threadfence();
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = 0.0f;
+            for (int w = wf; w <= wl; ++w) {
+                const int ws = t == (int)((long long)w * S / TW / spt) ? 0 : 1;
+                const float* part = p.part + ((size_t)w * 2 + ws) * 128;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) v[e] += __ldcg(part + e * 32 + lane);
+            }
+            if (lane == 0) p.cnt[wf] = 0;
+        }
+        gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
+    };
+
+    // The consume cursor: tile `ct`, column step `cs`. A round of RING steps crosses at most
+    // one tile boundary (the host requires k >= RING x 128): steps after it add to `accn`.
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, accn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int ct = i0 / spt, cs = i0 - ct * spt, i = i0;
+    while (i < i1) {
+        bool crossed = false;
+#pragma unroll
+        for (int u = 0; u < RING; ++u) {
+            if (i >= i1) break;
+            // Inputs of the step at the lane's columns, as operand pairs (the weights' order).
+            // (16-bit weights: per column block, below.)
             uint4 xv[4];
-            if (!feeds) {
+            if (!feeds || W16) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) xv[i] = make_uint4(0, 0, 0, 0);
+                for (int e = 0; e < 4; ++e) xv[e] = make_uint4(0, 0, 0, 0);
             } else if (stage) {
-                const uint4* xp = reinterpret_cast<const uint4*>(xs + (size_t)g * lds + (size_t)s * GEMVM_STEP + 16 * q);
+                {
+                    const uint4* xp = reinterpret_cast<const uint4*>(xs + (size_t)g * lds + (size_t)cs * GEMVM_STEP + 32 * q);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) xv[i] = xp[(i >> 1) * 8 + (i & 1)];
+                    for (int e = 0; e < 4; ++e) xv[e] = xp[e];
+                }
             } else {
-                const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)g * p.ld_x + (size_t)s * GEMVM_STEP + 16 * q);
+                const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)g * p.ld_x + (size_t)cs * GEMVM_STEP + 32 * q);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const uint4 raw = __ldg(xp + (i >> 1) * 8 + (i & 1));
-                    if constexpr (W16) {
-                        xv[i] = raw;
-                    } else {
-                        float xf[8];
-                        flashrt::unpack16<T>(raw, xf);
-                        xv[i] = gemvm_f16x8(xf, fg);
-                    }
+                for (int e = 0; e < 4; ++e) {
+                    float xf[8];
+                    flashrt::unpack16<T>(__ldg(xp + e), xf);
+                    xv[e] = gemvm_f16x8(xf, fg);
                 }
             }
+            const float sc0 = W16 ? 1.0f : sv[u][0], sc1 = W16 ? 1.0f : sv[u][1];
             float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if constexpr (W16) {
+                // Per 128-byte column block cb, the weights as fragments: fr[2h + e] (row g + 8h,
+                // columns 64cb + 16q + 8e .. + 7), then MMAs t = 4cb .. 4cb + 3: the lane's words
+                // 2t, 2t + 1 of each half and the inputs' same words.
 #pragma unroll
-            for (int t = 0; t < 8; ++t) {
-                if constexpr (W16) {
-                    // MMA t: the lane's columns 4t .. 4t + 3 of each half (words 2t, 2t + 1).
-                    const uint4 (&ha)[4] = *reinterpret_cast<const uint4(*)[4]>(&wv[u][0]);
-                    const uint4 (&hb)[4] = *reinterpret_cast<const uint4(*)[4]>(&wv[u][4]);
-                    const uint32_t a0 = gemvm_word(ha, 2 * t), a2 = gemvm_word(ha, 2 * t + 1);
-                    const uint32_t a1 = gemvm_word(hb, 2 * t), a3 = gemvm_word(hb, 2 * t + 1);
-                    if constexpr (BF16)
-                        gemvm_mma_bf16(d, a0, a1, a2, a3, gemvm_word(xv, 2 * t), gemvm_word(xv, 2 * t + 1));
-                    else
-                        gemvm_mma(d, a0, a1, a2, a3, gemvm_word(xv, 2 * t), gemvm_word(xv, 2 * t + 1));
-                } else {
-                    // MMA t: word t of the lane's 32 codes of each row.
-                    const uint32_t ca = gemvm_word(wv[u], t), cb = gemvm_word(wv[u], 8 + t);
+                for (int cb = 0; cb < 2; ++cb) {
+                    // Inputs 64cb + 16q + 8e .. + 7 of the step (row g).
+                    uint4 xw[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+                    if (feeds) {
+                        const size_t at = (size_t)cs * GEMVM_STEP + 64 * cb + 16 * q;
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            xw[e] = stage ? reinterpret_cast<const uint4*>(xs + (size_t)g * lds + at)[e]
+                                          : __ldg(reinterpret_cast<const uint4*>(x + (size_t)g * p.ld_x + at) + e);
+                    }
+                    uint4 fr[4];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        gemvm_exchange(wv[u][4 * h + cb], wv[u][4 * h + 2 + cb], lane, fr[2 * h], fr[2 * h + 1]);
+#pragma unroll
+                    for (int t = 4 * cb; t < 4 * cb + 4; ++t) {
+                        const int w = 2 * t - 8 * cb;
+                        const uint32_t a0 = gemvm_word2(fr, w), a2 = gemvm_word2(fr, w + 1);
+                        const uint32_t a1 = gemvm_word2(fr + 2, w), a3 = gemvm_word2(fr + 2, w + 1);
+                        const uint32_t b0 = gemvm_word2(xw, w), b1 = gemvm_word2(xw, w + 1);
+                        if constexpr (BF16)
+                            gemvm_mma_bf16(d, a0, a1, a2, a3, b0, b1);
+                        else
+                            gemvm_mma(d, a0, a1, a2, a3, b0, b1);
+                    }
+                }
+            } else {
+                // The weights as fragments: fr[2h + e] (codes 32q + 16e .. + 15 of row g + 8h);
+                // MMA t: word t of the lane's 32 codes of each row.
+                uint4 fr[4];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) gemvm_exchange(wv[u][2 * h], wv[u][2 * h + 1], lane, fr[2 * h], fr[2 * h + 1]);
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+                    const uint32_t ca = gemvm_word(fr, t), cb = gemvm_word(fr, 8 + t);
                     gemvm_mma(d, gemvm_codes((unsigned short)ca), gemvm_codes((unsigned short)cb),
                               gemvm_codes((unsigned short)(ca >> 16)), gemvm_codes((unsigned short)(cb >> 16)),
                               gemvm_word(xv, 2 * t), gemvm_word(xv, 2 * t + 1));
                 }
             }
-            if constexpr (W16) {
+            // (W16: a scale of 1, so the fma is the sum.)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[i] += d[i];
-            } else {
-                acc[0] = fmaf(d[0], sv[u][0], acc[0]);
-                acc[1] = fmaf(d[1], sv[u][0], acc[1]);
-                acc[2] = fmaf(d[2], sv[u][1], acc[2]);
-                acc[3] = fmaf(d[3], sv[u][1], acc[3]);
+            for (int e = 0; e < 4; ++e) {
+                const float sc = e < 2 ? sc0 : sc1;
+                if (crossed)
+                    accn[e] = fmaf(d[e], sc, accn[e]);
+                else
+                    acc[e] = fmaf(d[e], sc, acc[e]);
             }
-            fetch(u, s + GEMVM_RING);
+            // The slot is free again: the warp's next step goes into it.
+            fetch(u);
+            ++i;
+            if (++cs == spt) cs = 0, crossed = true;
+        }
+        if (crossed) {
+            finish(ct, acc);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[e] = accn[e], accn[e] = 0.0f;
+            ++ct;
         }
     }
-
-    // Fixed-order reduction over the warps; warp 0 finishes, undoing the rows' scales.
-#pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][i][lane] = acc[i];
-    __syncthreads();
-    if (warp != 0) return;
-    float v[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        v[i] = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) v[i] += red[w][i][lane];
-        const int r = 2 * q + (i & 1);
-        if (!W16 && r < R) v[i] /= row_scale[r];
-    }
-    // v[2h + c]: tile row g + 8h (half h), input row 2q + c.
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-        const int r = 2 * q + c;
-        if (r >= R) continue;
-        if (p.glu) {
-            const int j = j0 + g;
-            if (j >= p.m[0].n) continue;
-            const T gt = flashrt::from_f32<T>(v[c]);
-            const T ut = flashrt::from_f32<T>(v[2 + c]);
-            static_cast<T*>(p.m[0].out)[(size_t)r * p.m[0].ld_out + j] = gt;
-            static_cast<T*>(p.m[1].out)[(size_t)r * p.m[1].ld_out + j] = ut;
-            const float y = flashrt::apply_act(p.act, flashrt::to_f32(gt)) * flashrt::to_f32(ut);
-            static_cast<T*>(p.glu_out)[(size_t)r * p.ld_glu + j] = flashrt::from_f32<T>(y);
-            continue;
-        }
-        const GemvMat& m = p.m[mi];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int j = j0 + g + 8 * h;
-            if (j >= m.n) continue;
-            const size_t o = (size_t)(r + row0) * m.ld_out + j;
-            if (p.out_f32) {
-                float* out = static_cast<float*>(m.out);
-                out[o] = p.accumulate ? out[o] + v[2 * h + c] : v[2 * h + c];
-            } else {
-                T* out = static_cast<T*>(m.out);
-                const float prev = p.accumulate ? flashrt::to_f32(out[o]) : 0.0f;
-                out[o] = flashrt::from_f32<T>(v[2 * h + c] + prev);
-            }
-        }
-    }
+    // The share of a tile the warp's steps end inside.
+    if (i0 < i1 && cs != 0) finish(ct, acc);
 }
 
-// `gemv8m_r<R>` / `gemv8m_norm_r<R>` (`p.norm` = 1): blocks of 8 warps, two per SM by the
-// register budget; `..._w4`: blocks of 4 warps (four per SM), for matrices with few tiles,
-// so that all of their blocks are resident at once.
-#define FLASHRT_GEMVM_ENTRY_T(NAME, R, NORM, WARPS)                                                      \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, GEMVM_MINB_OF(R, WARPS)) NAME##_bf16(const GemvParams p) { \
-        gemv8m_impl<__nv_bfloat16, R, NORM, WARPS>(p);                                                   \
+// `gemv8m_r<R>` / `gemv8m_norm_r<R>` (`p.norm` = 1): blocks of GEMVM_WARPS warps, two per SM
+// by the register budget.
+#define FLASHRT_GEMVM_ENTRY_T(NAME, R, NORM, W16)                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMVM_WARPS * 32, GEMVM_MINB) NAME##_bf16(const GemvParams p) { \
+        gemv8m_impl<__nv_bfloat16, R, NORM, W16>(p);                                                    \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, GEMVM_MINB_OF(R, WARPS)) NAME##_f16(const GemvParams p) {  \
-        gemv8m_impl<__half, R, NORM, WARPS>(p);                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMVM_WARPS * 32, GEMVM_MINB) NAME##_f16(const GemvParams p) {  \
+        gemv8m_impl<__half, R, NORM, W16>(p);                                                           \
     }
+// `gemv16m_*`: 16-bit weights on the tensor cores (see the header), same entry points.
 #define FLASHRT_GEMVM_ENTRY(R)                                                                           \
-    FLASHRT_GEMVM_ENTRY_T(gemv8m_r##R, R, false, 8)                                                      \
-    FLASHRT_GEMVM_ENTRY_T(gemv8m_norm_r##R, R, true, 8)                                                  \
-    FLASHRT_GEMVM_ENTRY_T(gemv8m_r##R##w4, R, false, 4)                                                  \
-    FLASHRT_GEMVM_ENTRY_T(gemv8m_norm_r##R##w4, R, true, 4)
+    FLASHRT_GEMVM_ENTRY_T(gemv8m_r##R, R, false, false)                                                  \
+    FLASHRT_GEMVM_ENTRY_T(gemv8m_norm_r##R, R, true, false)                                              \
+    FLASHRT_GEMVM_ENTRY_T(gemv16m_r##R, R, false, true)                                                  \
+    FLASHRT_GEMVM_ENTRY_T(gemv16m_norm_r##R, R, true, true)
 
 FLASHRT_GEMVM_ENTRY(1)
 FLASHRT_GEMVM_ENTRY(2)
@@ -430,26 +587,3 @@ FLASHRT_GEMVM_ENTRY(5)
 FLASHRT_GEMVM_ENTRY(6)
 FLASHRT_GEMVM_ENTRY(7)
 FLASHRT_GEMVM_ENTRY(8)
-
-// `gemv16m_*`: 16-bit weights on the tensor cores (see the header), same entry points.
-#define FLASHRT_GEMV16M_ENTRY_T(NAME, R, NORM, WARPS)                                                    \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, GEMVM16_MINB_OF(WARPS)) NAME##_bf16(const GemvParams p) { \
-        gemv8m_impl<__nv_bfloat16, R, NORM, WARPS, true>(p);                                             \
-    }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, GEMVM16_MINB_OF(WARPS)) NAME##_f16(const GemvParams p) {  \
-        gemv8m_impl<__half, R, NORM, WARPS, true>(p);                                                    \
-    }
-#define FLASHRT_GEMV16M_ENTRY(R)                                                                         \
-    FLASHRT_GEMV16M_ENTRY_T(gemv16m_r##R, R, false, 8)                                                   \
-    FLASHRT_GEMV16M_ENTRY_T(gemv16m_norm_r##R, R, true, 8)                                               \
-    FLASHRT_GEMV16M_ENTRY_T(gemv16m_r##R##w4, R, false, 4)                                               \
-    FLASHRT_GEMV16M_ENTRY_T(gemv16m_norm_r##R##w4, R, true, 4)
-
-FLASHRT_GEMV16M_ENTRY(1)
-FLASHRT_GEMV16M_ENTRY(2)
-FLASHRT_GEMV16M_ENTRY(3)
-FLASHRT_GEMV16M_ENTRY(4)
-FLASHRT_GEMV16M_ENTRY(5)
-FLASHRT_GEMV16M_ENTRY(6)
-FLASHRT_GEMV16M_ENTRY(7)
-FLASHRT_GEMV16M_ENTRY(8)

@@ -166,12 +166,13 @@ fn fp8_linear() {
     // (bucket, k, n, block, accumulate)
     let cases = [
         // gemv8m (and gemv8 without the tensor cores): 128 x 128 blocks, a ragged last block
-        // row and tile, accumulate; 1 to 8 rows; blocks of 64 rows and 256 columns.
+        // row and tile, accumulate; 1 to 8 rows; blocks of 64 rows and 256 columns; few steps
+        // per warp, so tiles split between warps (the fix-up of kernels/gemv_mma.cu).
         (3, 512, 300, [128, 128], true),
         (8, 256, 130, [128, 128], false),
         (1, 384, 40, [128, 128], false),
         (6, 768, 200, [64, 256], true),
-        // 438 tiles of 16 rows: on a 132-SM H200 the 4-warp blocks of gemv8m (w4).
+        // Many tiles, k = 128: below gemv8m's two-step ring, so gemv8 (CUDA cores).
         (2, 128, 7000, [128, 128], false),
         // gemv8 with the fixtures' 32 x 32 blocks, ragged both ways.
         (5, 96, 50, [32, 32], false),

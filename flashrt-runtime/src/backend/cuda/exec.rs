@@ -39,6 +39,9 @@ pub(super) struct Exec {
     pub io_base: u64,
     /// The device sampler's workspace (kernels/sample.cu), for rows of the model's vocabulary.
     pub sample_ws: CudaSlice<u8>,
+    /// The tensor-core gemv's split-tile partials and counters (ops::gemvm_sync_bytes).
+    pub gemvm_part: CudaSlice<u8>,
+    pub gemvm_cnt: CudaSlice<u8>,
     lock: Mutex<ExecState>,
 }
 
@@ -86,6 +89,9 @@ impl Exec {
             super::sample::workspace_bytes(model.compiled.ir.vocab),
             "sampler workspace",
         )?;
+        let (part_b, cnt_b) = ops::gemvm_sync_bytes(model.sms);
+        let gemvm_part = alloc_zeroed(&stream, part_b, "gemv partial sums")?;
+        let gemvm_cnt = alloc_zeroed(&stream, cnt_b, "gemv tile counters")?;
         let pinned = || {
             // SAFETY: a bounce buffer is only read in the range a completed copy just wrote.
             unsafe { ctx.alloc_pinned_with_flags::<f32>(BOUNCE_FLOATS, 0) }
@@ -106,6 +112,8 @@ impl Exec {
             _fp8: fp8_bufs,
             fp8,
             sample_ws,
+            gemvm_part,
+            gemvm_cnt,
             lock: Mutex::new(ExecState {
                 owner: 0,
                 rows_owners: Vec::new(),

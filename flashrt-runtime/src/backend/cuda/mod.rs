@@ -161,10 +161,11 @@ pub struct CudaOptions {
     /// from `FLASHRT_GEMV_MMA` (`0` = off).
     pub gemv_mma: bool,
     /// Run small phases' matmuls over bf16/f16 weights on the tensor cores
-    /// (kernels/gemv_mma.cu `gemv16m_*`) on compute capability 9.x: eight rows cost about 1.8
-    /// one-row steps instead of 4.8 (a batched step of 8 sessions gives 251 tokens/s against
-    /// 123 at the 27B shape on the H200), but one row costs 17.8 ms against the CUDA-core
-    /// kernel's 13.6 (it streams the weights at ~2.9 TB/s). Off by default (latency first);
+    /// (kernels/gemv_mma.cu `gemv16m_*`) on compute capability 9.x: eight rows cost about 1.5
+    /// one-row steps instead of 4.9 (a batched step of 8 sessions gives 349 tokens/s against
+    /// 121 at the 27B shape on the H200), but one row costs 15.1 ms against the CUDA-core
+    /// kernel's 13.4 (its smaller matrices stream at 2.7-3.6 TB/s against 3.7-4.1; RESULTS.md,
+    /// 2026-12-03). Off by default (latency first);
     /// every phase of a model uses the same kernel either way, so rows round alike across
     /// decode, verify and batched steps. `FLASHRT_GEMV16_MMA=1` turns it on.
     pub gemv16_mma: bool,
@@ -928,6 +929,10 @@ impl DeviceModel for CudaModel {
             + b
             + c
             + sample::workspace_bytes(self.inner.compiled.ir.vocab)
+            + {
+                let (part, cnt) = ops::gemvm_sync_bytes(self.inner.sms);
+                part + cnt
+            }
     }
 }
 
@@ -963,6 +968,8 @@ fn builder<'a>(
         gemv_mma: model.gemv_mma,
         gemv16_mma: model.gemv16_mma,
         gemv_tiles: model.options.gemv_tiles,
+        gemvm_part: dptr(&exec.gemvm_part),
+        gemvm_cnt: dptr(&exec.gemvm_cnt),
         fp8: exec.fp8,
         batch,
     }

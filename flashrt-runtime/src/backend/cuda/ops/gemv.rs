@@ -11,6 +11,22 @@ pub(super) const GEMV_WARPS: usize = 8;
 /// columns must be), and the most shared memory its normalised input rows may take.
 const GEMVM_STEP: usize = 128;
 const GEMVM_MAX_SMEM: usize = 96 * 1024;
+/// kernels/gemv_mma.cu: warps per block, resident blocks per SM, steps in flight per warp (a
+/// launch needs `k >= ring x 128`), and the staged rows' padding (elements).
+const GEMVM_WARPS: usize = 8;
+const GEMVM_MINB: usize = 2;
+const GEMVM_RING: usize = 2;
+const GEMVM_PAD: usize = 8;
+/// Fewest steps a warp of a tensor-core launch takes (small launches use fewer blocks).
+const GEMVM_MIN_STEPS: usize = 4;
+
+/// Bytes of the tensor-core gemv's split-tile buffer for `sms` SMs: two 128-float partial
+/// slots and one counter per warp of the largest grid (kernels/gemv_mma.cu); zeroed once, the
+/// kernel leaves the counters at zero.
+pub(in crate::backend::cuda) fn gemvm_sync_bytes(sms: usize) -> (usize, usize) {
+    let warps = sms.max(1) * GEMVM_MINB * GEMVM_WARPS;
+    (warps * 2 * 128 * 4, warps * 4)
+}
 
 /// Output features per `gemv` block at `rows` rows (in `glu` mode half as many gate/up
 /// pairs): `GEMV_FEATS_OF` (16-bit weights) and `GEMV8_FEATS_OF` (FP8) in kernels/gemv.cu.
@@ -93,6 +109,10 @@ pub(super) struct GemvParams {
     pub(super) eps: f32,
     pub(super) qbr: i32,
     pub(super) qbc: i32,
+    /// `gemv8m_*` / `gemv16m_*`: split tiles' partial sums and arrival counters
+    /// ([`gemvm_sync_bytes`]).
+    pub(super) part: u64,
+    pub(super) cnt: u64,
     pub(super) m: [GemvMat; MAX_GEMV],
 }
 
@@ -234,35 +254,39 @@ impl Builder<'_> {
             group.truncate(2);
         }
         let k = x0.width;
+        let widths: Vec<usize> = group.iter().map(|(op, _)| out_view(op).0.width).collect();
         // FP8 weights whose scale blocks span multiples of 128 columns: the tensor-core
-        // kernel (16 rows per block, 8 gate/up pairs in glu mode), with the normalised input
+        // kernel (16 rows per tile, 8 gate/up pairs in glu mode), with the normalised input
         // rows in shared memory when a norm is fused.
         let (prefix, qbr, qbc) = first.weights.kernel();
-        // (Without a norm the rows are staged when they fit, else converted at each step.)
-        let staged = shape_rows * (k + 8) * 2;
+        let pad = GEMVM_PAD;
+        // (Without a norm the rows are staged when they fit, else read at each step.)
+        let staged = shape_rows * (k + pad) * 2;
         // 16-bit weights: whether the tensor-core kernel runs depends on the shape alone, never
         // on the rows (with a norm, the most rows' staged inputs must fit), so every phase of
         // a model computes a row the same way (decode, verify and batched steps bit for bit).
-        let staged_max = 8 * (k + 8) * 2;
+        let staged_max = 8 * (k + pad) * 2;
+        // (Its step counter is an i32.)
+        let steps: usize = widths.iter().map(|w| w.div_ceil(16)).sum::<usize>() * (k / GEMVM_STEP);
+        let mma_shape = k.is_multiple_of(GEMVM_STEP)
+            && k >= GEMVM_RING * GEMVM_STEP
+            && steps < i32::MAX as usize;
         let mma = match first.weights {
             GemvWeights::Fp8 { block } => {
                 self.gemv_mma
-                    && k.is_multiple_of(GEMVM_STEP)
+                    && mma_shape
                     && block[1].is_multiple_of(GEMVM_STEP)
                     && (block[1] / GEMVM_STEP).is_power_of_two()
                     && (norm.is_none() || staged <= GEMVM_MAX_SMEM)
             }
             GemvWeights::Plain => {
-                self.gemv16_mma
-                    && k.is_multiple_of(GEMVM_STEP)
-                    && (norm.is_none() || staged_max <= GEMVM_MAX_SMEM)
+                self.gemv16_mma && mma_shape && (norm.is_none() || staged_max <= GEMVM_MAX_SMEM)
             }
         };
         let stage = mma && staged <= GEMVM_MAX_SMEM;
         let mma_smem = if stage { staged } else { 0 };
         // Features per block: the rows' default, or for one row fewer when the default leaves
         // the last wave of resident blocks mostly empty (see `gemv_r1f<F>`).
-        let widths: Vec<usize> = group.iter().map(|(op, _)| out_view(op).0.width).collect();
         let (prefix, feats, suffix) = if mma {
             let name = match first.weights {
                 GemvWeights::Plain => "gemv16m",
@@ -335,26 +359,19 @@ impl Builder<'_> {
             eps: n.eps,
             qbr,
             qbc,
+            part: self.gemvm_part,
+            cnt: self.gemvm_cnt,
             m: mats,
         };
-        // The tensor-core kernel's blocks: 8 warps (three blocks per SM at one or two rows),
-        // or 4 when that makes every block of the launch resident at once where 8 would leave
-        // a second, mostly empty wave. Chosen from the shape alone (as if three 8-warp blocks
-        // fit an SM at every row count), so every row count of a matrix reduces in the same
-        // order.
-        // (16-bit weights: two 8-warp blocks per SM, `GEMVM16_MINB_OF`.)
-        let per_sm = if first.weights == GemvWeights::Plain {
-            2
-        } else {
-            3
+        // The tensor-core kernel: its steps dealt evenly to up to two resident 8-warp blocks
+        // per SM (at least GEMVM_MIN_STEPS per warp), a grid chosen from the shape alone, so
+        // every row count of a matrix sums in the same order.
+        let mma_grid = {
+            let steps = total_blocks as usize * (k / GEMVM_STEP);
+            (steps / (GEMVM_MIN_STEPS * GEMVM_WARPS)).clamp(1, GEMVM_MINB * self.sms.max(1))
         };
-        let (suffix, warps) = if mma
-            && total_blocks as usize > per_sm * self.sms
-            && total_blocks as usize <= 2 * per_sm * self.sms
-        {
-            ("w4", 4)
-        } else if mma {
-            ("", GEMV_WARPS)
+        let (suffix, warps) = if mma {
+            ("", GEMVM_WARPS)
         } else {
             (suffix, GEMV_WARPS)
         };
@@ -375,17 +392,18 @@ impl Builder<'_> {
         // blocks as are resident, each taking tiles in turn, so the fused norm's prologue (its
         // rows' sums of squares, read from L2) runs once per block rather than once per tile
         // (kernels/gemv.cu, `gemv_impl`). A tile computes the same whichever block runs it.
-        let grid_blocks =
-            if self.gemv_tiles && shape_rows > 1 && !mma && first.weights == GemvWeights::Plain {
-                let resident = func
-                    .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
-                    .unwrap_or(1)
-                    .max(1) as u32
-                    * self.sms.max(1) as u32;
-                total_blocks.min(resident)
-            } else {
-                total_blocks
-            };
+        let grid_blocks = if mma {
+            mma_grid as u32
+        } else if self.gemv_tiles && shape_rows > 1 && first.weights == GemvWeights::Plain {
+            let resident = func
+                .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+                .unwrap_or(1)
+                .max(1) as u32
+                * self.sms.max(1) as u32;
+            total_blocks.min(resident)
+        } else {
+            total_blocks
+        };
         let grid = (grid_blocks, 1, 1);
         cmds.push(if mma && mma_smem > 0 {
             self.kernel_smem(&label, func, grid, threads, mma_smem as u32, &p)?

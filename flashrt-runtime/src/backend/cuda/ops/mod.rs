@@ -34,6 +34,7 @@ mod conv;
 mod fp8;
 mod gated_deltanet;
 mod gemv;
+pub(super) use gemv::gemvm_sync_bytes;
 mod mamba2;
 mod moe;
 pub use fp8::{Fp8DequantParams, Fp8GridParams, Fp8QuantizeParams, Fp8Scratch, fp8_scratch_needs};
@@ -440,6 +441,10 @@ pub struct Builder<'a> {
     /// Small phases' matmuls over 16-bit weights on the tensor cores (kernels/gemv_mma.cu
     /// `gemv16m_*`, compute capability 9.x; [`Builder::gemv`]).
     pub gemv16_mma: bool,
+    /// The tensor-core gemv's split-tile partials and counters (the model's, zero between
+    /// launches; [`gemv::gemvm_sync_bytes`]).
+    pub gemvm_part: u64,
+    pub gemvm_cnt: u64,
     /// Several rows' 16-bit `gemv` launches as resident blocks looping over tiles
     /// ([`Builder::gemv`]; `CudaOptions::gemv_tiles`).
     pub gemv_tiles: bool,
@@ -800,6 +805,8 @@ impl Builder<'_> {
             eps: 0.0,
             qbr,
             qbc,
+            part: 0,
+            cnt: 0,
             m,
         };
         cmds.push(self.kernel(

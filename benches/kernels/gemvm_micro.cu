@@ -1,0 +1,277 @@
+// Microbenchmark of the small phases' matmul kernels on the Qwen3.6-27B shape's decode matrices:
+// the tensor-core kernels (`gemv16m_*` over bf16 weights, `gemv8m_*` over FP8 codes with 128 x
+// 128 block scales; kernels/gemv_mma.cu, stream-K grid as the host picks it) next to the
+// CUDA-core `gemv_*` (kernels/gemv.cu) at 1, 2, 4 and 8 rows, and plain streaming reads of the
+// same bytes (the ceiling). Each launch uses one of several copies of the weights (more bytes
+// than L2 holds), back to back with programmatic dependent launch as in a decode step.
+//
+// Checks printed per shape: the tensor-core kernel's row 0 is bit-identical at every row count
+// (`rows-invariant`), and its outputs agree with the CUDA-core kernel's (16-bit weights; max
+// difference relative to the largest output).
+//
+//   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \
+//       -o gemvm_micro benches/kernels/gemvm_micro.cu
+//   ./gemvm_micro            (add -DGEMVM8_RING=2 etc. to measure other ring depths)
+//
+// Figures: benches/RESULTS.md.
+#include "gemv.cu"
+#include "gemv_mma.cu"
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#define CK(x)                                                                                      \
+    do {                                                                                           \
+        cudaError_t e = (x);                                                                       \
+        if (e != cudaSuccess) {                                                                    \
+            printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));                       \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+__global__ void readall(const uint4* p, size_t n, unsigned* out) {
+    unsigned a = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 v = load_stream(p + i);
+        a ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (a == 0x12345678) out[0] = a;
+}
+__global__ void fill8(unsigned char* p, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        p[i] = (unsigned char)(h & 0x77);
+    }
+}
+// bf16 weights, uniform in about +-0.03.
+__global__ void fill16(__nv_bfloat16* p, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        p[i] = __float2bfloat16(((int)(h & 1023) - 512) * 6e-5f);
+    }
+}
+__global__ void fillf(float* p, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed;
+        h ^= h >> 15;
+        p[i] = 0.001f * (1 + (h & 255));
+    }
+}
+__global__ void fillx(__nv_bfloat16* p, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = __float2bfloat16(((int)(i * 37 % 101) - 50) * 0.02f);
+}
+typedef void (*Kern)(const GemvParams);
+struct Shape {
+    const char* name;
+    int n;
+    int k;
+    bool glu;
+    bool norm;
+};
+
+static float bf(unsigned short h) {
+    unsigned u = (unsigned)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+int main() {
+    Shape shapes[] = {
+        {"gateup n=2x17408 k=5120 norm glu", 17408, 5120, true, true},
+        {"down   n=5120 k=17408", 5120, 17408, false, false},
+        {"qkvz   n=16384 k=5120 norm", 16384, 5120, false, true},
+        {"out    n=5120 k=6144", 5120, 6144, false, false},
+    };
+    const int rows_list[] = {1, 2, 4, 8};
+    int sms;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    unsigned* dout;
+    CK(cudaMalloc(&dout, 4));
+    float* part;
+    unsigned* cnt;
+    const size_t tw_max = (size_t)sms * GEMVM_MINB * GEMVM_WARPS;
+    CK(cudaMalloc(&part, tw_max * 2 * 128 * 4));
+    CK(cudaMalloc(&cnt, tw_max * 4));
+    CK(cudaMemset(cnt, 0, tw_max * 4));
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    printf("gemvm micro: %d SMs, GEMVM16_RING %d, GEMVM8_RING %d\n", sms, GEMVM16_RING, GEMVM8_RING);
+
+    for (int fp8 = 0; fp8 < 2; ++fp8)
+        for (auto& s : shapes) {
+            const int nm = s.glu ? 2 : 1;
+            const size_t welems = (size_t)s.n * s.k, wbytes = welems * (fp8 ? 1 : 2);
+            const size_t sc = (size_t)((s.n + 127) / 128) * (s.k / 128);
+            const int copies = std::max<int>(2, (int)(300e6 / (nm * wbytes)) + 1);
+            std::vector<void*> w(copies * nm);
+            std::vector<float*> scl(copies * nm);
+            unsigned seed = 1;
+            for (auto& p : w) {
+                CK(cudaMalloc(&p, wbytes));
+                if (fp8)
+                    fill8<<<1024, 256>>>((unsigned char*)p, wbytes, seed++);
+                else
+                    fill16<<<1024, 256>>>((__nv_bfloat16*)p, welems, seed++);
+            }
+            for (auto& p : scl) {
+                CK(cudaMalloc(&p, sc * 4));
+                fillf<<<64, 256>>>(p, sc, seed++);
+            }
+            void *x, *o0, *o1, *go, *no;
+            float* nw;
+            CK(cudaMalloc(&x, 8 * s.k * 2));
+            fillx<<<64, 256>>>((__nv_bfloat16*)x, 8 * s.k);
+            CK(cudaMalloc(&nw, s.k * 4));
+            CK(cudaMemset(nw, 0, s.k * 4));
+            CK(cudaMalloc(&o0, 8 * s.n * 4));
+            CK(cudaMalloc(&o1, 8 * s.n * 4));
+            CK(cudaMalloc(&go, 8 * s.n * 4));
+            CK(cudaMalloc(&no, 8 * s.k * 2));
+            std::vector<unsigned short> row0_r1;
+            std::vector<unsigned short> mma_out[9], core_out[9];
+            // The read ceiling for these bytes.
+            const int iters = 40;
+            cudaEventRecord(e0);
+            for (int it = 0; it < iters; ++it)
+                for (int m = 0; m < nm; ++m)
+                    readall<<<sms * 8, 256>>>((const uint4*)w[(it % copies) * nm + m], wbytes / 16, dout);
+            cudaEventRecord(e1);
+            CK(cudaEventSynchronize(e1));
+            float msr;
+            cudaEventElapsedTime(&msr, e0, e1);
+            const double bytes = (double)nm * (wbytes + (fp8 ? sc * 4 : 0));
+            printf("%s %-34s read %7.2f us %5.2f TB/s\n", fp8 ? "fp8 " : "bf16", s.name, msr * 1e3 / iters,
+                   nm * wbytes / (msr * 1e3 / iters) / 1e6);
+            for (int R : rows_list)
+                for (int core = 0; core < 2; ++core) {
+                    Kern f = nullptr;
+                    int threads = 256, grid;
+                    size_t smem = 0;
+                    const int tiles = s.glu ? (s.n + 7) / 8 : (s.n + 15) / 16;
+                    int blocks;
+                    if (core) {
+                        // gemv_r<R> / gemv8_r<R>: 8 features per block at R <= 2 (FP8: R == 1), else 4.
+                        const int feats = fp8 ? (R == 1 ? 8 : 4) : (R <= 2 ? 8 : 4);
+                        const int per = s.glu ? feats / 2 : feats;
+                        blocks = (s.n + per - 1) / per;
+                        grid = s.glu ? blocks : blocks * nm;
+#define CORE(NR)                                                                                   \
+    if (R == NR)                                                                                   \
+        f = fp8 ? (s.norm ? gemv8_norm_r##NR##_bf16 : gemv8_r##NR##_bf16)                          \
+                : (s.norm ? gemv_norm_r##NR##_bf16 : gemv_r##NR##_bf16);
+                        CORE(1) CORE(2) CORE(4) CORE(8)
+                    } else {
+                        blocks = tiles;
+                        const long long steps = (long long)(s.glu ? tiles : tiles * nm) * (s.k / 128);
+                        grid = (int)std::min<long long>(std::max<long long>(steps / (4 * GEMVM_WARPS), 1),
+                                                        (long long)GEMVM_MINB * sms);
+#define MMA(NR)                                                                                    \
+    if (R == NR)                                                                                   \
+        f = fp8 ? (s.norm ? gemv8m_norm_r##NR##_bf16 : gemv8m_r##NR##_bf16)                        \
+                : (s.norm ? gemv16m_norm_r##NR##_bf16 : gemv16m_r##NR##_bf16);
+                        MMA(1) MMA(2) MMA(4) MMA(8)
+                        const int pad = fp8 ? GEMVM8_PAD : GEMVM16_PAD;
+                        smem = (size_t)R * (s.k + pad) * 2;
+                        if (smem > 96 * 1024) smem = 0;
+                        if (s.norm && smem == 0) continue;
+                        CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                (int)std::max<size_t>(smem, 1)));
+                    }
+                    std::vector<GemvParams> ps(copies);
+                    for (int c = 0; c < copies; ++c) {
+                        GemvParams p;
+                        memset(&p, 0, sizeof p);
+                        p.x = x;
+                        p.ld_x = s.k;
+                        p.k = s.k;
+                        p.nmats = nm;
+                        p.glu = s.glu;
+                        p.act = 0;
+                        p.stage = smem > 0;
+                        p.glu_out = go;
+                        p.ld_glu = s.n;
+                        p.norm = s.norm;
+                        p.norm_w = nw;
+                        p.norm_out = no;
+                        p.ld_norm_out = s.k;
+                        p.eps = 1e-6f;
+                        p.qbr = fp8 ? 128 : 1;
+                        p.qbc = fp8 ? 128 : 1;
+                        p.part = part;
+                        p.cnt = cnt;
+                        for (int m = 0; m < nm; ++m) {
+                            p.m[m].w = w[c * nm + m];
+                            p.m[m].out = m ? o1 : o0;
+                            p.m[m].scale = scl[c * nm + m];
+                            p.m[m].n = s.n;
+                            p.m[m].ld_out = s.n;
+                            p.m[m].blocks = blocks;
+                            p.m[m].scale_ld = s.k / 128;
+                        }
+                        ps[c] = p;
+                    }
+                    cudaLaunchAttribute at[1];
+                    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                    at[0].val.programmaticStreamSerializationAllowed = 1;
+                    cudaLaunchConfig_t cfg = {};
+                    cfg.gridDim = dim3(grid);
+                    cfg.blockDim = dim3(threads);
+                    cfg.dynamicSmemBytes = smem;
+                    cfg.stream = 0;
+                    cfg.attrs = at;
+                    cfg.numAttrs = 1;
+                    for (int it = 0; it < 6; ++it) CK(cudaLaunchKernelEx(&cfg, f, ps[it % copies]));
+                    CK(cudaDeviceSynchronize());
+                    cudaEventRecord(e0);
+                    for (int it = 0; it < iters; ++it) CK(cudaLaunchKernelEx(&cfg, f, ps[it % copies]));
+                    cudaEventRecord(e1);
+                    CK(cudaEventSynchronize(e1));
+                    float ms;
+                    cudaEventElapsedTime(&ms, e0, e1);
+                    // One launch on copy 0: its outputs (glu product, or matrix 0; f32 bits
+                    // folded to bf16 for the comparison).
+                    CK(cudaMemset(o0, 0, 8 * s.n * 4));
+                    CK(cudaMemset(go, 0, 8 * s.n * 4));
+                    CK(cudaLaunchKernelEx(&cfg, f, ps[0]));
+                    CK(cudaDeviceSynchronize());
+                    std::vector<unsigned short> h((size_t)R * s.n);
+                    CK(cudaMemcpy(h.data(), s.glu ? go : o0, h.size() * 2, cudaMemcpyDeviceToHost));
+                    (core ? core_out : mma_out)[R] = h;
+                    const double us = ms * 1e3 / iters;
+                    printf("   %-6s R=%d grid=%5d smem=%6zu  %8.2f us %5.2f TB/s\n", core ? "cores" : "mma", R, grid,
+                           smem, us, bytes / us / 1e6);
+                }
+            // Row 0 at every R, bit for bit (tensor cores); tensor cores vs CUDA cores.
+            bool inv = true;
+            for (int R : rows_list)
+                if (!mma_out[R].empty() && !mma_out[1].empty())
+                    inv = inv && memcmp(mma_out[R].data(), mma_out[1].data(), (size_t)s.n * 2) == 0;
+            double big = 0, diff = 0;
+            if (!mma_out[8].empty() && !core_out[8].empty())
+                for (size_t i = 0; i < mma_out[8].size(); ++i) {
+                    big = std::max(big, (double)fabsf(bf(core_out[8][i])));
+                    diff = std::max(diff, (double)fabsf(bf(core_out[8][i]) - bf(mma_out[8][i])));
+                }
+            printf("   rows-invariant %s, |mma - cores| max %.3g of max |out| %.3g\n", inv ? "yes" : "NO", diff, big);
+            for (auto p : w) cudaFree(p);
+            for (auto p : scl) cudaFree(p);
+            cudaFree(x);
+            cudaFree(nw);
+            cudaFree(o0);
+            cudaFree(o1);
+            cudaFree(go);
+            cudaFree(no);
+        }
+    return 0;
+}
