@@ -11,7 +11,8 @@
 //
 //   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \
 //       -o gemvm_micro benches/kernels/gemvm_micro.cu
-//   ./gemvm_micro            (add -DGEMVM8_RING=2 etc. to measure other ring depths)
+//   ./gemvm_micro            (MB_STAGE=0: unstaged inputs where there is no norm; build with
+//                             -DGEMVM8_RING=3 etc. for other ring depths)
 //
 // Figures: benches/RESULTS.md.
 #include "gemv.cu"
@@ -183,7 +184,9 @@ int main() {
                         MMA(1) MMA(2) MMA(4) MMA(8)
                         const int pad = fp8 ? GEMVM8_PAD : GEMVM16_PAD;
                         smem = (size_t)R * (s.k + pad) * 2;
-                        if (smem > 96 * 1024) smem = 0;
+                        // MB_STAGE=0: inputs without a norm read from global memory at each step.
+                        const char* st = getenv("MB_STAGE");
+                        if (smem > 96 * 1024 || (!s.norm && st && st[0] == '0')) smem = 0;
                         if (s.norm && smem == 0) continue;
                         CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 (int)std::max<size_t>(smem, 1)));
