@@ -23,13 +23,15 @@
 // contiguous ranges (the grid is a few resident blocks per SM, chosen by the host from the shape
 // alone), so every warp streams the same bytes without pause from its first step to its last,
 // across tile boundaries: no block waits on another, no wave is half empty, and the prologue
-// runs once per block. Per step, lane (g, q) (g = lane / 4, q = lane % 4) loads 32 codes of
-// tile row g and 32 of row g + 8 at the step's columns 16q .. 16q + 15 and 64 + 16q .. 64 + 16q
-// + 15 (16-byte streaming loads past L1; the four lanes of a row read 64 contiguous bytes, whole
-// sectors, per load), and the 32 inputs of input row g at the same columns when g < R. The
-// MMA's k order is a permutation of the step's columns (logical columns 2q, 2q + 1, 2q + 8,
-// 2q + 9 of MMA t are the lane's t-th group of 4 columns), the same for both operands, so each
-// lane's loads feed its fragments without shuffles. Each warp keeps a ring of steps in flight
+// runs once per block. Per step, lane (g, q) (g = lane / 4, q = lane % 4) needs 32 weights of
+// tile row g and 32 of row g + 8 (codes 32q .. 32q + 31; 16-bit weights columns 16q .. 16q + 15
+// and 64 + 16q .. 64 + 16q + 15) and the inputs of input row g at the same columns when g < R.
+// The weights are loaded as whole 128-byte lines, 4 rows per instruction (16-byte streaming
+// loads past L1), and moved to the lanes that need them by shuffles (`gemvm_exchange`): loads in
+// the fragments' own layout (4 lanes, 64 bytes per row per instruction) stream at only ~3.3 TB/s.
+// The MMA's k order is a permutation of the step's columns (logical columns 2q, 2q + 1, 2q + 8,
+// 2q + 9 of MMA t are the lane's t-th group of 4 columns), the same for both operands. Each warp
+// keeps a ring of steps in flight
 // (the first requested before the prologue, refilled as used). A step's sums are scaled by
 // each row's block scale and accumulated in f32. A tile whose steps fall to two or more warps
 // (at most one tile per warp boundary) is finished by the last of them to arrive: each writes
