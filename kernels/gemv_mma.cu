@@ -77,10 +77,9 @@
 #ifndef GEMVM8_RING
 #define GEMVM8_RING 2
 #endif
-// Shared-memory row padding of the staged inputs (elements): the fragment loads of a warp's
-// lanes (rows g, columns 8q or 16q of a step) fall in distinct banks.
-#define GEMVM16_PAD 8
-#define GEMVM8_PAD 8
+// Shared-memory row padding of the staged inputs (elements): the input loads of a warp's lanes
+// (rows g, columns 16q or 32q of a step) spread over the banks.
+#define GEMVM_PAD 8
 
 // Two E4M3 codes (first code in the low byte) as an f16x2 (exact).
 static __device__ __forceinline__ uint32_t gemvm_codes(unsigned short c) {
@@ -249,7 +248,6 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     constexpr int RING = W16 ? GEMVM16_RING : GEMVM8_RING;
     constexpr int WB = W16 ? 2 : 1;       // weight bytes per element
     constexpr int NLD = W16 ? 8 : 4;      // 16-byte weight loads per step (both halves)
-    constexpr int PAD = W16 ? GEMVM16_PAD : GEMVM8_PAD;
     constexpr bool BF16 = W16 && GemvmIsBf16<T>::value;
     extern __shared__ __align__(16) unsigned char gemvm_smem[];
     __shared__ float nred[WARPS][2][R];
@@ -344,7 +342,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     // largest |x * s|), the rows staged in shared memory when `stage`.
     const bool stage = NORM || p.stage;
     __half* xs = reinterpret_cast<__half*>(gemvm_smem);
-    const int lds = k + PAD, chunks = k >> 3;
+    const int lds = k + GEMVM_PAD, chunks = k >> 3;
     {
         float ss[R], am[R];
 #pragma unroll

@@ -182,8 +182,7 @@ int main() {
         f = fp8 ? (s.norm ? gemv8m_norm_r##NR##_bf16 : gemv8m_r##NR##_bf16)                        \
                 : (s.norm ? gemv16m_norm_r##NR##_bf16 : gemv16m_r##NR##_bf16);
                         MMA(1) MMA(2) MMA(4) MMA(8)
-                        const int pad = fp8 ? GEMVM8_PAD : GEMVM16_PAD;
-                        smem = (size_t)R * (s.k + pad) * 2;
+                        smem = (size_t)R * (s.k + GEMVM_PAD) * 2;
                         // MB_STAGE=0: inputs without a norm read from global memory at each step.
                         const char* st = getenv("MB_STAGE");
                         if (smem > 96 * 1024 || (!s.norm && st && st[0] == '0')) smem = 0;

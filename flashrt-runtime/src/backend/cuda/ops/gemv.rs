@@ -259,15 +259,20 @@ impl Builder<'_> {
         // kernel (16 rows per tile, 8 gate/up pairs in glu mode), with the normalised input
         // rows in shared memory when a norm is fused.
         let (prefix, qbr, qbc) = first.weights.kernel();
-        let pad = GEMVM_PAD;
         // (Without a norm the rows are staged when they fit, else read at each step.)
-        let staged = shape_rows * (k + pad) * 2;
+        let staged = shape_rows * (k + GEMVM_PAD) * 2;
         // 16-bit weights: whether the tensor-core kernel runs depends on the shape alone, never
         // on the rows (with a norm, the most rows' staged inputs must fit), so every phase of
         // a model computes a row the same way (decode, verify and batched steps bit for bit).
-        let staged_max = 8 * (k + pad) * 2;
-        // (Its step counter is an i32.)
-        let steps: usize = widths.iter().map(|w| w.div_ceil(16)).sum::<usize>() * (k / GEMVM_STEP);
+        let staged_max = 8 * (k + GEMVM_PAD) * 2;
+        // The tensor-core launch's steps: tiles of 16 rows (8 gate/up pairs) x 128 columns (the
+        // kernel counts them in an i32).
+        let mma_tiles: usize = if glu.is_some() {
+            widths[0].div_ceil(8)
+        } else {
+            widths.iter().map(|w| w.div_ceil(16)).sum()
+        };
+        let steps = mma_tiles * (k / GEMVM_STEP);
         let mma_shape = k.is_multiple_of(GEMVM_STEP)
             && k >= GEMVM_RING * GEMVM_STEP
             && steps < i32::MAX as usize;
@@ -366,10 +371,8 @@ impl Builder<'_> {
         // The tensor-core kernel: its steps dealt evenly to up to two resident 8-warp blocks
         // per SM (at least GEMVM_MIN_STEPS per warp), a grid chosen from the shape alone, so
         // every row count of a matrix sums in the same order.
-        let mma_grid = {
-            let steps = total_blocks as usize * (k / GEMVM_STEP);
-            (steps / (GEMVM_MIN_STEPS * GEMVM_WARPS)).clamp(1, GEMVM_MINB * self.sms.max(1))
-        };
+        let mma_grid =
+            (steps / (GEMVM_MIN_STEPS * GEMVM_WARPS)).clamp(1, GEMVM_MINB * self.sms.max(1));
         let (suffix, warps) = if mma {
             ("", GEMVM_WARPS)
         } else {
