@@ -31,13 +31,14 @@
 // the fragments' own layout (4 lanes, 64 bytes per row per instruction) stream at only ~3.3 TB/s.
 // The MMA's k order is a permutation of the step's columns (logical columns 2q, 2q + 1, 2q + 8,
 // 2q + 9 of MMA t are the lane's t-th group of 4 columns), the same for both operands. Each warp
-// keeps a ring of steps in flight
-// (the first requested before the prologue, refilled as used). A step's sums are scaled by
+// keeps a ring of steps in flight (its first slots requested before the prologue, the rest
+// after it, refilled as used). A step's sums are scaled by
 // each row's block scale and accumulated in f32. A tile whose steps fall to two or more warps
-// (at most one tile per warp boundary) is finished by the last of them to arrive: each writes
-// its share to its slot in `part` and counts itself in `cnt`, the last adds the shares in warp
-// order and stores. Every output is thus the same sum in the same order whatever R is, and
-// whichever warp arrives last.
+// (at most one tile per warp boundary) is finished by the last of them to arrive: when its
+// stream ends (a share is held back until then, so no fence interrupts a stream), each writes
+// its shares to its slots in `part` and counts itself in `cnt` (release / acquire), the last
+// adds the shares in warp order and stores. Every output is thus the same sum in the same order
+// whatever R is, and whichever warp arrives last.
 //
 // Prologue: one pass over the R input rows from L2 takes each row's largest magnitude (with a
 // fused RMSNorm, `norm`: its sum of squares and the largest |x * s|, s the norm weight) and,
@@ -67,19 +68,36 @@
 #include "common.cuh"
 
 #define GEMVM_STEP 128
+#ifndef GEMVM_WARPS
 #define GEMVM_WARPS 8
+#endif
 // Blocks per SM (the register budget: 128 per thread) and steps each warp keeps in flight:
 // 4 KiB steps of 16-bit weights, 2 KiB of codes, so 8 KiB per warp, 128 KiB per SM either way.
+#ifndef GEMVM_MINB
 #define GEMVM_MINB 2
+#endif
 #ifndef GEMVM16_RING
 #define GEMVM16_RING 2
 #endif
 #ifndef GEMVM8_RING
 #define GEMVM8_RING 2
 #endif
+// Ring slots requested before the prologue (the rest after it): a warp requesting a slot waits
+// while its SM's requests in flight are at their limit (~2 us at the start of a launch), and the
+// prologue's own loads wait behind them (measured with benches/kernels/gemvm_micro.cu's probes).
+#ifndef GEMVM16_RING_EARLY
+#define GEMVM16_RING_EARLY 1
+#endif
+#ifndef GEMVM8_RING_EARLY
+#define GEMVM8_RING_EARLY 2
+#endif
 // Shared-memory row padding of the staged inputs (elements): the input loads of a warp's lanes
 // (rows g, columns 16q or 32q of a step) spread over the banks.
 #define GEMVM_PAD 8
+// Timing hooks for benches/kernels/gemvm_micro.cu (-DGEMVM_PROBE): empty in the product.
+#ifndef GEMVM_MARK
+#define GEMVM_MARK(i)
+#endif
 
 // Two E4M3 codes (first code in the low byte) as an f16x2 (exact).
 static __device__ __forceinline__ uint32_t gemvm_codes(unsigned short c) {
@@ -222,19 +240,26 @@ static __device__ __forceinline__ void gemvm_store(const GemvParams& p, int t, f
             continue;
         }
         const GemvMat& m = p.m[mi];
+        // The previous values first (all loads in flight together, before any store).
+        float prev[2] = {0.0f, 0.0f};
+        if (p.accumulate)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int j = j0 + g + 8 * h;
+                if (j >= m.n) continue;
+                const size_t o = (size_t)(r + row0) * m.ld_out + j;
+                prev[h] = p.out_f32 ? __ldcg(static_cast<const float*>(m.out) + o)
+                                    : flashrt::to_f32(static_cast<const T*>(m.out)[o]);
+            }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int j = j0 + g + 8 * h;
             if (j >= m.n) continue;
             const size_t o = (size_t)(r + row0) * m.ld_out + j;
-            if (p.out_f32) {
-                float* out = static_cast<float*>(m.out);
-                out[o] = p.accumulate ? out[o] + v[2 * h + c] : v[2 * h + c];
-            } else {
-                T* out = static_cast<T*>(m.out);
-                const float prev = p.accumulate ? flashrt::to_f32(out[o]) : 0.0f;
-                out[o] = flashrt::from_f32<T>(v[2 * h + c] + prev);
-            }
+            if (p.out_f32)
+                static_cast<float*>(m.out)[o] = p.accumulate ? prev[h] + v[2 * h + c] : v[2 * h + c];
+            else
+                static_cast<T*>(m.out)[o] = flashrt::from_f32<T>(v[2 * h + c] + prev[h]);
         }
     }
 }
@@ -246,6 +271,7 @@ template <typename T, int R, bool NORM, bool W16 = false>
 static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     constexpr int WARPS = GEMVM_WARPS;
     constexpr int RING = W16 ? GEMVM16_RING : GEMVM8_RING;
+    constexpr int EARLY = W16 ? GEMVM16_RING_EARLY : GEMVM8_RING_EARLY;
     constexpr int WB = W16 ? 2 : 1;       // weight bytes per element
     constexpr int NLD = W16 ? 8 : 4;      // 16-byte weight loads per step (both halves)
     constexpr bool BF16 = W16 && GemvmIsBf16<T>::value;
@@ -255,6 +281,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, q = lane & 3;
+    GEMVM_MARK(0);
     const int k = p.k, spt = k / GEMVM_STEP;
     int tiles = p.m[0].blocks;
     if (!p.glu)
@@ -328,11 +355,14 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
         ++fi;
     };
 #pragma unroll
-    for (int u = 0; u < RING; ++u) fetch(u);
-    // Weights and scales are constant while a plan runs, so the ring fills before the wait for
-    // the previous launch (programmatic dependent launch); the inputs are read after it.
+    for (int u = 0; u < EARLY; ++u) fetch(u);
+    GEMVM_MARK(1);
+    // Weights and scales are constant while a plan runs, so the first slots fill before the
+    // wait for the previous launch (programmatic dependent launch); the inputs are read after
+    // it, the other slots requested after the prologue.
     flashrt::pdl_wait();
     flashrt::pdl_trigger();
+    GEMVM_MARK(2);
 
     const T* x = static_cast<const T*>(p.x);
     const int row0 = p.last_row ? flashrt::load_len(p.len) - 1 : 0;
@@ -368,6 +398,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
                     for (int e = 0; e < 8; ++e) am[r] = fmaxf(am[r], fabsf(xf[e]));
                 }
             }
+        GEMVM_MARK(7);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const float v = flashrt::warp_sum(ss[r]);
@@ -378,6 +409,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
         }
     }
     __syncthreads();
+    GEMVM_MARK(8);
     float inv[R], f[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -423,42 +455,96 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             }
     }
     __syncthreads();
+#pragma unroll
+    for (int u = EARLY; u < RING; ++u) fetch(u);
+    GEMVM_MARK(3);
     // The input row this lane feeds (column g of the MMA) and its scale.
     const bool feeds = g < R;
     const float fg = feeds ? row_scale[g] : 0.0f;
 
-    // A tile this warp finished (all its steps or its share): the whole tile goes straight to
-    // the outputs; a share goes to the warp's partial slot (0: its first tile, 1: its last),
-    // and the tile's last contributor to arrive adds the shares in warp order (fixed, so the
-    // result does not depend on timing) and stores them. The counter (indexed by the tile's
-    // first contributor, unique among split tiles) returns to 0 for the next launch.
+    // A tile this warp finished goes straight to the outputs when the warp did all its steps.
+    // A share (the warp's first tile, when its range starts inside it, and its last, when the
+    // range ends inside it) is held back and published when the warp's stream ends, so
+    // no fence interrupts the stream: each share goes to the warp's partial slot (0: its first
+    // tile, 1: its last), one fence covers both, and the tile's last contributor to arrive adds
+    // the shares in warp order (fixed, so the result does not depend on timing) and stores them.
+    // The counter (indexed by the tile's first contributor, unique among split tiles) returns
+    // to 0 for the next launch.
+    // (The first share waits in shared memory, not in registers.)
+    __shared__ float first[WARPS][4][32];
+    int first_t = -1;
     auto finish = [&](int t, float (&a)[4]) {
         const int ta = t * spt;
-        float v[4] = {a[0], a[1], a[2], a[3]};
         if (ta < i0 || ta + spt > i1) {
-            const int slot = t == (int)(i0 / spt) ? 0 : 1;
-            float* mine = p.part + ((size_t)gw * 2 + slot) * 128;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) __stcg(mine + e * 32 + lane, a[e]);
-            __threadfence();
-            __syncwarp();
-            const int wf = gemvm_owner(ta, S, TW), wl = gemvm_owner(ta + spt - 1, S, TW);
-            unsigned seen = 0;
-            if (lane == 0) seen = atomicAdd(p.cnt + wf, 1u);
-            seen = __shfl_sync(0xffffffffu, seen, 0);
-            if (seen != (unsigned)(wl - wf)) return;
-            __threadfence();
-#pragma unroll
-            for (int e = 0; e < 4; ++e) v[e] = 0.0f;
-            for (int w = wf; w <= wl; ++w) {
-                const int ws = t == (int)((long long)w * S / TW / spt) ? 0 : 1;
-                const float* part = p.part + ((size_t)w * 2 + ws) * 128;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) v[e] += __ldcg(part + e * 32 + lane);
-            }
-            if (lane == 0) p.cnt[wf] = 0;
+            for (int e = 0; e < 4; ++e) first[warp][e][lane] = a[e];
+            first_t = t;
+            return;
         }
+        float v[4] = {a[0], a[1], a[2], a[3]};
         gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
+    };
+    // The shares (at most two: `first` of tile first_t, `last` of tile last_t) at the end.
+    auto settle = [&](int last_t, float (&last)[4]) {
+        const int ts[2] = {first_t, last_t};
+        if (ts[0] < 0 && ts[1] < 0) return;
+        const int tfirst = (int)(i0 / spt);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (ts[j] < 0) continue;
+            float* mine = p.part + ((size_t)gw * 2 + (ts[j] == tfirst ? 0 : 1)) * 128;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) __stcg(mine + e * 32 + lane, j ? last[e] : first[warp][e][lane]);
+        }
+        // One release per share's counter (the lanes' stores ordered before lane 0's by the
+        // warp barrier), no full fence: the last to arrive acquires the others' shares.
+        __syncwarp();
+        int wf[2], wl[2];
+        unsigned seen[2] = {0, 0};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (ts[j] < 0) continue;
+            const long long ta = (long long)ts[j] * spt;
+            wf[j] = gemvm_owner(ta, S, TW), wl[j] = gemvm_owner(ta + spt - 1, S, TW);
+            if (lane == 0)
+                asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(seen[j]) : "l"(p.cnt + wf[j]) : "memory");
+        }
+        __syncwarp();
+        bool any = false;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (ts[j] < 0) continue;
+            seen[j] = __shfl_sync(0xffffffffu, seen[j], 0);
+            any = any || seen[j] == (unsigned)(wl[j] - wf[j]);
+        }
+        if (!any) return;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            if (ts[j] < 0 || seen[j] != (unsigned)(wl[j] - wf[j])) continue;
+            const int t = ts[j];
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            // The shares in warp order, eight warps' loads in flight at a time.
+            for (int w0 = wf[j]; w0 <= wl[j]; w0 += 8) {
+                float sh[8][4];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int w = w0 + u;
+                    if (w > wl[j]) break;
+                    const int ws = t == (int)((long long)w * S / TW / spt) ? 0 : 1;
+                    const float* part = p.part + ((size_t)w * 2 + ws) * 128;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sh[u][e] = __ldcg(part + e * 32 + lane);
+                }
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    if (w0 + u > wl[j]) break;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) v[e] += sh[u][e];
+                }
+            }
+            if (lane == 0) p.cnt[wf[j]] = 0;
+            gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
+        }
     };
 
     // The consume cursor: tile `ct`, column step `cs`. A round of RING steps crosses at most
@@ -549,6 +635,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             }
             // The slot is free again: the warp's next step goes into it.
             fetch(u);
+            if (i == i0) GEMVM_MARK(4);
             ++i;
             if (++cs == spt) cs = 0, crossed = true;
         }
@@ -559,8 +646,10 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             ++ct;
         }
     }
-    // The share of a tile the warp's steps end inside.
-    if (i0 < i1 && cs != 0) finish(ct, acc);
+    GEMVM_MARK(5);
+    // The share of a tile the warp's steps end inside, and the one it started inside.
+    settle(i0 < i1 && cs != 0 ? ct : -1, acc);
+    GEMVM_MARK(6);
 }
 
 // `gemv8m_r<R>` / `gemv8m_norm_r<R>` (`p.norm` = 1): blocks of GEMVM_WARPS warps, two per SM

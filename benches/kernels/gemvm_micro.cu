@@ -14,7 +14,24 @@
 //   ./gemvm_micro            (MB_STAGE=0: unstaged inputs where there is no norm; build with
 //                             -DGEMVM8_RING=3 etc. for other ring depths)
 //
+// MB_GRID=n: n resident blocks per SM at most (default GEMVM_MINB, as the host). Built with
+// -DGEMVM_PROBE, each tensor-core case is also launched once alone with per-warp timestamps at
+// the kernel's phases (entry, ring issued, PDL wait, prologue, first step, loop end, end),
+// printed as median / max microseconds after the first warp's entry.
+//
 // Figures: benches/RESULTS.md.
+#ifdef GEMVM_PROBE
+__device__ unsigned long long* g_probe;
+#define GEMVM_MARK(i)                                                                              \
+    do {                                                                                           \
+        if ((threadIdx.x & 31) == 0 && g_probe) {                                                  \
+            unsigned long long t_;                                                                 \
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                 \
+            const size_t o_ = ((size_t)blockIdx.x * GEMVM_WARPS + (threadIdx.x >> 5)) * 10;       \
+            g_probe[o_ + (i)] = t_;                                                                \
+        }                                                                                          \
+    } while (0)
+#endif
 #include "gemv.cu"
 #include "gemv_mma.cu"
 #include <algorithm>
@@ -157,7 +174,7 @@ int main() {
             for (int R : rows_list)
                 for (int core = 0; core < 2; ++core) {
                     Kern f = nullptr;
-                    int threads = 256, grid;
+                    int threads = core ? 256 : GEMVM_WARPS * 32, grid;
                     size_t smem = 0;
                     const int tiles = s.glu ? (s.n + 7) / 8 : (s.n + 15) / 16;
                     int blocks;
@@ -175,8 +192,10 @@ int main() {
                     } else {
                         blocks = tiles;
                         const long long steps = (long long)(s.glu ? tiles : tiles * nm) * (s.k / 128);
+                        const char* mg = getenv("MB_GRID");
+                        const long long per_sm = mg ? atoi(mg) : GEMVM_MINB;
                         grid = (int)std::min<long long>(std::max<long long>(steps / (4 * GEMVM_WARPS), 1),
-                                                        (long long)GEMVM_MINB * sms);
+                                                        per_sm * sms);
 #define MMA(NR)                                                                                    \
     if (R == NR)                                                                                   \
         f = fp8 ? (s.norm ? gemv8m_norm_r##NR##_bf16 : gemv8m_r##NR##_bf16)                        \
@@ -253,6 +272,41 @@ int main() {
                     const double us = ms * 1e3 / iters;
                     printf("   %-6s R=%d grid=%5d smem=%6zu  %8.2f us %5.2f TB/s\n", core ? "cores" : "mma", R, grid,
                            smem, us, bytes / us / 1e6);
+#ifdef GEMVM_PROBE
+                    if (!core) {
+                        const size_t nw8 = (size_t)grid * GEMVM_WARPS * 10;
+                        unsigned long long* pb;
+                        CK(cudaMalloc(&pb, nw8 * 8));
+                        CK(cudaMemset(pb, 0, nw8 * 8));
+                        CK(cudaMemcpyToSymbol(g_probe, &pb, sizeof pb));
+                        cudaEventRecord(e0);
+                        CK(cudaLaunchKernelEx(&cfg, f, ps[1 % copies]));
+                        cudaEventRecord(e1);
+                        CK(cudaDeviceSynchronize());
+                        float mp;
+                        cudaEventElapsedTime(&mp, e0, e1);
+                        unsigned long long* nul = nullptr;
+                        CK(cudaMemcpyToSymbol(g_probe, &nul, sizeof nul));
+                        std::vector<unsigned long long> hp(nw8);
+                        CK(cudaMemcpy(hp.data(), pb, nw8 * 8, cudaMemcpyDeviceToHost));
+                        cudaFree(pb);
+                        unsigned long long t0 = ~0ull;
+                        for (size_t wv = 0; wv < nw8 / 10; ++wv) t0 = std::min(t0, hp[wv * 10]);
+                        printf("     probe (alone, event %.2f us):", mp * 1e3);
+                        const char* names[9] = {"entry", "ring", "pdl", "loads", "sync1", "prologue", "first", "loop", "end"};
+                        const int order[9] = {0, 1, 2, 7, 8, 3, 4, 5, 6};
+                        for (int mi = 0; mi < 9; ++mi) {
+                            const int m = order[mi];
+                            std::vector<double> v;
+                            for (size_t wv = 0; wv < nw8 / 10; ++wv)
+                                if (hp[wv * 10 + m]) v.push_back((hp[wv * 10 + m] - t0) * 1e-3);
+                            if (v.empty()) continue;
+                            std::sort(v.begin(), v.end());
+                            printf(" %s %.2f/%.2f", names[mi], v[v.size() / 2], v.back());
+                        }
+                        printf("\n");
+                    }
+#endif
                 }
             // Row 0 at every R, bit for bit (tensor cores); tensor cores vs CUDA cores.
             bool inv = true;
