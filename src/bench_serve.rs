@@ -35,6 +35,9 @@ pub struct ServeBenchOptions {
     pub clients: usize,
     /// A fresh prompt of this many tokens sent while the clients stream (0: skip).
     pub newcomer: usize,
+    /// One completion with `n` = this many choices at temperature 0.8 with a seed, against
+    /// the same number of single completions seeded `seed + i` (0: skip).
+    pub choices: usize,
 }
 
 #[derive(Serialize)]
@@ -78,6 +81,51 @@ pub struct ServeReport {
     pub prefixes: Vec<PrefixResult>,
     /// Several clients at once (`clients` > 0).
     pub concurrent: Option<ConcurrentResult>,
+    /// OpenAI `n` (`choices` > 0).
+    pub choices: Option<ChoicesResult>,
+}
+
+/// One completion with `n` choices against `n` separately seeded single completions.
+#[derive(Serialize)]
+pub struct ChoicesResult {
+    pub n: usize,
+    pub tokens_per_choice: usize,
+    pub seed: u64,
+    /// From sending the `n` request to its last token, and the single completions' times
+    /// (each from sending to its last token) added up.
+    pub together_ms: f64,
+    pub singles_ms: f64,
+    /// Choice i's tokens equal the single completion seeded `seed + i`, for every i.
+    pub same_as_singles: bool,
+    /// No two choices are the same token sequence.
+    pub distinct: bool,
+}
+
+impl ChoicesResult {
+    pub fn summary(&self) -> String {
+        format!(
+            "n = {} at temperature 0.8, seed {}: {} tokens per choice in {:.1} ms (the {} single completions one after another: {:.1} ms, {:.2}x); choices {} the single completions seeded {}..{}, {}",
+            self.n,
+            self.seed,
+            self.tokens_per_choice,
+            self.together_ms,
+            self.n,
+            self.singles_ms,
+            self.singles_ms / self.together_ms,
+            if self.same_as_singles {
+                "equal"
+            } else {
+                "DIFFER from"
+            },
+            self.seed,
+            self.seed + self.n as u64 - 1,
+            if self.distinct {
+                "all distinct"
+            } else {
+                "NOT all distinct"
+            }
+        )
+    }
 }
 
 /// Clients streaming at once against each alone (the scheduler of `flashrt-serve`).
@@ -146,6 +194,8 @@ struct Streamed {
     times: Vec<f64>,
     cached: usize,
     tokens: Vec<u32>,
+    /// The tokens by choice index (`n` > 1 streams its choices interleaved).
+    by_choice: Vec<Vec<u32>>,
     speculative: Value,
 }
 
@@ -198,6 +248,7 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String>
         times: Vec::new(),
         cached: 0,
         tokens: Vec::new(),
+        by_choice: Vec::new(),
         speculative: Value::Null,
     };
     let mut pending = Vec::<u8>::new();
@@ -221,17 +272,24 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String>
                 if !v["speculative"].is_null() {
                     got.speculative = v["speculative"].clone();
                 }
-                let ids: Vec<u32> = v["choices"][0]["token_ids"]
-                    .as_array()
-                    .map(|a| {
-                        a.iter()
-                            .filter_map(|x| x.as_u64())
-                            .map(|x| x as u32)
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                got.times.extend(std::iter::repeat_n(now, ids.len()));
-                got.tokens.extend(ids);
+                for c in v["choices"].as_array().into_iter().flatten() {
+                    let ids: Vec<u32> = c["token_ids"]
+                        .as_array()
+                        .map(|a| {
+                            a.iter()
+                                .filter_map(|x| x.as_u64())
+                                .map(|x| x as u32)
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let i = c["index"].as_u64().unwrap_or(0) as usize;
+                    if got.by_choice.len() <= i {
+                        got.by_choice.resize(i + 1, Vec::new());
+                    }
+                    got.by_choice[i].extend(&ids);
+                    got.times.extend(std::iter::repeat_n(now, ids.len()));
+                    got.tokens.extend(ids);
+                }
             }
         }
         false
@@ -346,6 +404,40 @@ fn concurrent(
     Ok(r)
 }
 
+/// `n` choices of one sampled completion of `prompt` (stored by the prefix runs) against `n`
+/// single completions seeded `seed + i`, one after another.
+fn choices(
+    addr: SocketAddr,
+    n: usize,
+    prompt: &[u32],
+    tokens: usize,
+) -> Result<ChoicesResult, String> {
+    const SEED: u64 = 7;
+    let body = |n: usize, seed: u64| json!({"prompt": prompt, "max_tokens": tokens, "temperature": 0.8, "seed": seed, "n": n, "ignore_eos": true});
+    let last_ms = |s: &Streamed| s.times.last().copied().unwrap_or(0.0) * 1e3;
+    // A warm-up, then the timed request.
+    stream_completion(addr, &body(n, SEED))?;
+    let together = stream_completion(addr, &body(n, SEED))?;
+    let mut singles = Vec::new();
+    for i in 0..n {
+        singles.push(stream_completion(addr, &body(1, SEED + i as u64))?);
+    }
+    let got = &together.by_choice;
+    let same = got.len() == n && singles.iter().zip(got).all(|(s, c)| s.tokens == *c);
+    let distinct = (0..got.len()).all(|i| (i + 1..got.len()).all(|j| got[i] != got[j]));
+    let r = ChoicesResult {
+        n,
+        tokens_per_choice: got.iter().map(Vec::len).min().unwrap_or(0),
+        seed: SEED,
+        together_ms: last_ms(&together),
+        singles_ms: singles.iter().map(last_ms).sum(),
+        same_as_singles: same,
+        distinct,
+    };
+    eprintln!("[bench --serve] {}", r.summary());
+    Ok(r)
+}
+
 /// Stream one completion per prompt, all at once (a thread each).
 fn run_clients(
     addr: SocketAddr,
@@ -453,12 +545,14 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
         crate::demo::tokens(seed, n, vocab)
     };
     let mut prefixes = Vec::new();
+    let mut first_prefix: Option<Vec<u32>> = None;
     for &p in &opts.prefixes {
         if p == 0 || p + 2 >= max_seq {
             eprintln!("[bench --serve] prefix {p} does not fit max_seq {max_seq}: skipped");
             continue;
         }
         let prefix = fresh(p);
+        first_prefix.get_or_insert_with(|| prefix.clone());
         let greedy = |prompt: &[u32], max_tokens: usize| json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
         eprintln!("[bench --serve] prefix {p}: storing it");
         stream_completion(addr, &greedy(&prefix, 1))?;
@@ -555,11 +649,16 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
     } else {
         None
     };
+    let choices = match (opts.choices, &first_prefix) {
+        (0, _) | (_, None) => None,
+        (n, Some(prompt)) => Some(choices(addr, n, prompt, opts.decode_tokens.max(2))?),
+    };
     server.shutdown()?;
     Ok(ServeReport {
         chunk_costs: costs.to_string(),
         prefixes,
         concurrent,
+        choices,
     })
 }
 
@@ -615,6 +714,9 @@ pub fn render(r: &ServeReport) -> String {
             );
         }
     }
+    if let Some(c) = &r.choices {
+        o += &format!("  {}\n", c.summary());
+    }
     o
 }
 
@@ -638,6 +740,7 @@ mod tests {
             decode_tokens: 6,
             clients: 3,
             newcomer: 100,
+            choices: 3,
         };
         let r = run(&model, &opts).unwrap();
         let p = &r.prefixes[0];
@@ -660,5 +763,11 @@ mod tests {
         let nc = c.newcomer.as_ref().expect("newcomer measured");
         assert!(nc.ttft_ms > 0.0 && nc.idle_ttft_ms > 0.0);
         assert!(render(&r).contains("3 clients at once"));
+        // n = 3: each choice is the single completion with its seed (the server's own
+        // guarantee, checked here from the client's side of the stream).
+        let ch = r.choices.as_ref().expect("choices measured");
+        assert_eq!((ch.n, ch.tokens_per_choice), (3, 6));
+        assert!(ch.same_as_singles, "{}", ch.summary());
+        assert!(render(&r).contains("n = 3 at temperature 0.8"));
     }
 }

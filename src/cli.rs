@@ -148,6 +148,11 @@ pub struct BenchArgs {
     /// idle server's, and the clients' gaps meanwhile (`--serve --serve-clients`)
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub serve_newcomer: usize,
+    /// Then one completion with OpenAI `n` = N choices (temperature 0.8, a seed,
+    /// `--decode-steps` tokens each) against N single completions seeded alike: time, and
+    /// whether each choice equals its single completion (`--serve`)
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub serve_choices: usize,
     /// Then open N sessions at once, each prefilled to the longest `--lengths`, and report the
     /// device memory each costs next to its state arena (CUDA)
     #[arg(long, value_name = "N")]
@@ -419,6 +424,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
             decode_tokens: a.decode_steps.max(2),
             clients: a.serve_clients,
             newcomer: a.serve_newcomer,
+            choices: a.serve_choices,
         };
         let r = crate::bench_serve::run(&loaded.model, &sopts)?;
         print!("\n{}", crate::bench_serve::render(&r));
