@@ -899,6 +899,23 @@ impl Session {
         Ok(out)
     }
 
+    /// Run every decode, verify and prefill plan twice from position 0 (zero tokens), then
+    /// [`Session::reset`]. On the CUDA backend a plan's first step on a session runs as plain
+    /// launches and its second is captured as the session's graph, so a server warms the
+    /// session it serves from here, before a client's request would pay for the capture (a
+    /// prefill chunk's capture costs about one more step). ~2 steps of every plan.
+    pub fn warm_plans(&mut self) -> Result<()> {
+        let compiled = self.model.inner.compiled.clone();
+        for phase in token_plans(&compiled) {
+            self.dev.reset()?;
+            let tokens = vec![0u32; phase.rows()];
+            for _ in 0..2 {
+                self.dev.step_read(phase, &tokens, 0, StepLogits::Last)?;
+            }
+        }
+        self.reset()
+    }
+
     /// Zero the state: position 0, empty history.
     pub fn reset(&mut self) -> Result<()> {
         self.dev.reset()?;

@@ -566,3 +566,29 @@ fn step_batch_equals_each_session_appending() {
         );
     }
 }
+
+/// `warm_plans` (a server warms its session's graphs with it) runs every plan and leaves a
+/// session that is a fresh one: zero state, position 0, and the same logits and state bytes
+/// as an untouched session after the same tokens.
+#[test]
+fn a_warmed_session_is_a_fresh_session() {
+    for (name, m) in models() {
+        let v = m.vocab();
+        let mut warmed = m.session().unwrap();
+        let mut fresh = m.session().unwrap();
+        let zero = state_of(&fresh);
+        warmed.append(&tokens(4, 9, v)).unwrap();
+        warmed.warm_plans().unwrap();
+        assert_eq!(warmed.pos(), 0, "{name}");
+        assert_eq!(state_of(&warmed), zero, "{name}: warming left state behind");
+        for (i, chunk) in [tokens(5, 21, v), tokens(6, 1, v), tokens(7, 3, v)]
+            .iter()
+            .enumerate()
+        {
+            warmed.append(chunk).unwrap();
+            fresh.append(chunk).unwrap();
+            assert_eq!(warmed.logits(), fresh.logits(), "{name}: chunk {i}");
+        }
+        assert_eq!(state_of(&warmed), state_of(&fresh), "{name}");
+    }
+}

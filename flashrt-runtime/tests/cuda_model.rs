@@ -368,6 +368,51 @@ fn graphs_replay_like_direct_launches() {
     println!("graphs vs direct: {} positions bit-identical", sa.pos());
 }
 
+/// A session whose every plan was run and captured by `warm_plans` (what `flashrt serve` does
+/// before its first request) steps exactly like a fresh one: its graphs, captured at position
+/// 0, replay at every later position and length with bit-identical logits and state.
+#[test]
+fn warmed_session_steps_like_a_fresh_one() {
+    let Some(gpu) = cuda("warmed_session_steps_like_a_fresh_one") else {
+        return;
+    };
+    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 256);
+    let m = model_on(gpu, &ir, None);
+    let vocab = m.vocab();
+    let mut warmed = m.session().unwrap();
+    warmed.append(&prompt(9, vocab, 9)).unwrap();
+    warmed.warm_plans().unwrap();
+    assert_eq!(warmed.pos(), 0);
+    let mut fresh = m.session().unwrap();
+    let chunks = [
+        prompt(37, vocab, 1),
+        prompt(1, vocab, 2),
+        prompt(1, vocab, 3),
+        prompt(20, vocab, 4),
+        prompt(3, vocab, 5),
+    ];
+    for (i, c) in chunks.iter().enumerate() {
+        warmed.append(c).unwrap();
+        fresh.append(c).unwrap();
+        assert_eq!(
+            warmed.logits(),
+            fresh.logits(),
+            "chunk {i} at pos {}",
+            fresh.pos()
+        );
+    }
+    let (a, b) = (warmed.snapshot().unwrap(), fresh.snapshot().unwrap());
+    for id in a.region_ids() {
+        assert_eq!(
+            a.region_by_id(id).unwrap(),
+            b.region_by_id(id).unwrap(),
+            "region {}",
+            a.region_name(id)
+        );
+    }
+    println!("warmed vs fresh: {} positions bit-identical", fresh.pos());
+}
+
 /// A prompt appended with `LogitsMode::Last` runs its chunks without the LM head and its last
 /// chunk with the head for the last row only (`StepLogits`); the next-token logits must match
 /// the full computation's last row (one row through `gemv` instead of the bucket's cuBLASLt

@@ -253,6 +253,10 @@ impl Worker {
         let now = Instant::now();
         if g.out.len() == 1 {
             self.metrics.ttft.observe(now - g.last);
+            tracing::debug!(
+                "first token {:.2} ms after arrival",
+                (now - g.last).as_secs_f64() * 1e3
+            );
         } else {
             self.metrics.inter_token.observe(now - g.last);
         }

@@ -51,6 +51,8 @@ pub(super) struct Active {
     /// `None` while prefilling.
     g: Option<GenState>,
     enqueued: Instant,
+    /// When the prompt's cached part was restored (admission done).
+    admitted: Instant,
     prompt_len: usize,
     cached: usize,
     /// Store the prompt boundary after the first token (automatic prefix cache).
@@ -167,6 +169,7 @@ impl Worker {
                     prefill: prompt[cached..].to_vec(),
                     g: None,
                     enqueued,
+                    admitted: Instant::now(),
                     prompt_len: prompt.len(),
                     cached,
                     sampler,
@@ -256,6 +259,7 @@ impl Worker {
             prefill: Vec::new(),
             g: Some(g),
             enqueued,
+            admitted: Instant::now(),
             prompt_len: 0,
             cached: 0,
             choices: None,
@@ -320,6 +324,14 @@ impl Worker {
     /// The prompt is in: the sampler, the stream's start, the automatic prompt capsule when
     /// nothing is generated, the boundary of several choices, and the generation state.
     fn ready(&mut self, a: &mut Active) -> WResult<()> {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        tracing::debug!(
+            "completion of {} prompt tokens ({} cached): admitted {:.2} ms after arrival, prompt in after {:.2} ms more",
+            a.prompt_len,
+            a.cached,
+            ms(a.admitted - a.enqueued),
+            ms(a.admitted.elapsed())
+        );
         a.s.set_sampler(a.sampler.clone());
         if a.stream.is_some() {
             a.rep.send(Ok(Out::Stream));
