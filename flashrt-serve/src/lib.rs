@@ -108,6 +108,10 @@ pub struct ServeConfig {
     pub speculative: usize,
     /// The checkpoint's sampling defaults for what a request leaves out.
     pub defaults: GenerationDefaults,
+    /// Before the first request, run every plan (and the batched decode steps) on the session
+    /// the server serves from, so no client pays for a graph capture. `None`: where the
+    /// backend runs plans as captured graphs (CUDA).
+    pub warm: Option<bool>,
 }
 
 impl Default for ServeConfig {
@@ -129,6 +133,7 @@ impl Default for ServeConfig {
             eos: Vec::new(),
             defaults: GenerationDefaults::default(),
             speculative: 0,
+            warm: None,
         }
     }
 }
@@ -221,6 +226,7 @@ impl Server {
                 share_prefix_cache: cfg.share_prefix_cache,
                 cancel: cancel.clone(),
                 speculative: cfg.speculative,
+                warm: cfg.warm,
             },
         );
         metrics

@@ -285,3 +285,34 @@ fn a_cached_prompt_arriving_while_others_stream_is_answered() {
     assert_eq!(a.len(), 600);
     server.shutdown().unwrap();
 }
+
+/// A server that warms its serving session first (as on the GPU: every plan, then the batched
+/// steps on scratch sessions; forced here on the CPU) serves exactly what the library samples:
+/// one completion, then three at once in the batched rounds, each equal to its local run.
+#[test]
+fn a_warmed_server_serves_exactly() {
+    let m = lfm2();
+    let v = m.vocab();
+    let mut cfg = config(None, None);
+    cfg.warm = Some(true);
+    let server = start(&m, cfg);
+    let addr = server.addr();
+    let body = |p: &[u32], n: usize| json!({"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": true, "stream": true});
+    let ids = |x: &[(Instant, u32)]| x.iter().map(|p| p.1).collect::<Vec<_>>();
+    let p0 = tokens(11, 29, v);
+    assert_eq!(ids(&stream(addr, &body(&p0, 6), None)), local(&m, &p0, 6));
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| tokens(20 + i, 9 + 7 * i as usize, v))
+        .collect();
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let b = body(p, 12);
+            std::thread::spawn(move || stream(addr, &b, None))
+        })
+        .collect();
+    for (p, h) in prompts.iter().zip(handles) {
+        assert_eq!(ids(&h.join().unwrap()), local(&m, p, 12));
+    }
+    server.shutdown().unwrap();
+}

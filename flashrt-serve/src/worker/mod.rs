@@ -243,6 +243,8 @@ pub struct WorkerConfig {
     pub cancel: Arc<std::sync::atomic::AtomicBool>,
     /// Default most MTP drafts per round of greedy completions (0: off; see `speculate`).
     pub speculative: usize,
+    /// Warm the serving session before the first job (`None`: on graph backends).
+    pub warm: Option<bool>,
 }
 
 struct Slot {
@@ -505,7 +507,7 @@ impl Worker {
     /// stored prefix took 39.9 instead of 19.2 ms on the plan's second use). Best effort: a
     /// failure leaves the pool empty and sessions are made on demand, as before.
     fn warm_pool(&mut self) {
-        if !self.model.pads_rows() || !self.pool.is_empty() {
+        if !self.cfg.warm.unwrap_or_else(|| self.model.pads_rows()) || !self.pool.is_empty() {
             return;
         }
         let start = Instant::now();
@@ -523,7 +525,56 @@ impl Worker {
                     start.elapsed().as_secs_f64()
                 );
             }
-            Err(e) => tracing::warn!("warming the serving session failed ({e}); continuing"),
+            Err(e) => {
+                tracing::warn!("warming the serving session failed ({e}); continuing");
+                return;
+            }
+        }
+        // The batched decode steps' graphs too (one per size of the ladder, shared by every
+        // set of sessions), on scratch sessions beside the pooled one. (Where the backend
+        // steps them one by one this only costs the steps.)
+        let start = Instant::now();
+        let cap = self.generating_capacity();
+        let sizes: Vec<usize> = (self.model.ir().batch_sizes().into_iter())
+            .filter(|&b| b <= cap)
+            .collect();
+        let Some(&most) = sizes.last() else {
+            return;
+        };
+        let model = self.model.clone();
+        let mut extra = Vec::with_capacity(most - 1);
+        let warmed = (|| -> WResult<()> {
+            for _ in 1..most {
+                extra.push(self.fresh_session()?);
+            }
+            let first = self.pool.last_mut().expect("pushed above");
+            let mut all: Vec<&mut Session> =
+                std::iter::once(first).chain(extra.iter_mut()).collect();
+            for &b in &sizes {
+                for _ in 0..2 {
+                    model.step_batch(&mut all[..b], &vec![0; b])?;
+                }
+            }
+            all[0].reset()?;
+            Ok(())
+        })();
+        match warmed {
+            Ok(()) => tracing::info!(
+                "batched decode steps of {sizes:?} sessions captured ({:.1} s)",
+                start.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                tracing::warn!(
+                    "warming the batched steps failed ({}); continuing",
+                    e.message
+                );
+                // The pooled session may have stepped: start it over.
+                if let Some(s) = self.pool.last_mut()
+                    && s.reset().is_err()
+                {
+                    self.pool.clear();
+                }
+            }
         }
     }
 
@@ -962,5 +1013,42 @@ impl Worker {
             "reused_tokens": reused,
             "from_capsule": from,
         })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Warming (forced here on the CPU reference, where it is otherwise skipped) leaves one
+    /// pooled session at position 0 with every state byte zero, after running every plan and
+    /// the batched steps of the whole ladder on it and on scratch sessions.
+    #[test]
+    fn warming_leaves_one_fresh_pooled_session() {
+        let src = include_str!("../../../models/demo.toml");
+        let ir = flashrt_compiler::model_from_toml(src, "demo.toml").unwrap();
+        let cpu: Arc<dyn flashrt_runtime::Backend> = Arc::new(flashrt_runtime::CpuBackend::new());
+        let model = Model::with_random_weights(cpu, &ir, 3).unwrap();
+        let store = CapsuleStore::open(model.clone(), Default::default()).unwrap();
+        let cfg = WorkerConfig {
+            max_sessions: 8,
+            auto_cache: true,
+            share_prefix_cache: false,
+            cancel: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            speculative: 0,
+            warm: Some(true),
+        };
+        let mut w = Worker::new(model.clone(), store, Arc::default(), None, cfg);
+        w.warm_pool();
+        assert_eq!(w.pool.len(), 1);
+        let s = &w.pool[0];
+        assert_eq!(s.pos(), 0);
+        for b in model.compiled().layout.state_buffers() {
+            let bytes = s.read_region(b.id).unwrap();
+            assert!(bytes.iter().all(|&x| x == 0), "state `{}` not zero", b.name);
+        }
+        // Warming twice does nothing more.
+        w.warm_pool();
+        assert_eq!(w.pool.len(), 1);
     }
 }

@@ -633,7 +633,7 @@ impl Worker {
     /// How many completions may generate at once: [`MAX_GENERATING`], within the sessions
     /// the memory plan allows (`max_sessions` counts the sessions API's; one more is kept
     /// for completions), and always at least one.
-    fn generating_capacity(&self) -> usize {
+    pub(super) fn generating_capacity(&self) -> usize {
         let room = (self.cfg.max_sessions + 1).saturating_sub(self.open_sessions());
         // Session generations hold their own sessions: they do not take completions' room.
         room.clamp(1, MAX_GENERATING) + self.sched.busy.len()
