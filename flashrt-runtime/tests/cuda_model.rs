@@ -319,6 +319,18 @@ fn bf16_tracks_cpu_reference() {
     }
 }
 
+/// Chunks that take every plan of an `[8, 32]`-bucket model at several positions: prefill[32]
+/// x1 + prefill[8] (5 rows), decode steps, prefill[32] (20 rows), prefill[8] (3 rows).
+fn mixed_chunks(vocab: usize) -> Vec<Vec<u32>> {
+    vec![
+        prompt(37, vocab, 1),
+        prompt(1, vocab, 2),
+        prompt(1, vocab, 3),
+        prompt(20, vocab, 4),
+        prompt(3, vocab, 5),
+    ]
+}
+
 /// The same token stream through CUDA graphs (with programmatic dependent launches) and
 /// through plain launches (without) gives bit-identical logits: graphs are captured once per
 /// phase and replayed at other positions and lengths, and PDL only moves launch latency.
@@ -342,15 +354,7 @@ fn graphs_replay_like_direct_launches() {
     let b = model_on(without, &ir, None);
     let mut sa = a.session().unwrap();
     let mut sb = b.session().unwrap();
-    let vocab = a.vocab();
-    // prefill[32] x1 + prefill[8] (5 rows), decode x10, prefill[32] (20 rows), prefill[8] (3 rows).
-    let chunks: Vec<Vec<u32>> = vec![
-        prompt(37, vocab, 1),
-        prompt(1, vocab, 2),
-        prompt(1, vocab, 3),
-        prompt(20, vocab, 4),
-        prompt(3, vocab, 5),
-    ];
+    let chunks = mixed_chunks(a.vocab());
     for (i, c) in chunks.iter().enumerate() {
         let reps = if c.len() == 1 { 5 } else { 1 };
         for _ in 0..reps {
@@ -384,14 +388,7 @@ fn warmed_session_steps_like_a_fresh_one() {
     warmed.warm_plans().unwrap();
     assert_eq!(warmed.pos(), 0);
     let mut fresh = m.session().unwrap();
-    let chunks = [
-        prompt(37, vocab, 1),
-        prompt(1, vocab, 2),
-        prompt(1, vocab, 3),
-        prompt(20, vocab, 4),
-        prompt(3, vocab, 5),
-    ];
-    for (i, c) in chunks.iter().enumerate() {
+    for (i, c) in mixed_chunks(vocab).iter().enumerate() {
         warmed.append(c).unwrap();
         fresh.append(c).unwrap();
         assert_eq!(
@@ -401,15 +398,7 @@ fn warmed_session_steps_like_a_fresh_one() {
             fresh.pos()
         );
     }
-    let (a, b) = (warmed.snapshot().unwrap(), fresh.snapshot().unwrap());
-    for id in a.region_ids() {
-        assert_eq!(
-            a.region_by_id(id).unwrap(),
-            b.region_by_id(id).unwrap(),
-            "region {}",
-            a.region_name(id)
-        );
-    }
+    assert_state_equals(&warmed, &fresh.snapshot().unwrap(), "warmed vs fresh");
     println!("warmed vs fresh: {} positions bit-identical", fresh.pos());
 }
 
