@@ -19,6 +19,9 @@ pub struct BenchOptions {
     /// Also time every device command of a decode step (at each length) and of one full
     /// prefill chunk (at 0 and at the last chunk of the longest prompt), grouped by op.
     pub profile: bool,
+    /// Also time every device command of prefill chunks of these sizes, after a prefix of the
+    /// first length (a stored prompt's suffix).
+    pub profile_rows: Vec<usize>,
 }
 
 #[derive(Serialize)]
@@ -337,6 +340,25 @@ pub fn run(model: &Model, load_ms: f64, opts: &BenchOptions) -> Result<BenchRepo
             ir.max_seq - 1
         ));
     }
+    if (opts.profile || !opts.profile_rows.is_empty()) && !model.backend_name().starts_with("cuda")
+    {
+        // Said before anything is measured, not after.
+        return Err(format!(
+            "--profile and --profile-rows time each device command and need the CUDA backend (this run: {})",
+            model.backend_name()
+        ));
+    }
+    if let Some(&bad) = opts.profile_rows.iter().find(|&&n| {
+        n == 0
+            || n > ir.prefill_buckets.iter().copied().max().unwrap_or(1)
+            || opts.lengths.first().is_some_and(|&p| p + n >= ir.max_seq)
+    }) {
+        return Err(format!(
+            "--profile-rows {bad}: a profiled chunk is 1 to {} rows (the largest bucket) and fits after the prefix in max_seq {}",
+            ir.prefill_buckets.iter().copied().max().unwrap_or(1),
+            ir.max_seq
+        ));
+    }
     let layout = &model.compiled().layout;
     let weight_bytes = layout.arena_bytes(crate::ir::Role::Weight);
     progress(&format!(
@@ -526,6 +548,41 @@ pub fn run(model: &Model, load_ms: f64, opts: &BenchOptions) -> Result<BenchRepo
             if at == last {
                 break;
             }
+        }
+    }
+    if let Some(&prefix) = opts.lengths.first() {
+        for &rows in &opts.profile_rows {
+            let tokens = prompt(prefix + rows, ir.vocab);
+            progress(&format!("profiling a {rows}-row suffix at {prefix}"));
+            session.reset().map_err(err)?;
+            session.append(&tokens[..prefix]).map_err(err)?;
+            let snap = session.snapshot().map_err(err)?;
+            // The second profiled chunk is reported: the first pays one-time costs.
+            session.profile_chunk(&tokens[prefix..]).map_err(err)?;
+            session.restore(&snap).map_err(err)?;
+            let times = session.profile_chunk(&tokens[prefix..]).map_err(err)?;
+            // The same chunk unprofiled (captured graphs, no events between commands): the
+            // median of three after two warm-ups, restore excluded.
+            let mut plain = Vec::new();
+            for i in 0..5 {
+                session.restore(&snap).map_err(err)?;
+                session.synchronize().map_err(err)?;
+                let t = Instant::now();
+                session.append(&tokens[prefix..]).map_err(err)?;
+                session.synchronize().map_err(err)?;
+                if i >= 2 {
+                    plain.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            plain.sort_by(f64::total_cmp);
+            progress(&format!(
+                "a {rows}-row suffix at {prefix}: {:.3} ms unprofiled (median of 3)",
+                plain[1]
+            ));
+            profiles.push(profile_of(
+                format!("suffix of {rows} rows at {prefix}"),
+                &times,
+            ));
         }
     }
     Ok(BenchReport {

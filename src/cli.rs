@@ -124,6 +124,10 @@ pub struct BenchArgs {
     /// Also time every kernel of a decode step and of a prefill chunk (CUDA)
     #[arg(long)]
     pub profile: bool,
+    /// Also time every kernel of prefill chunks of these sizes (each in its smallest bucket),
+    /// appended after a prefix of the first `--lengths` tokens: where a suffix's time goes
+    #[arg(long, value_delimiter = ',', value_name = "N")]
+    pub profile_rows: Vec<usize>,
     /// Then drive `flashrt serve` on the same model through HTTP (streaming completions on
     /// loopback): time to the first streamed token after a stored prefix of each `--lengths`
     /// plus each `--serve-suffixes`, an exact repeat, streamed decode greedy and sampled
@@ -387,6 +391,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
         iters: a.iters,
         decode_steps: a.decode_steps,
         profile: a.profile,
+        profile_rows: a.profile_rows.clone(),
     };
     let mut margs = a.model.clone();
     // A TOML model without weights is benchmarked with random ones.

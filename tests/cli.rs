@@ -259,3 +259,21 @@ fn bench_takes_a_checkpoint_like_a_toml() {
     assert!(out.status.success(), "{t}");
     assert!(t.contains("flashrt bench") && t.contains("40"), "{t}");
 }
+
+#[test]
+fn bench_refuses_profiling_off_cuda_before_measuring() {
+    let dir = fixtures().join("lfm2-public");
+    let dir = dir.to_str().unwrap();
+    for flag in [&["--profile"][..], &["--profile-rows", "8"][..]] {
+        let mut args = vec!["bench", dir, "--backend", "cpu", "--lengths", "40"];
+        args.extend_from_slice(flag);
+        let out = flashrt(&args);
+        let t = text(&out);
+        assert!(!out.status.success(), "{flag:?}: {t}");
+        assert!(t.contains("need the CUDA backend"), "{flag:?}: {t}");
+        assert!(
+            !t.contains("copy bandwidth"),
+            "{flag:?}: measured before refusing: {t}"
+        );
+    }
+}
