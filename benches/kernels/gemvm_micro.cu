@@ -14,7 +14,8 @@
 //   ./gemvm_micro            (MB_STAGE=0: unstaged inputs where there is no norm; build with
 //                             -DGEMVM8_RING=3 etc. for other ring depths)
 //
-// MB_GRID=n: n resident blocks per SM at most (default GEMVM_MINB, as the host). Built with
+// -DGEMVM_NO_FIXUP: split tiles are not finished (wrong outputs), a bound on what finishing
+// them costs. MB_GRID=n: n resident blocks per SM at most (default GEMVM_MINB, as the host). Built with
 // -DGEMVM_PROBE, each tensor-core case is also launched once alone with per-warp timestamps at
 // the kernel's phases (entry, ring issued, PDL wait, prologue, first step, loop end, end),
 // printed as median / max microseconds after the first warp's entry.
