@@ -257,7 +257,7 @@ pub struct Worker {
     model: Model,
     store: CapsuleStore,
     sessions: HashMap<String, Slot>,
-    /// Idle sessions for completions (at most one kept between rounds).
+    /// Idle sessions for completions (kept between rounds: [`Worker::idle_sessions_kept`]).
     pool: Vec<Session>,
     /// Completions generating and waiting (`schedule.rs`).
     sched: schedule::Schedule,
@@ -485,6 +485,12 @@ impl Worker {
                 ),
             ));
         }
+        // The new session takes the place of an idle pooled one where the memory plan has no
+        // room for both (one pooled session always stays).
+        let keep = (self.cfg.max_sessions + 1)
+            .saturating_sub(open + 1 + self.sched.completions())
+            .max(1);
+        self.pool.truncate(keep);
         self.fresh_session().map_err(|e| {
             if e.code == "internal" && e.message.contains("OUT_OF_MEMORY") {
                 ApiError::new(
@@ -555,9 +561,17 @@ impl Worker {
                     model.step_batch(&mut all[..b], &vec![0; b])?;
                 }
             }
-            all[0].reset()?;
+            for s in all {
+                s.reset()?;
+            }
             Ok(())
         })();
+        // The scratch sessions stay pooled (as many as the pool keeps), reset: the first
+        // burst of parallel completions finds them allocated.
+        if warmed.is_ok() {
+            self.pool.extend(extra);
+            self.trim_pool();
+        }
         match warmed {
             Ok(()) => tracing::info!(
                 "batched decode steps of {sizes:?} sessions captured ({:.1} s)",
@@ -1020,11 +1034,12 @@ impl Worker {
 mod tests {
     use super::*;
 
-    /// Warming (forced here on the CPU reference, where it is otherwise skipped) leaves one
-    /// pooled session at position 0 with every state byte zero, after running every plan and
-    /// the batched steps of the whole ladder on it and on scratch sessions.
+    /// Warming (forced here on the CPU reference, where it is otherwise skipped) leaves pooled
+    /// sessions at position 0 with every state byte zero, after running every plan and the
+    /// batched steps of the whole ladder on the first and on the others: one per session of
+    /// the largest batch.
     #[test]
-    fn warming_leaves_one_fresh_pooled_session() {
+    fn warming_leaves_fresh_pooled_sessions() {
         let src = include_str!("../../../models/demo.toml");
         let ir = flashrt_compiler::model_from_toml(src, "demo.toml").unwrap();
         let cpu: Arc<dyn flashrt_runtime::Backend> = Arc::new(flashrt_runtime::CpuBackend::new());
@@ -1040,15 +1055,60 @@ mod tests {
         };
         let mut w = Worker::new(model.clone(), store, Arc::default(), None, cfg);
         w.warm_pool();
-        assert_eq!(w.pool.len(), 1);
-        let s = &w.pool[0];
-        assert_eq!(s.pos(), 0);
-        for b in model.compiled().layout.state_buffers() {
-            let bytes = s.read_region(b.id).unwrap();
-            assert!(bytes.iter().all(|&x| x == 0), "state `{}` not zero", b.name);
+        let most = *model.ir().batch_sizes().last().unwrap();
+        assert!(most > 1, "the demo model has a batch ladder");
+        assert_eq!(w.pool.len(), most);
+        for s in &w.pool {
+            assert_eq!(s.pos(), 0);
+            for b in model.compiled().layout.state_buffers() {
+                let bytes = s.read_region(b.id).unwrap();
+                assert!(bytes.iter().all(|&x| x == 0), "state `{}` not zero", b.name);
+            }
         }
         // Warming twice does nothing more.
         w.warm_pool();
+        assert_eq!(w.pool.len(), most);
+    }
+
+    /// Idle sessions are kept for the next burst of completions within the memory plan: as
+    /// many as could generate beside the open sessions (at least one, at most
+    /// MAX_GENERATING), fewer as sessions-API sessions open.
+    #[test]
+    fn the_pool_keeps_what_the_memory_plan_leaves() {
+        let src = include_str!("../../../models/demo.toml");
+        let ir = flashrt_compiler::model_from_toml(src, "demo.toml").unwrap();
+        let cpu: Arc<dyn flashrt_runtime::Backend> = Arc::new(flashrt_runtime::CpuBackend::new());
+        let model = Model::with_random_weights(cpu, &ir, 3).unwrap();
+        let store = CapsuleStore::open(model.clone(), Default::default()).unwrap();
+        let cfg = WorkerConfig {
+            max_sessions: 4,
+            auto_cache: true,
+            share_prefix_cache: false,
+            cancel: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            speculative: 0,
+            warm: Some(false),
+        };
+        let mut w = Worker::new(model.clone(), store, Arc::default(), None, cfg);
+        let tenant = crate::tenants::Tenant::default_tenant();
+        for _ in 0..7 {
+            w.pool.push(w.fresh_session().unwrap());
+        }
+        // max_sessions + 1 = 5 sessions in the plan, none open.
+        w.trim_pool();
+        assert_eq!(w.pool.len(), 5);
+        // Each API session takes an idle one's place.
+        for want in [4, 3, 2, 1] {
+            let session = w.new_session(&tenant).unwrap();
+            assert_eq!(w.pool.len(), want);
+            let owner = tenant.name.clone();
+            w.sessions
+                .insert(format!("s{want}"), Slot { session, owner });
+            w.trim_pool();
+            assert_eq!(w.pool.len(), want);
+        }
+        // The plan is full: a further API session is refused, one idle session stays.
+        let e = w.new_session(&tenant).err().expect("refused");
+        assert_eq!((e.status, e.code), (429, "too_many_sessions"));
         assert_eq!(w.pool.len(), 1);
     }
 }

@@ -439,9 +439,24 @@ impl Worker {
             };
             self.start_completion(job);
         }
-        // Idle sessions beyond one go back to the device.
-        self.pool.truncate(1);
+        self.trim_pool();
         self.publish_schedule();
+    }
+
+    /// Idle sessions kept for the next completions: as many as could generate at once beside
+    /// the open sessions and the completions holding theirs (at least one, at most
+    /// [`MAX_GENERATING`]), so a burst of parallel requests (an agent's fan-out, `n` choices)
+    /// finds sessions whose graphs are captured instead of allocating and capturing anew each
+    /// time; the rest go back to the device.
+    pub(super) fn idle_sessions_kept(&self) -> usize {
+        (self.cfg.max_sessions + 1)
+            .saturating_sub(self.open_sessions() + self.sched.completions())
+            .clamp(1, MAX_GENERATING)
+    }
+
+    pub(super) fn trim_pool(&mut self) {
+        let keep = self.idle_sessions_kept();
+        self.pool.truncate(keep);
     }
 
     /// Feed, in one batched step, the token each generating completion chose in the last round
