@@ -485,8 +485,19 @@ impl Worker {
                 ),
             ));
         }
-        // The new session takes the place of an idle pooled one where the memory plan has no
-        // room for both (one pooled session always stays).
+        // An idle pooled session beyond the one kept for completions becomes the new session,
+        // reset to a fresh one's state: its plans' graphs are already captured (a robot loop's
+        // first appends run at full speed) and no memory moves.
+        if self.pool.len() > 1
+            && let Some(mut s) = self.pool.pop()
+            && s.reset().is_ok()
+        {
+            s.set_sampler(flashrt_runtime::SamplerState::default());
+            s.set_logits_mode(LogitsMode::Last);
+            return Ok(s);
+        }
+        // Otherwise a new one, in the place of an idle pooled one where the memory plan has
+        // no room for both (one pooled session always stays).
         let keep = (self.cfg.max_sessions + 1)
             .saturating_sub(open + 1 + self.sched.completions())
             .max(1);
@@ -1105,16 +1116,34 @@ mod tests {
         };
         let mut w = Worker::new(model.clone(), store, Arc::default(), None, cfg);
         let tenant = crate::tenants::Tenant::default_tenant();
-        for _ in 0..7 {
-            w.pool.push(w.fresh_session().unwrap());
+        let fresh = w.fresh_session().unwrap();
+        for i in 0..7 {
+            // Idle sessions as completions leave them: advanced, sampling, all logits kept.
+            let mut s = w.fresh_session().unwrap();
+            s.set_logits_mode(LogitsMode::All);
+            s.append(&[1, 2, 3 + i]).unwrap();
+            s.set_sampler(flashrt_runtime::SamplerState {
+                temperature: 0.8,
+                ..flashrt_runtime::SamplerState::default()
+            });
+            w.pool.push(s);
         }
         // max_sessions + 1 = 5 sessions in the plan, none open.
         w.trim_pool();
         assert_eq!(w.pool.len(), 5);
-        // Each API session takes an idle one's place.
+        // Each API session takes an idle one's place: reused while more than one is idle, as
+        // fresh as a new session (state, position, sampler, logits kept).
         for want in [4, 3, 2, 1] {
-            let session = w.new_session(&tenant).unwrap();
+            let mut session = w.new_session(&tenant).unwrap();
             assert_eq!(w.pool.len(), want);
+            assert_eq!(session.pos(), 0);
+            assert_eq!(session.sampler(), fresh.sampler());
+            for b in model.compiled().layout.state_buffers() {
+                let bytes = session.read_region(b.id).unwrap();
+                assert!(bytes.iter().all(|&x| x == 0), "state `{}` not zero", b.name);
+            }
+            session.append(&[5, 6]).unwrap();
+            assert_eq!(session.logits_rows(), 1, "only the last row kept");
             let owner = tenant.name.clone();
             w.sessions
                 .insert(format!("s{want}"), Slot { session, owner });
@@ -1125,5 +1154,9 @@ mod tests {
         let e = w.new_session(&tenant).err().expect("refused");
         assert_eq!((e.status, e.code), (429, "too_many_sessions"));
         assert_eq!(w.pool.len(), 1);
+        // With room again, a new session is made and the last idle one stays for completions.
+        w.sessions.remove("s1");
+        let s = w.new_session(&tenant).unwrap();
+        assert_eq!((s.pos(), w.pool.len()), (0, 1));
     }
 }
