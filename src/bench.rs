@@ -561,8 +561,9 @@ pub fn run(model: &Model, load_ms: f64, opts: &BenchOptions) -> Result<BenchRepo
             session.profile_chunk(&tokens[prefix..]).map_err(err)?;
             session.restore(&snap).map_err(err)?;
             let times = session.profile_chunk(&tokens[prefix..]).map_err(err)?;
-            // The same chunk unprofiled (captured graphs, no events between commands): the
-            // median of three after two warm-ups, restore excluded.
+            // The same rows appended unprofiled (the chunk planner's steps, captured graphs, no
+            // events between commands): the median of three after two warm-ups, restore
+            // excluded.
             let mut plain = Vec::new();
             for i in 0..5 {
                 session.restore(&snap).map_err(err)?;
@@ -576,7 +577,7 @@ pub fn run(model: &Model, load_ms: f64, opts: &BenchOptions) -> Result<BenchRepo
             }
             plain.sort_by(f64::total_cmp);
             progress(&format!(
-                "a {rows}-row suffix at {prefix}: {:.3} ms unprofiled (median of 3)",
+                "a {rows}-row suffix at {prefix}: {:.3} ms appended unprofiled (median of 3)",
                 plain[1]
             ));
             profiles.push(profile_of(
