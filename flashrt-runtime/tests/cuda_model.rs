@@ -317,16 +317,21 @@ fn bf16_tracks_cpu_reference() {
             println!("(fixture checkpoints not found: only the random-weight model was compared)")
         }
     }
-    for (name, (e, worst, agree)) in &results {
-        let bound = bf16_bound(name);
+    assert_bf16_within(&results, bf16_bound, "");
+}
+
+/// Every result of a bf16 comparison within `bound(name)` and the greedy agreement.
+fn assert_bf16_within(results: &[(String, (f64, f64, usize))], bound: fn(&str) -> f64, what: &str) {
+    for (name, (e, worst, agree)) in results {
+        let bound = bound(name);
         assert!(
             *e <= bound && *worst <= bound,
-            "{name}: bf16 logits rel err {e:.3e} / {worst:.3e} > {bound:.1e}"
+            "{name}: bf16 logits rel err {e:.3e} / {worst:.3e} > {bound:.1e}{what}"
         );
         // Teacher-forced greedy decisions: bf16 may flip a near tie, not a run of them.
         assert!(
             *agree >= bf16_agreement(name),
-            "{name}: bf16 greedy agreed with the CPU on only {agree}/12 steps"
+            "{name}: bf16 greedy agreed with the CPU on only {agree}/12 steps{what}"
         );
     }
 }
@@ -371,17 +376,7 @@ fn bf16_chunked_prefill_tracks_cpu_reference() {
             println!("(fixture checkpoints not found: only the random-weight model was compared)")
         }
     }
-    for (name, (e, worst, agree)) in &results {
-        let bound = bf16_chunked_bound(name);
-        assert!(
-            *e <= bound && *worst <= bound,
-            "{name}: bf16 logits rel err {e:.3e} / {worst:.3e} > {bound:.1e} (64-row chunk)"
-        );
-        assert!(
-            *agree >= bf16_agreement(name),
-            "{name}: bf16 greedy agreed with the CPU on only {agree}/12 steps (64-row chunk)"
-        );
-    }
+    assert_bf16_within(&results, bf16_chunked_bound, " (64-row chunk)");
 }
 
 /// Bounds for [`bf16_chunked_prefill_tracks_cpu_reference`], by the same rule as

@@ -1060,26 +1060,32 @@ impl Worker {
 mod tests {
     use super::*;
 
-    /// Warming (forced here on the CPU reference, where it is otherwise skipped) leaves pooled
-    /// sessions at position 0 with every state byte zero, after running every plan and the
-    /// batched steps of the whole ladder on the first and on the others: one per session of
-    /// the largest batch.
-    #[test]
-    fn warming_leaves_fresh_pooled_sessions() {
+    /// A worker over the demo model (random weights) on the CPU reference.
+    fn demo_worker(max_sessions: usize, warm: bool) -> (Model, Worker) {
         let src = include_str!("../../../models/demo.toml");
         let ir = flashrt_compiler::model_from_toml(src, "demo.toml").unwrap();
         let cpu: Arc<dyn flashrt_runtime::Backend> = Arc::new(flashrt_runtime::CpuBackend::new());
         let model = Model::with_random_weights(cpu, &ir, 3).unwrap();
         let store = CapsuleStore::open(model.clone(), Default::default()).unwrap();
         let cfg = WorkerConfig {
-            max_sessions: 8,
+            max_sessions,
             auto_cache: true,
             share_prefix_cache: false,
             cancel: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             speculative: 0,
-            warm: Some(true),
+            warm: Some(warm),
         };
-        let mut w = Worker::new(model.clone(), store, Arc::default(), None, cfg);
+        let w = Worker::new(model.clone(), store, Arc::default(), None, cfg);
+        (model, w)
+    }
+
+    /// Warming (forced here on the CPU reference, where it is otherwise skipped) leaves pooled
+    /// sessions at position 0 with every state byte zero, after running every plan and the
+    /// batched steps of the whole ladder on the first and on the others: one per session of
+    /// the largest batch.
+    #[test]
+    fn warming_leaves_fresh_pooled_sessions() {
+        let (model, mut w) = demo_worker(8, true);
         w.warm_pool();
         let most = *model.ir().batch_sizes().last().unwrap();
         assert!(most > 1, "the demo model has a batch ladder");
@@ -1101,20 +1107,7 @@ mod tests {
     /// MAX_GENERATING), fewer as sessions-API sessions open.
     #[test]
     fn the_pool_keeps_what_the_memory_plan_leaves() {
-        let src = include_str!("../../../models/demo.toml");
-        let ir = flashrt_compiler::model_from_toml(src, "demo.toml").unwrap();
-        let cpu: Arc<dyn flashrt_runtime::Backend> = Arc::new(flashrt_runtime::CpuBackend::new());
-        let model = Model::with_random_weights(cpu, &ir, 3).unwrap();
-        let store = CapsuleStore::open(model.clone(), Default::default()).unwrap();
-        let cfg = WorkerConfig {
-            max_sessions: 4,
-            auto_cache: true,
-            share_prefix_cache: false,
-            cancel: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-            speculative: 0,
-            warm: Some(false),
-        };
-        let mut w = Worker::new(model.clone(), store, Arc::default(), None, cfg);
+        let (model, mut w) = demo_worker(4, false);
         let tenant = crate::tenants::Tenant::default_tenant();
         let fresh = w.fresh_session().unwrap();
         for i in 0..7 {
