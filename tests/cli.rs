@@ -277,3 +277,28 @@ fn bench_refuses_profiling_off_cuda_before_measuring() {
         );
     }
 }
+
+#[test]
+fn decode_matmuls_is_a_choice_the_cpu_ignores() {
+    let dir = fixtures().join("lfm2-public");
+    let dir = dir.to_str().unwrap();
+    let args = [
+        "bench",
+        dir,
+        "--backend",
+        "cpu",
+        "--lengths",
+        "40",
+        "--iters",
+        "1",
+    ];
+    let mut ok = args.to_vec();
+    ok.extend(["--decode-steps", "1", "--decode-matmuls", "tensor-cores"]);
+    let out = flashrt(&ok);
+    assert!(out.status.success(), "{}", text(&out));
+    let mut bad = args.to_vec();
+    bad.extend(["--decode-matmuls", "gpus"]);
+    let out = flashrt(&bad);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("cuda-cores"), "{}", text(&out));
+}

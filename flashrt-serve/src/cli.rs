@@ -52,15 +52,35 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// Where the matrix products of decode, verify and batched steps run on a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DecodeMatmuls {
+    /// CUDA cores: the fastest single stream (the default)
+    CudaCores,
+    /// Tensor cores: several streams stepped together cost little more than one (a server
+    /// with many streams; one stream is ~14 % slower)
+    TensorCores,
+}
+
 /// The backend `--backend` names, else the best available (CUDA when compiled in and a GPU is
 /// present; `FLASHRT_BACKEND=cpu|cuda` forces one).
 pub fn backend(kind: Option<BackendKind>) -> Result<Arc<dyn Backend>, String> {
+    backend_with(kind, None)
+}
+
+/// [`backend`] with the GPU's decode matmuls chosen (`None`: the default; `FLASHRT_GEMV16_MMA=1`
+/// picks the tensor cores). The CPU reference ignores the choice.
+pub fn backend_with(
+    kind: Option<BackendKind>,
+    matmuls: Option<DecodeMatmuls>,
+) -> Result<Arc<dyn Backend>, String> {
+    let tensor = matmuls.map(|m| m == DecodeMatmuls::TensorCores);
     Ok(match kind {
-        None => flashrt_runtime::backend::best().map_err(|e| e.to_string())?,
+        None => flashrt_runtime::backend::best_with(tensor).map_err(|e| e.to_string())?,
         Some(BackendKind::Cpu) => Arc::new(flashrt_runtime::CpuBackend::new()),
-        Some(BackendKind::Cuda) => Arc::new(
-            flashrt_runtime::backend::cuda::CudaBackend::new(0).map_err(|e| e.to_string())?,
-        ),
+        Some(BackendKind::Cuda) => {
+            flashrt_runtime::backend::cuda_with(tensor).map_err(|e| e.to_string())?
+        }
     })
 }
 
@@ -86,6 +106,10 @@ pub struct ModelArgs {
     /// Backend (default: CUDA when built with it and a GPU is present, else the CPU)
     #[arg(long, value_enum)]
     pub backend: Option<BackendKind>,
+    /// Where the GPU runs the matrix products of decode, verify and batched steps (default:
+    /// CUDA cores; `tensor-cores` for serving several streams at once)
+    #[arg(long, value_enum, value_name = "UNITS")]
+    pub decode_matmuls: Option<DecodeMatmuls>,
     /// Positions per session of a checkpoint (default: config.json's, capped to what fits)
     #[arg(long, value_name = "N")]
     pub max_seq: Option<usize>,
@@ -257,7 +281,7 @@ pub fn open(args: &ModelArgs) -> Result<Loaded, String> {
         Some(d) => GenerationDefaults::from_dir(d)?,
         None => GenerationDefaults::default(),
     };
-    let backend = backend(args.backend)?;
+    let backend = backend_with(args.backend, args.decode_matmuls)?;
     let t0 = std::time::Instant::now();
     let model = load_model(&source, backend)?;
     let load_seconds = t0.elapsed().as_secs_f64();

@@ -670,6 +670,40 @@ pub trait DeviceSession: Send {
     }
 }
 
+/// The CUDA backend on device 0, its small phases' matmuls on the tensor cores or not
+/// (`tensor_core_decode`; `None`: the default, [`cuda::CudaOptions`]).
+pub fn cuda_with(tensor_core_decode: Option<bool>) -> Result<Arc<dyn Backend>> {
+    #[cfg(feature = "cuda")]
+    {
+        let mut options = cuda::CudaOptions::default();
+        if let Some(on) = tensor_core_decode {
+            options.gemv16_mma = on;
+        }
+        Ok(Arc::new(cuda::CudaBackend::with_options(0, options)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = tensor_core_decode;
+        Ok(Arc::new(cuda::CudaBackend::new(0)?))
+    }
+}
+
+/// [`best`], with the CUDA backend's small phases' matmuls on the tensor cores or not
+/// (`None`: the default; the CPU reference has no such choice).
+pub fn best_with(tensor_core_decode: Option<bool>) -> Result<Arc<dyn Backend>> {
+    match std::env::var("FLASHRT_BACKEND").ok().as_deref() {
+        Some("cpu") => return Ok(Arc::new(cpu::CpuBackend::new())),
+        Some("cuda") => return cuda_with(tensor_core_decode),
+        _ => {}
+    }
+    if cuda::CudaBackend::available()
+        && let Ok(b) = cuda_with(tensor_core_decode)
+    {
+        return Ok(b);
+    }
+    Ok(Arc::new(cpu::CpuBackend::new()))
+}
+
 /// The best backend available at run time: CUDA when compiled in and a GPU and driver are
 /// present, otherwise the CPU reference. `FLASHRT_BACKEND=cpu|cuda` forces one.
 pub fn best() -> Result<Arc<dyn Backend>> {

@@ -172,7 +172,8 @@ pub struct CudaOptions {
     /// kernel's 13.4 (its smaller matrices stream at 2.7-3.6 TB/s against 3.7-4.1; RESULTS.md,
     /// 2026-12-03). Off by default (latency first);
     /// every phase of a model uses the same kernel either way, so rows round alike across
-    /// decode, verify and batched steps. `FLASHRT_GEMV16_MMA=1` turns it on.
+    /// decode, verify and batched steps. `FLASHRT_GEMV16_MMA=1` (or the CLI's
+    /// `--decode-matmuls tensor-cores`) turns it on.
     pub gemv16_mma: bool,
     /// Sample non-greedy tokens on the device (kernels/sample.cu) from the row the step left
     /// in the I/O arena (default): only the id crosses to the host. `false` samples on the
@@ -258,10 +259,17 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let dev = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let (major, minor) = ctx.compute_capability().unwrap_or((0, 0));
+        // Said in the name where it applies (compute capability 9.x), so every report names
+        // the decode kernels it measured.
+        let units = if options.gemv16_mma && major == 9 {
+            ", tensor-core decode matmuls"
+        } else {
+            ""
+        };
         Ok(Self {
             ctx,
             ordinal,
-            name: format!("cuda:{ordinal} {dev} (sm_{major}{minor})"),
+            name: format!("cuda:{ordinal} {dev} (sm_{major}{minor}){units}"),
             options,
         })
     }
