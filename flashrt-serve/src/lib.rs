@@ -1,4 +1,4 @@
-//! # flashrt-serve: an HTTP server for one model, batch 1, with sessions and capsules
+//! # flashrt-serve: an HTTP server for one model, small-batch, with sessions and capsules
 //!
 //! `flashrt serve` puts a model behind a local HTTP API (127.0.0.1 by default; one bearer
 //! token, or tenants from a token file: [`tenants`]). Three layers:
@@ -232,6 +232,11 @@ impl Server {
         metrics
             .worker_alive
             .store(true, std::sync::atomic::Ordering::SeqCst);
+        // Set before the worker starts, so no request sees "ok" before warming is done.
+        metrics.warming.store(
+            cfg.warm.unwrap_or_else(|| model.pads_rows()),
+            std::sync::atomic::Ordering::SeqCst,
+        );
         let worker = std::thread::Builder::new()
             .name("flashrt-worker".into())
             .spawn(move || worker.run(rx))

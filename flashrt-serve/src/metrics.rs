@@ -148,6 +148,9 @@ pub struct Metrics {
     /// the tiers it causes): time in which no other generation advances.
     pub auto_store: Histogram<TokenBuckets>,
     pub worker_alive: AtomicBool,
+    /// The worker is warming its pooled sessions (capturing their graphs) before the first
+    /// job: `/health` says so with a 503 until it is done.
+    pub warming: AtomicBool,
     /// Speculative decoding (MTP): rounds, drafts verified and accepted, drafts per round now.
     pub spec_rounds: AtomicU64,
     pub spec_drafted: AtomicU64,

@@ -297,10 +297,23 @@ fn a_warmed_server_serves_exactly() {
     cfg.warm = Some(true);
     let server = start(&m, cfg);
     let addr = server.addr();
+    // While it warms, /health says so (503, "warming"); once a job has been served, it is ok.
+    let client = Client::new(addr, None);
+    let health = client.get("/health");
+    match health.status {
+        503 => assert_eq!(health.json()["status"], "warming"),
+        200 => assert_eq!(health.json()["status"], "ok"),
+        other => panic!("/health while warming: {other}"),
+    }
     let body = |p: &[u32], n: usize| json!({"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": true, "stream": true});
     let ids = |x: &[(Instant, u32)]| x.iter().map(|p| p.1).collect::<Vec<_>>();
     let p0 = tokens(11, 29, v);
     assert_eq!(ids(&stream(addr, &body(&p0, 6), None)), local(&m, &p0, 6));
+    let health = client.get("/health");
+    assert_eq!(
+        (health.status, health.json()["status"].clone()),
+        (200, json!("ok"))
+    );
     let prompts: Vec<Vec<u32>> = (0..3)
         .map(|i| tokens(20 + i, 9 + 7 * i as usize, v))
         .collect();

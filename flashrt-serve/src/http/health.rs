@@ -4,11 +4,16 @@ use super::*;
 
 pub(super) async fn health(State(st): St) -> Response {
     let alive = st.metrics.worker_alive.load(Ordering::SeqCst);
+    let warming = st.metrics.warming.load(Ordering::SeqCst);
     let m = &st.metrics;
     json_response(
-        if alive { 200 } else { 503 },
+        if alive && !warming { 200 } else { 503 },
         &json!({
-            "status": if alive { "ok" } else { "worker stopped" },
+            "status": match (alive, warming) {
+                (false, _) => "worker stopped",
+                (true, true) => "warming",
+                (true, false) => "ok",
+            },
             "model": st.model_name,
             "fingerprint": st.fingerprint,
             "backend": st.backend,

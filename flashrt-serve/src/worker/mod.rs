@@ -326,6 +326,7 @@ impl Worker {
     /// on only while nothing generates.
     pub fn run(mut self, rx: std::sync::mpsc::Receiver<Job>) {
         self.warm_pool();
+        self.metrics.warming.store(false, Ordering::SeqCst);
         self.metrics.worker_alive.store(true, Ordering::SeqCst);
         loop {
             let job = if self.sched.is_idle() {
