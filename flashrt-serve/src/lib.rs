@@ -25,7 +25,7 @@
 //!
 //! | method, path | body | answer |
 //! |---|---|---|
-//! | `GET /health` (no auth) | | `{status, model, fingerprint, backend, vocab, max_seq, sessions, capsules{device,host,disk}}` |
+//! | `GET /health` (no auth) | | `{status, model, fingerprint, backend, vocab, max_seq, sessions, capsules{device,host,disk}}`; 503 while `status` is `warming` (start-up) or the worker stopped |
 //! | `GET /metrics` | | Prometheus text |
 //! | `GET /v1/models` | | OpenAI model list |
 //! | `POST /v1/completions` | OpenAI: `model?`, `prompt` (text or ids), `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stop_token_ids`, `ignore_eos`, `stream` (unimplemented OpenAI parameters: 400 naming them) | OpenAI `text_completion` (+ `token_ids`), SSE chunks when streaming |
