@@ -707,15 +707,5 @@ pub fn best_with(tensor_core_decode: Option<bool>) -> Result<Arc<dyn Backend>> {
 /// The best backend available at run time: CUDA when compiled in and a GPU and driver are
 /// present, otherwise the CPU reference. `FLASHRT_BACKEND=cpu|cuda` forces one.
 pub fn best() -> Result<Arc<dyn Backend>> {
-    match std::env::var("FLASHRT_BACKEND").ok().as_deref() {
-        Some("cpu") => return Ok(Arc::new(cpu::CpuBackend::new())),
-        Some("cuda") => return Ok(Arc::new(cuda::CudaBackend::new(0)?)),
-        _ => {}
-    }
-    if cuda::CudaBackend::available()
-        && let Ok(b) = cuda::CudaBackend::new(0)
-    {
-        return Ok(Arc::new(b));
-    }
-    Ok(Arc::new(cpu::CpuBackend::new()))
+    best_with(None)
 }

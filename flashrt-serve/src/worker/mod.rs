@@ -499,9 +499,7 @@ impl Worker {
         }
         // Otherwise a new one, in the place of an idle pooled one where the memory plan has
         // no room for both (one pooled session always stays).
-        let keep = (self.cfg.max_sessions + 1)
-            .saturating_sub(open + 1 + self.sched.completions())
-            .max(1);
+        let keep = self.idle_room(1);
         self.pool.truncate(keep);
         self.fresh_session().map_err(|e| {
             if e.code == "internal" && e.message.contains("OUT_OF_MEMORY") {

@@ -449,9 +449,15 @@ impl Worker {
     /// finds sessions whose graphs are captured instead of allocating and capturing anew each
     /// time; the rest go back to the device.
     pub(super) fn idle_sessions_kept(&self) -> usize {
+        self.idle_room(0).min(MAX_GENERATING)
+    }
+
+    /// Sessions the memory plan (`max_sessions` + 1) leaves idle beside the open ones, the
+    /// completions' and `opening` more, and always one.
+    pub(super) fn idle_room(&self, opening: usize) -> usize {
         (self.cfg.max_sessions + 1)
-            .saturating_sub(self.open_sessions() + self.sched.completions())
-            .clamp(1, MAX_GENERATING)
+            .saturating_sub(self.open_sessions() + self.sched.completions() + opening)
+            .max(1)
     }
 
     pub(super) fn trim_pool(&mut self) {
