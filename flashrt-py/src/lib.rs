@@ -20,7 +20,7 @@
 //! raise `ValueError`.
 
 use flashrt_runtime::{Capsule, Error, LogitsMode, Model, SamplerState, Session};
-use flashrt_serve::cli::{BackendKind, Loaded, ModelArgs};
+use flashrt_serve::cli::{BackendKind, DecodeMatmuls, Loaded, ModelArgs};
 use flashrt_serve::text::{RenderOptions, TextStream};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -85,8 +85,10 @@ impl PyModel {
     /// `tokenizer.json` and chat template when present) or a model TOML (with
     /// `random_weights=True` or `checkpoint=DIR`). `backend`: "auto", "cpu" or "cuda".
     /// `quantize="fp8"` quantizes the weights while they load (block-scaled E4M3).
+    /// `decode_matmuls`: "cuda-cores" (default, the fastest single stream) or "tensor-cores"
+    /// (several streams stepped together); the CPU ignores it.
     #[new]
-    #[pyo3(signature = (path, *, backend="auto", random_weights=false, seed=0, checkpoint=None, max_seq=None, buckets=None, dtype=None, tokenizer=None, quantize=None))]
+    #[pyo3(signature = (path, *, backend="auto", random_weights=false, seed=0, checkpoint=None, max_seq=None, buckets=None, dtype=None, tokenizer=None, quantize=None, decode_matmuls=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -100,6 +102,7 @@ impl PyModel {
         dtype: Option<String>,
         tokenizer: Option<PathBuf>,
         quantize: Option<String>,
+        decode_matmuls: Option<String>,
     ) -> PyResult<PyModel> {
         let backend = match backend {
             "auto" => None,
@@ -126,6 +129,16 @@ impl PyModel {
                     })
             })
             .transpose()?;
+        let decode_matmuls = match decode_matmuls.as_deref() {
+            None => None,
+            Some("cuda-cores") => Some(DecodeMatmuls::CudaCores),
+            Some("tensor-cores") => Some(DecodeMatmuls::TensorCores),
+            Some(u) => {
+                return Err(PyValueError::new_err(format!(
+                    "decode_matmuls must be \"cuda-cores\" or \"tensor-cores\", not {u:?}"
+                )));
+            }
+        };
         let args = ModelArgs {
             model: Some(path),
             checkpoint,
@@ -137,6 +150,7 @@ impl PyModel {
             dtype,
             tokenizer,
             quantize,
+            decode_matmuls,
         };
         let loaded = py.detach(|| flashrt_serve::cli::open(&args)).map_err(msg)?;
         Ok(PyModel {

@@ -293,6 +293,17 @@ def test_sampling_is_seeded_and_validated(models):
     assert [t.id for t in s.generate(8, temperature=1.0, min_p=1.0, seed=3, ignore_eos=True)] == greedy
 
 
+def test_the_cpu_ignores_the_choice_of_decode_matmuls(models):
+    m = models["lfm2-public"]
+    tc = load("lfm2-public", decode_matmuls="tensor-cores")
+    prompt = tokens(21, 12, m.vocab)
+    a, b = m.session(), tc.session()
+    a.append(prompt)
+    b.append(prompt)
+    assert np.array_equal(logits(a), logits(b))
+    assert a.decode_greedy(6) == b.decode_greedy(6)
+
+
 def test_bad_input_raises_clear_errors(models, tmp_path):
     m = models["qwen35-public"]
     s = m.session()
@@ -304,6 +315,8 @@ def test_bad_input_raises_clear_errors(models, tmp_path):
         s.append("text without a tokenizer")
     with pytest.raises(ValueError, match="backend"):
         flashrt.Model(FIXTURES / "qwen35-public", backend="tpu")
+    with pytest.raises(ValueError, match="tensor-cores"):
+        flashrt.Model(FIXTURES / "qwen35-public", decode_matmuls="tpu-cores")
     with pytest.raises(flashrt.Error):
         flashrt.Model(tmp_path / "nowhere")
     with pytest.raises(ValueError):
