@@ -1,0 +1,145 @@
+//! Attention mixer lowering (full attention with optional output gate, q/k norms, RoPE).
+
+use super::*;
+
+impl Lower<'_> {
+    pub(super) fn attention(
+        &mut self,
+        i: usize,
+        a: &AttentionIr,
+        hn: View,
+        x: View,
+        ops: &mut Vec<Op>,
+    ) {
+        let naming = self.ir.weights;
+        let (p, o_name, qn, kn) = match naming {
+            WeightNaming::Qwen35 => ("self_attn", "o_proj", "q_norm", "k_norm"),
+            WeightNaming::Lfm2 => ("self_attn", "out_proj", "q_layernorm", "k_layernorm"),
+            WeightNaming::NemotronH => ("mixer", "o_proj", "q_norm", "k_norm"),
+        };
+        let qw = a.q_heads * a.head_dim;
+        let kvw = a.kv_heads * a.head_dim;
+        let q = self.scratch("q", qw);
+        let gate = a.output_gate.then(|| self.scratch("gate", qw));
+        if let Some(gate) = gate {
+            let qg = self.scratch("q_gate", 2 * qw);
+            self.linear(
+                i,
+                "attn.q_proj",
+                &format!("{p}.q_proj"),
+                hn,
+                qg,
+                false,
+                ops,
+                false,
+            );
+            ops.push(Op::SplitHeads {
+                x: qg,
+                heads: a.q_heads,
+                outs: vec![q, gate],
+            });
+        } else {
+            self.linear(
+                i,
+                "attn.q_proj",
+                &format!("{p}.q_proj"),
+                hn,
+                q,
+                false,
+                ops,
+                false,
+            );
+        }
+        let k = self.scratch("k", kvw);
+        let v = self.scratch("v", kvw);
+        self.linear(
+            i,
+            "attn.k_proj",
+            &format!("{p}.k_proj"),
+            hn,
+            k,
+            false,
+            ops,
+            false,
+        );
+        self.linear(
+            i,
+            "attn.v_proj",
+            &format!("{p}.v_proj"),
+            hn,
+            v,
+            false,
+            ops,
+            false,
+        );
+        if a.qk_norm {
+            for (t, nm) in [(q, qn), (k, kn)] {
+                let src = self.hf(i, &format!("{p}.{nm}.weight"));
+                let w = self.param(
+                    format!("{}.attn.{nm}", self.lname(i)),
+                    vec![a.head_dim],
+                    Some(i),
+                    src,
+                );
+                ops.push(Op::RmsNorm {
+                    x: t,
+                    weight: Some(w),
+                    weight_kind: self.ir.norm.weight,
+                    out: t,
+                    eps: self.ir.norm.eps,
+                    group: a.head_dim,
+                });
+            }
+        }
+        if let Some(rope) = &a.rope {
+            ops.push(Op::Rope {
+                x: q,
+                heads: a.q_heads,
+                head_dim: a.head_dim,
+                rotary_dims: rope.rotary_dims,
+                theta: rope.theta,
+            });
+            ops.push(Op::Rope {
+                x: k,
+                heads: a.kv_heads,
+                head_dim: a.head_dim,
+                rotary_dims: rope.rotary_dims,
+                theta: rope.theta,
+            });
+        }
+        let shape = vec![self.ir.max_seq, a.kv_heads, a.head_dim];
+        let cache_k = self.state(i, StateKind::Key, shape.clone());
+        let cache_v = self.state(i, StateKind::Value, shape);
+        let o = self.scratch("mix", qw);
+        ops.push(Op::Attention {
+            q,
+            k,
+            v,
+            cache_k,
+            cache_v,
+            out: o,
+            q_heads: a.q_heads,
+            kv_heads: a.kv_heads,
+            head_dim: a.head_dim,
+            scale: F64((a.head_dim as f64).powf(-0.5)),
+        });
+        if let Some(gate) = gate {
+            ops.push(Op::Mul {
+                gate,
+                act: Act::Sigmoid,
+                x: o,
+                out: o,
+            });
+        }
+        self.linear(
+            i,
+            "attn.o_proj",
+            &format!("{p}.{o_name}"),
+            o,
+            x,
+            false,
+            ops,
+            true,
+        );
+    }
+}
