@@ -1143,7 +1143,9 @@ mod tests {
             assert_eq!(w.pool.len(), want);
         }
         // The plan is full: a further API session is refused, one idle session stays.
-        let e = w.new_session(&tenant).err().expect("refused");
+        let Err(e) = w.new_session(&tenant) else {
+            panic!("a session beyond the memory plan was made")
+        };
         assert_eq!((e.status, e.code), (429, "too_many_sessions"));
         assert_eq!(w.pool.len(), 1);
         // With room again, a new session is made and the last idle one stays for completions.

@@ -13,12 +13,15 @@
 //! `float` as `f32`, `double` as `f64`, in the same order), so both sides have the same
 //! layout.
 //!
-//! The builders are split by kernel family, as `kernels/*.cu` is: `gemv.rs` (small phases'
-//! matmuls, kernels/gemv.cu), `attention.rs` (kernels/attention*.cu), `conv.rs`
+//! The builders are split by kernel family, as `kernels/*.cu` is: `linear.rs` (a bucket's
+//! matmuls: cuBLASLt, the FP8 path in `fp8.rs`), `gemv.rs` (small phases' matmuls,
+//! kernels/gemv.cu and gemv_mma.cu), `attention.rs` (kernels/attention*.cu), `conv.rs`
 //! (kernels/conv.cu), `gated_deltanet.rs` (the recurrence, and a small phase's conv +
-//! recurrence + gated norm as one launch), `mamba2.rs`, `moe.rs`
-//! (kernels/moe.cu and moe_wgmma.cu); the op dispatch, the program, cuBLASLt matmuls and the
-//! small families (embedding, norms, elementwise, head split, rope, state rows) are here.
+//! recurrence + gated norm as one launch), `mamba2.rs`, `moe.rs` (kernels/moe.cu and
+//! moe_wgmma.cu), `norm.rs` (kernels/norm.cu), `elementwise.rs` (kernels/elementwise.cu:
+//! products, activations, head splits, state rows), `embed.rs` and `rope.rs`. Adding an op
+//! touches its family's file and the dispatch in `Builder::op`; the program, the shared
+//! helpers and the dispatch are here.
 
 use super::gemm::{self, Blas, GemmShape, LtGemm};
 use super::kernels::Kernels;
@@ -31,12 +34,17 @@ use flashrt_ir::{
 
 mod attention;
 mod conv;
+mod elementwise;
+mod embed;
 mod fp8;
 mod gated_deltanet;
 mod gemv;
+mod linear;
 pub(super) use gemv::gemvm_sync_bytes;
 mod mamba2;
 mod moe;
+mod norm;
+mod rope;
 pub use fp8::{Fp8DequantParams, Fp8GridParams, Fp8QuantizeParams, Fp8Scratch, fp8_scratch_needs};
 use gemv::*;
 use moe::MoeOp;
@@ -54,125 +62,6 @@ pub struct IoScatterParams {
     pub pos: u64,
     pub len: u64,
     pub max_rows: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct EmbedParams {
-    tokens: u64,
-    len: u64,
-    table: u64,
-    out: u64,
-    ld_out: i32,
-    width: i32,
-    vocab: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct RmsNormParams {
-    x: u64,
-    out: u64,
-    weight: u64,
-    len: u64,
-    ld_x: i32,
-    ld_out: i32,
-    group: i32,
-    one_plus: i32,
-    eps: f32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct GatedRmsNormParams {
-    x: u64,
-    gate: u64,
-    out: u64,
-    weight: u64,
-    len: u64,
-    ld_x: i32,
-    ld_gate: i32,
-    ld_out: i32,
-    group: i32,
-    shared_weight: i32,
-    gate_then_norm: i32,
-    eps: f32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MulParams {
-    gate: u64,
-    x: u64,
-    out: u64,
-    len: u64,
-    ld_gate: i32,
-    ld_x: i32,
-    ld_out: i32,
-    width: i32,
-    act: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct UnaryParams {
-    x: u64,
-    out: u64,
-    len: u64,
-    ld_x: i32,
-    ld_out: i32,
-    width: i32,
-    act: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AddBiasParams {
-    out: u64,
-    bias: u64,
-    len: u64,
-    ld_out: i32,
-    width: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct RowStateParams {
-    x: u64,
-    out: u64,
-    state: u64,
-    len: u64,
-    ld: i32,
-    width: i32,
-    slots: u64,
-}
-
-const MAX_PARTS: usize = 4;
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct SplitHeadsParams {
-    x: u64,
-    out: [u64; MAX_PARTS],
-    len: u64,
-    ld_x: i32,
-    ld_out: [i32; MAX_PARTS],
-    part: [i32; MAX_PARTS],
-    nparts: i32,
-    heads: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct RopeParams {
-    x: u64,
-    pos: u64,
-    len: u64,
-    theta: f64,
-    ld_x: i32,
-    head_dim: i32,
-    rotary_dims: i32,
-    rows_pos: u64,
 }
 
 /// A parameter struct as 8-byte words (the structs hold 8-byte pointers, so their alignment
@@ -457,23 +346,6 @@ pub struct Builder<'a> {
     pub batch: Option<BatchTables>,
 }
 
-/// kernels/norm.cu: packs per thread and the vector kernels' block bound; blocks of several
-/// small groups have `NORM_VEC_BLOCK` threads.
-const NORM_VPT: usize = 4;
-const NORM_VEC_THREADS: usize = 512;
-const NORM_VEC_BLOCK: usize = 128;
-
-/// The parameters of a vector norm (`rms_norm_vec`, `gated_rms_norm_vec`): the scalar
-/// kernel's struct plus the thread layout (mirrors kernels/norm.cu `RmsNormVecParams` /
-/// `GatedRmsNormVecParams`).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct NormVecParams<P> {
-    n: P,
-    tpg: i32,
-    groups: i32,
-}
-
 fn act_code(a: Act) -> i32 {
     match a {
         Act::Identity => 0,
@@ -490,12 +362,6 @@ fn to_i32(v: usize, what: &str, label: &str) -> Result<i32> {
 
 fn ceil_div(a: usize, b: usize) -> u32 {
     a.div_ceil(b) as u32
-}
-
-/// Threads for a block that normalises `n` elements: a power of two in 32..=1024, about four
-/// elements per thread (the norm kernels keep up to 8 per thread in registers).
-fn reduce_threads(n: usize) -> u32 {
-    (n.div_ceil(4)).next_power_of_two().clamp(32, 1024) as u32
 }
 
 impl Builder<'_> {
@@ -819,121 +685,6 @@ impl Builder<'_> {
         Ok(true)
     }
 
-    /// The checked kernel parameters of an `Op::GatedRmsNorm` over `rows`, and its dtype.
-    fn gated_norm_params(
-        &self,
-        op: &Op,
-        rows: usize,
-        label: &str,
-    ) -> Result<(GatedRmsNormParams, DType)> {
-        let Op::GatedRmsNorm {
-            x,
-            gate,
-            weight,
-            shared_weight,
-            out,
-            eps,
-            group,
-            order,
-        } = op
-        else {
-            unreachable!("gated_norm_params takes only Op::GatedRmsNorm")
-        };
-        let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
-        let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
-        let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
-        if xd != gd
-            || xd != od
-            || gate.width != x.width
-            || out.width != x.width
-            || *group == 0
-            || x.width % group != 0
-        {
-            return Err(Error::Config(format!("{label}: x/gate/out/group mismatch")));
-        }
-        self.expect_dtype(*weight, DType::F32, label)?;
-        self.expect_numel(
-            *weight,
-            if *shared_weight { *group } else { x.width },
-            label,
-        )?;
-        let p = GatedRmsNormParams {
-            x: xp,
-            gate: gp,
-            out: op_,
-            weight: self.addr(*weight),
-            len: self.addr(self.compiled.io.len),
-            ld_x,
-            ld_gate: ld_g,
-            ld_out: ld_o,
-            group: to_i32(*group, "group", label)?,
-            shared_weight: *shared_weight as i32,
-            gate_then_norm: (*order == GateOrder::GateThenNorm) as i32,
-            eps: eps.get() as f32,
-        };
-        Ok((p, xd))
-    }
-
-    /// The launch of a row norm (`kernel` = `rms_norm` or `gated_rms_norm`, parameters `p`)
-    /// over `(rows, width, group)`: the 16-byte-pack kernel `<kernel>_vec` where the group,
-    /// every row stride in `lds` and every address in `addrs` are whole packs and the group
-    /// fits NORM_VEC_THREADS threads of NORM_VPT packs — `tpg` threads per group, a power of
-    /// two up to a warp (several groups per block of NORM_VEC_BLOCK threads) or whole warps
-    /// (one group per block) —, else the scalar kernel over (groups, rows) blocks.
-    #[allow(clippy::too_many_arguments)]
-    fn norm_cmd<P: Copy>(
-        &self,
-        label: &str,
-        kernel: &str,
-        dtype: DType,
-        p: &P,
-        (rows, width, group): (usize, usize, usize),
-        addrs: &[u64],
-        lds: &[i32],
-    ) -> Result<Cmd> {
-        let groups = width / group;
-        let pack = 16 / dtype.size();
-        let per = (group / pack).div_ceil(NORM_VPT);
-        let tpg = if per <= 32 {
-            per.next_power_of_two()
-        } else {
-            per.next_multiple_of(32)
-        };
-        let vec = group.is_multiple_of(pack)
-            && tpg <= NORM_VEC_THREADS
-            && addrs.iter().all(|a| a.is_multiple_of(16))
-            && lds.iter().all(|&ld| (ld as usize).is_multiple_of(pack));
-        if !vec {
-            return Ok(self.kernel(
-                label,
-                self.kernels.typed(kernel, dtype)?,
-                (groups as u32, rows as u32, 1),
-                reduce_threads(group),
-                p,
-            ));
-        }
-        let (blocks, threads) = if tpg > 32 {
-            (rows * groups, tpg)
-        } else {
-            (
-                (rows * groups * tpg).div_ceil(NORM_VEC_BLOCK),
-                NORM_VEC_BLOCK,
-            )
-        };
-        let q = NormVecParams {
-            n: *p,
-            tpg: tpg as i32,
-            groups: to_i32(groups, "groups", label)?,
-        };
-        Ok(self.kernel(
-            label,
-            self.kernels.typed(&format!("{kernel}_vec"), dtype)?,
-            (to_i32(blocks, "blocks", label)? as u32, 1, 1),
-            threads as u32,
-            &q,
-        ))
-    }
-
     /// Commands of one op over a bucket of `rows`. With `shared = Some(s)` (s >= rows) the op
     /// computes a row exactly as every other phase of at most `s` rows does: GEMMs are sized
     /// for `s` rows, and attention uses the split count of a one-row step (its workspace sized
@@ -946,333 +697,17 @@ impl Builder<'_> {
         label: &str,
         cmds: &mut Vec<Cmd>,
     ) -> Result<()> {
-        let shape_rows = shared.unwrap_or(rows);
-        let t = self.target();
-        let io = &self.compiled.io;
-        let len = self.addr(io.len);
-        let pos = self.addr(io.pos);
-        let r = rows as u32;
         match op {
-            Op::Embed { table, out } => {
-                let (o, ld_o, od) = self.view(out, rows, label, "out")?;
-                self.expect_dtype(*table, od, label)?;
-                let tb = self.buf(*table);
-                if tb.shape.len() != 2 || tb.shape[1] != out.width {
-                    return Err(Error::Config(format!(
-                        "{label}: table `{}` shape {:?} does not match width {}",
-                        tb.name, tb.shape, out.width
-                    )));
-                }
-                let p = EmbedParams {
-                    tokens: self.addr(io.tokens),
-                    len,
-                    table: self.addr(*table),
-                    out: o,
-                    ld_out: ld_o,
-                    width: to_i32(out.width, "width", label)?,
-                    vocab: to_i32(tb.shape[0], "vocab", label)?,
-                };
-                cmds.push(self.kernel(label, self.kernels.typed("embed", od)?, (r, 1, 1), 256, &p));
-            }
-            Op::RmsNorm {
-                x,
-                weight,
-                weight_kind,
-                out,
-                eps,
-                group,
-            } => {
-                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
-                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
-                if xd != od || x.width != out.width || *group == 0 || x.width % group != 0 {
-                    return Err(Error::Config(format!(
-                        "{label}: x ({} x{}) / out ({} x{}) / group {group} mismatch",
-                        xd.name(),
-                        x.width,
-                        od.name(),
-                        out.width
-                    )));
-                }
-                let w = match weight {
-                    Some(w) => {
-                        self.expect_dtype(*w, DType::F32, label)?;
-                        self.expect_numel(*w, *group, label)?;
-                        self.addr(*w)
-                    }
-                    None => 0,
-                };
-                let p = RmsNormParams {
-                    x: xp,
-                    out: op_,
-                    weight: w,
-                    len,
-                    ld_x,
-                    ld_out: ld_o,
-                    group: to_i32(*group, "group", label)?,
-                    one_plus: (*weight_kind == NormWeight::OnePlus) as i32,
-                    eps: eps.get() as f32,
-                };
-                cmds.push(self.norm_cmd(
-                    label,
-                    "rms_norm",
-                    xd,
-                    &p,
-                    (rows, x.width, *group),
-                    &[xp, op_, w],
-                    &[ld_x, ld_o],
-                )?);
-            }
-            Op::Linear {
-                x,
-                w,
-                bias,
-                out,
-                accumulate,
-            } => {
-                let (xp, ld_x, xd) = self.view(x, shape_rows, label, "x")?;
-                let (op_, ld_o, od) = self.view(out, shape_rows, label, "out")?;
-                let fp8 = self.buf(*w).dtype == DType::F8E4m3;
-                if !fp8 {
-                    self.expect_dtype(*w, t, label)?;
-                }
-                if xd != t || (od != t && od != DType::F32) {
-                    return Err(Error::Unsupported(format!(
-                        "{label}: linear with input {} and output {} on a {} target",
-                        xd.name(),
-                        od.name(),
-                        t.name()
-                    )));
-                }
-                let wb = self.buf(*w);
-                if wb.shape != [out.width, x.width] {
-                    return Err(Error::Config(format!(
-                        "{label}: weight `{}` has shape {:?}, expected [{}, {}]",
-                        wb.name, wb.shape, out.width, x.width
-                    )));
-                }
-                if fp8 {
-                    self.linear_fp8(
-                        *w,
-                        (xp, ld_x),
-                        (op_, ld_o, od),
-                        (shape_rows, x.width, out.width),
-                        *accumulate,
-                        label,
-                        cmds,
-                    )?;
-                } else {
-                    let wp = self.addr(*w);
-                    let shape = GemmShape {
-                        in_dtype: t,
-                        out_dtype: od,
-                        n: out.width as u64,
-                        k: x.width as u64,
-                        rows: shape_rows as u64,
-                        ld_x: ld_x as i64,
-                        ld_out: ld_o as i64,
-                        align_w: gemm::alignment(wp),
-                        align_x: gemm::alignment(xp),
-                        align_out: gemm::alignment(op_),
-                        tf32: false,
-                    };
-                    let g = self.blas.gemm(shape).map_err(|e| match e {
-                        Error::Backend { msg, .. } => Error::Backend {
-                            op: format!("{label} `{}`", wb.name),
-                            msg,
-                        },
-                        e => e,
-                    })?;
-                    cmds.push(Cmd::Gemm(GemmCmd {
-                        label: format!("{label} `{}`", wb.name),
-                        gemm: g,
-                        w: wp,
-                        x: xp,
-                        out: op_,
-                        accumulate: *accumulate,
-                    }));
-                }
-                if let Some(b) = bias {
-                    self.expect_dtype(*b, DType::F32, label)?;
-                    self.expect_numel(*b, out.width, label)?;
-                    let p = AddBiasParams {
-                        out: op_,
-                        bias: self.addr(*b),
-                        len,
-                        ld_out: ld_o,
-                        width: to_i32(out.width, "width", label)?,
-                    };
-                    cmds.push(self.kernel(
-                        &format!("{label} bias"),
-                        self.kernels.typed("add_bias", od)?,
-                        (ceil_div(out.width, 256), r, 1),
-                        256,
-                        &p,
-                    ));
-                }
-            }
-            Op::Mul { gate, act, x, out } => {
-                let (gp, ld_g, gd) = self.view(gate, rows, label, "gate")?;
-                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
-                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
-                // A gate of width 1 is one gate per row (the MoE shared expert's token gate).
-                let row_gate = gate.width == 1 && x.width > 1;
-                if gd != xd
-                    || xd != od
-                    || (!row_gate && gate.width != x.width)
-                    || x.width != out.width
-                {
-                    return Err(Error::Config(format!(
-                        "{label}: operand dtypes or widths differ"
-                    )));
-                }
-                let p = MulParams {
-                    gate: gp,
-                    x: xp,
-                    out: op_,
-                    len,
-                    ld_gate: ld_g,
-                    ld_x,
-                    ld_out: ld_o,
-                    width: to_i32(x.width, "width", label)?,
-                    act: act_code(*act),
-                };
-                cmds.push(if row_gate {
-                    self.kernel(
-                        label,
-                        self.kernels.typed("mul_rowgate", xd)?,
-                        (ceil_div(x.width, 256), r, 1),
-                        256,
-                        &p,
-                    )
-                } else {
-                    self.elementwise(
-                        label,
-                        "mul",
-                        xd,
-                        (rows, r, x.width),
-                        &[(gp, ld_g), (xp, ld_x), (op_, ld_o)],
-                        &p,
-                    )?
-                });
-            }
-            Op::Unary { x, act, out } => {
-                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
-                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
-                if xd != od || x.width != out.width {
-                    return Err(Error::Config(format!(
-                        "{label}: operand dtypes or widths differ"
-                    )));
-                }
-                let p = UnaryParams {
-                    x: xp,
-                    out: op_,
-                    len,
-                    ld_x,
-                    ld_out: ld_o,
-                    width: to_i32(x.width, "width", label)?,
-                    act: act_code(*act),
-                };
-                cmds.push(self.elementwise(
-                    label,
-                    "unary",
-                    xd,
-                    (rows, r, x.width),
-                    &[(xp, ld_x), (op_, ld_o)],
-                    &p,
-                )?);
-            }
-            Op::SplitHeads { x, heads, outs } => {
-                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
-                if outs.is_empty() || outs.len() > MAX_PARTS {
-                    return Err(Error::Unsupported(format!(
-                        "{label}: {} parts (1..={MAX_PARTS} supported)",
-                        outs.len()
-                    )));
-                }
-                let total: usize = outs.iter().map(|o| o.width).sum();
-                if *heads == 0 || total != x.width || outs.iter().any(|o| o.width % heads != 0) {
-                    return Err(Error::Config(format!(
-                        "{label}: parts {:?} do not split {} columns into {heads} heads",
-                        outs.iter().map(|o| o.width).collect::<Vec<_>>(),
-                        x.width
-                    )));
-                }
-                let mut p = SplitHeadsParams {
-                    x: xp,
-                    out: [0; MAX_PARTS],
-                    len,
-                    ld_x,
-                    ld_out: [0; MAX_PARTS],
-                    part: [0; MAX_PARTS],
-                    nparts: outs.len() as i32,
-                    heads: to_i32(*heads, "heads", label)?,
-                };
-                for (i, o) in outs.iter().enumerate() {
-                    let (a, ld, d) = self.view(o, rows, label, "out")?;
-                    if d != xd {
-                        return Err(Error::Config(format!(
-                            "{label}: part {i} dtype differs from x"
-                        )));
-                    }
-                    p.out[i] = a;
-                    p.ld_out[i] = ld;
-                    p.part[i] = to_i32(o.width / heads, "part width", label)?;
-                }
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed("split_heads", xd)?,
-                    (*heads as u32, r, 1),
-                    128,
-                    &p,
-                ));
-            }
-            Op::Rope {
-                x,
-                heads,
-                head_dim,
-                rotary_dims,
-                theta,
-            } => {
-                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
-                if heads * head_dim > x.width || *rotary_dims > *head_dim || rotary_dims % 2 != 0 {
-                    return Err(Error::Config(format!(
-                        "{label}: {heads} heads x {head_dim} (rotary {rotary_dims}) vs width {}",
-                        x.width
-                    )));
-                }
-                let p = RopeParams {
-                    x: xp,
-                    pos,
-                    len,
-                    theta: theta.get(),
-                    ld_x,
-                    head_dim: to_i32(*head_dim, "head_dim", label)?,
-                    rotary_dims: to_i32(*rotary_dims, "rotary_dims", label)?,
-                    rows_pos: self.rows_pos(),
-                };
-                // kernels/rope.cu: a block rotates `hb` heads (a divisor of `heads`) with one
-                // thread per (head, pair), blockDim = hb * half <= 256, the angles computed
-                // once per block; pairs beyond 256 take hb = 1 and 256 threads looping.
-                let half = rotary_dims / 2;
-                let (hb, threads) = match half {
-                    0 => (1, 32),
-                    257.. => (1, 256),
-                    _ => {
-                        let hb = (1..=*heads)
-                            .rev()
-                            .find(|d| heads % d == 0 && d * half <= 256)
-                            .unwrap_or(1);
-                        (hb, hb * half)
-                    }
-                };
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed("rope", xd)?,
-                    ((heads / hb) as u32, r, 1),
-                    threads as u32,
-                    &p,
-                ));
-            }
+            op @ Op::Embed { .. } => self.embed(op, rows, label, cmds)?,
+            op @ Op::RmsNorm { .. } => self.rms_norm(op, rows, label, cmds)?,
+            op @ Op::Linear { .. } => self.linear(op, rows, shared, label, cmds)?,
+            op @ Op::Mul { .. } => self.mul(op, rows, label, cmds)?,
+            op @ Op::Unary { .. } => self.unary(op, rows, label, cmds)?,
+            op @ Op::SplitHeads { .. } => self.split_heads(op, rows, label, cmds)?,
+            op @ Op::Rope { .. } => self.rope(op, rows, label, cmds)?,
+            op @ Op::GatedRmsNorm { .. } => self.gated_rms_norm(op, rows, label, cmds)?,
+            op @ Op::StoreLastRow { .. } => self.store_last_row(op, rows, label, cmds)?,
+            op @ Op::LoadState { .. } => self.load_state(op, rows, label, cmds)?,
             op @ Op::Attention { .. } => self.attention(op, rows, shared, label, cmds)?,
             op @ Op::CausalConv1d { .. } => {
                 self.not_batched(
@@ -1284,41 +719,6 @@ impl Builder<'_> {
             op @ Op::GatedDeltaNet { .. } => {
                 self.not_batched(label, "a Gated DeltaNet outside the fused kernel")?;
                 self.gated_deltanet(op, rows, shared, label, cmds)?
-            }
-            op @ Op::GatedRmsNorm { x, group, .. } => {
-                let (p, xd) = self.gated_norm_params(op, rows, label)?;
-                cmds.push(self.norm_cmd(
-                    label,
-                    "gated_rms_norm",
-                    xd,
-                    &p,
-                    (rows, x.width, *group),
-                    &[p.x, p.gate, p.out, p.weight],
-                    &[p.ld_x, p.ld_gate, p.ld_out],
-                )?);
-            }
-            Op::StoreLastRow { x, state } => {
-                let (xp, ld_x, xd) = self.view(x, rows, label, "x")?;
-                self.expect_dtype(*state, xd, label)?;
-                self.expect_numel(*state, x.width, label)?;
-                let p = RowStateParams {
-                    x: xp,
-                    out: 0,
-                    state: self.addr(*state),
-                    len,
-                    ld: ld_x,
-                    width: to_i32(x.width, "width", label)?,
-                    slots: self.slots(),
-                };
-                // A batched step stores every row into its own session (grid y = rows).
-                let gy = if self.batch.is_some() { r } else { 1 };
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed("store_last_row", xd)?,
-                    (1, gy, 1),
-                    256,
-                    &p,
-                ));
             }
             Op::Moe {
                 x,
@@ -1353,73 +753,11 @@ impl Builder<'_> {
                     cmds,
                 )?
             }
-            Op::LoadState { state, out } => {
-                self.not_batched(label, "the MTP drafter's state load")?;
-                let (op_, ld_o, od) = self.view(out, rows, label, "out")?;
-                self.expect_dtype(*state, od, label)?;
-                self.expect_numel(*state, out.width, label)?;
-                let p = RowStateParams {
-                    x: 0,
-                    out: op_,
-                    state: self.addr(*state),
-                    len,
-                    ld: ld_o,
-                    width: to_i32(out.width, "width", label)?,
-                    slots: 0,
-                };
-                cmds.push(self.kernel(
-                    label,
-                    self.kernels.typed("load_state", od)?,
-                    (ceil_div(out.width, 256), r, 1),
-                    256,
-                    &p,
-                ));
-            }
             op @ Op::Mamba2Scan { .. } => {
                 self.not_batched(label, "a Mamba2 scan")?;
                 self.mamba2_scan(op, rows, shared, label, cmds)?
             }
         }
         Ok(())
-    }
-
-    /// An elementwise kernel of kernels/elementwise.cu over `rows` (the bucket; `r` blocks of
-    /// rows for the scalar kernel) of `width` elements: `<name>_vec`, one 16-byte pack per thread
-    /// of a 1-D grid over (row, pack), where the width, every view's address and row stride
-    /// (`views`: (address, ld)) are whole packs; else `<name>`, one element per thread.
-    fn elementwise<P: Copy>(
-        &self,
-        label: &str,
-        name: &str,
-        dtype: DType,
-        (rows, r, width): (usize, u32, usize),
-        views: &[(u64, i32)],
-        p: &P,
-    ) -> Result<Cmd> {
-        let pack = 16 / dtype.size();
-        let threads = rows * (width / pack);
-        let vec = width > 0
-            && width.is_multiple_of(pack)
-            && threads <= u32::MAX as usize
-            && views
-                .iter()
-                .all(|&(a, ld)| a.is_multiple_of(16) && (ld as usize).is_multiple_of(pack));
-        Ok(if vec {
-            self.kernel(
-                label,
-                self.kernels.typed(&format!("{name}_vec"), dtype)?,
-                (ceil_div(threads, 256), 1, 1),
-                256,
-                p,
-            )
-        } else {
-            self.kernel(
-                label,
-                self.kernels.typed(name, dtype)?,
-                (ceil_div(width, 256), r, 1),
-                256,
-                p,
-            )
-        })
     }
 }
