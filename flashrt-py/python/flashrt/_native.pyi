@@ -119,7 +119,10 @@ class Model:
         dtype: Optional[str] = None,
         tokenizer: Optional[_Path] = None,
         quantize: Optional[str] = None,
-    ) -> None: ...
+        decode_matmuls: Optional[str] = None,
+    ) -> None:
+        """`decode_matmuls`: "cuda-cores" (default) or "tensor-cores" (several streams stepped
+        together cost little more than one); the CPU ignores it."""
     @property
     def name(self) -> str: ...
     @property
