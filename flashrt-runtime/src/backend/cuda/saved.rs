@@ -1,6 +1,7 @@
 //! Saved states: the regions a [`CudaSession`] saved, on the device or parked in pinned host
 //! memory ([`CudaSaved`]), and the [`SavedState`] interface the runtime restores from.
 
+use super::session::{SAVE_ALIGN, in_set};
 use super::*;
 
 /// A device buffer of `bytes` (at least 1) allocated in stream order on `stream`.
@@ -217,5 +218,211 @@ impl SavedState for CudaSaved {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+/// The state commands, each run with the stream's lock held by its `DeviceSession` method (session.rs).
+impl CudaSession {
+    pub(super) fn reset_locked(&mut self) -> Result<()> {
+        self.bind()?;
+        let bytes = self.layout().arena_bytes(Role::State);
+        // SAFETY: the state arena is at least `bytes` long; the memset is ordered on the
+        // session stream after every queued step, and restores make that stream wait for them.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                self.state_base,
+                0,
+                bytes,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(drv("reset state"))
+    }
+
+    pub(super) fn save_locked(&self, pos: usize, set: RegionSet) -> Result<Arc<dyn SavedState>> {
+        self.bind()?;
+        if pos > self.layout().max_seq {
+            return Err(Error::Input(format!(
+                "save at position {pos} > max_seq {}",
+                self.layout().max_seq
+            )));
+        }
+        let regions = self.regions(set, pos);
+        // Regions are packed at 256-byte alignment so the copy kernel moves 16-byte vectors.
+        let mut saved_regions = Vec::with_capacity(regions.len());
+        let mut off = 0usize;
+        for (b, n) in &regions {
+            saved_regions.push(SavedRegion {
+                id: b.id,
+                offset: off,
+                bytes: *n,
+            });
+            off += n.div_ceil(SAVE_ALIGN) * SAVE_ALIGN;
+        }
+        let total = off;
+        self.copy_after_compute("save")?;
+        let storage = alloc_on(&self.copy, total.max(1), "saved state")?;
+        let dst = dptr(&storage);
+        let segments: Vec<(u64, u64, u64)> = regions
+            .iter()
+            .zip(&saved_regions)
+            .filter(|((_, n), _)| *n > 0)
+            .map(|((b, n), r)| {
+                (
+                    self.state_base + b.offset as u64,
+                    dst + r.offset as u64,
+                    *n as u64,
+                )
+            })
+            .collect();
+        // SAFETY: every source is the used prefix of a state region inside the state arena;
+        // every destination range lies inside `storage` (sized to the packed total); the copy
+        // stream waits for the compute stream, and the compute stream waits for `ready`.
+        unsafe { self.batched_copy(&self.copy, &segments, "save")? };
+        let ready = self.copy.record_event(None).map_err(drv("save"))?;
+        self.stream.wait(&ready).map_err(drv("save"))?;
+        let layout = self.layout();
+        Ok(Arc::new(CudaSaved {
+            model: layout.model.clone(),
+            fingerprint: layout.fingerprint.clone(),
+            pos,
+            set,
+            regions: saved_regions,
+            total,
+            location: format!("cuda:{}", self.model.ordinal),
+            ordinal: self.model.ordinal,
+            storage: Storage::Device(storage),
+            ready: Some(ready),
+            home: self.copy.clone(),
+        }))
+    }
+
+    pub(super) fn restore_locked(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
+        self.bind()?;
+        self.restore_timed = false;
+        let Some(s) = saved.as_any().downcast_ref::<CudaSaved>() else {
+            return self.restore_host(saved, set);
+        };
+        let layout = self.layout();
+        if s.fingerprint != layout.fingerprint {
+            return Err(Error::Fingerprint {
+                capsule_model: s.model.clone(),
+                capsule: s.fingerprint.clone(),
+                session_model: layout.model.clone(),
+                session: layout.fingerprint.clone(),
+            });
+        }
+        let mut copies = Vec::with_capacity(s.regions.len());
+        // Saved regions are in layout order, so the next one is almost always the match: the
+        // lookup stays linear in the region count (restore is on the TTFT path).
+        let mut next = 0;
+        for b in layout.state_buffers().filter(|b| in_set(b, set)) {
+            let i = match s.regions.get(next) {
+                Some(r) if r.id == b.id => next,
+                _ => s.regions.iter().position(|r| r.id == b.id).ok_or_else(|| {
+                    Error::Capsule(format!(
+                        "saved state ({:?}) has no region `{}` needed by a {set:?} restore",
+                        s.set, b.name
+                    ))
+                })?,
+            };
+            next = i + 1;
+            copies.push((b, &s.regions[i]));
+        }
+        match &s.storage {
+            Storage::Device(src) => {
+                if s.ordinal != self.model.ordinal {
+                    return Err(Error::Unsupported(format!(
+                        "restore of a state saved on cuda:{} into a session on cuda:{} (park it first)",
+                        s.ordinal, self.model.ordinal
+                    )));
+                }
+                // The copy runs on the compute stream itself: ordered after every queued step
+                // and before the next, with no event between the two streams.
+                if let Some(ev) = &s.ready {
+                    self.stream.wait(ev).map_err(drv("restore"))?;
+                }
+                let base = dptr(src);
+                let segments: Vec<(u64, u64, u64)> = copies
+                    .iter()
+                    .filter(|(_, r)| r.bytes > 0)
+                    .map(|(b, r)| {
+                        (
+                            base + r.offset as u64,
+                            self.state_base + b.offset as u64,
+                            r.bytes as u64,
+                        )
+                    })
+                    .collect();
+                // SAFETY: every source lies inside the saved buffer (written before `ready`,
+                // which the compute stream waited for); every destination is the prefix of a
+                // state region of this session, written in stream order with the steps.
+                self.restore_start
+                    .record(&self.stream)
+                    .map_err(drv("restore"))?;
+                unsafe { self.batched_copy(&self.stream, &segments, "restore")? };
+                // The saved buffer is freed (stream-ordered) on its home stream when dropped:
+                // make that stream wait for these reads first.
+                self.restore_done
+                    .record(&self.stream)
+                    .map_err(drv("restore"))?;
+                s.home.wait(&self.restore_done).map_err(drv("restore"))?;
+                self.restore_timed = true;
+                return Ok(());
+            }
+            Storage::Pinned(host) => {
+                self.copy_after_compute("restore")?;
+                let src = host.as_slice().map_err(drv("restore"))?;
+                for (b, r) in &copies {
+                    if r.bytes > 0 {
+                        // SAFETY: source is a range of the pinned buffer, which outlives the
+                        // copy because this function synchronises the copy stream below.
+                        unsafe {
+                            cudarc::driver::result::memcpy_htod_async(
+                                self.state_base + b.offset as u64,
+                                &src[r.offset..r.offset + r.bytes],
+                                self.copy.cu_stream(),
+                            )
+                        }
+                        .map_err(drv(&format!("restore `{}`", b.name)))?;
+                    }
+                }
+                self.copy.synchronize().map_err(drv("restore"))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn read_region_locked(&self, id: BufferId, pos: usize) -> Result<Vec<u8>> {
+        self.bind()?;
+        let layout = self.layout();
+        if id.index() >= layout.buffers.len() {
+            return Err(Error::Input(format!("no buffer {}", id.0)));
+        }
+        let b = layout.buffer(id);
+        if b.role != Role::State {
+            return Err(Error::Input(format!("`{}` is not a state region", b.name)));
+        }
+        let n = b.used_bytes(pos);
+        let mut out = vec![0u8; n];
+        self.stream
+            .synchronize()
+            .map_err(drv("step (asynchronous error)"))?;
+        if n > 0 {
+            // SAFETY: the range is the used prefix of a state region inside the state arena;
+            // the stream is idle (restores make it wait for the copy stream).
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(
+                    &mut out,
+                    self.state_base + b.offset as u64,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(drv(&format!("read `{}`", b.name)))?;
+            self.stream
+                .synchronize()
+                .map_err(drv(&format!("read `{}`", b.name)))?;
+        }
+        Ok(out)
     }
 }
