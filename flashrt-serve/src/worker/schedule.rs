@@ -443,28 +443,6 @@ impl Worker {
         self.publish_schedule();
     }
 
-    /// Idle sessions kept for the next completions: as many as could generate at once beside
-    /// the open sessions and the completions holding theirs (at least one, at most
-    /// [`MAX_GENERATING`]), so a burst of parallel requests (an agent's fan-out, `n` choices)
-    /// finds sessions whose graphs are captured instead of allocating and capturing anew each
-    /// time; the rest go back to the device.
-    pub(super) fn idle_sessions_kept(&self) -> usize {
-        self.idle_room(0).min(MAX_GENERATING)
-    }
-
-    /// Sessions the memory plan (`max_sessions` + 1) leaves idle beside the open ones, the
-    /// completions' and `opening` more, and always one.
-    pub(super) fn idle_room(&self, opening: usize) -> usize {
-        (self.cfg.max_sessions + 1)
-            .saturating_sub(self.open_sessions() + self.sched.completions() + opening)
-            .max(1)
-    }
-
-    pub(super) fn trim_pool(&mut self) {
-        let keep = self.idle_sessions_kept();
-        self.pool.truncate(keep);
-    }
-
     /// Feed, in one batched step, the token each generating completion chose in the last round
     /// (the one its next [`Worker::gen_step`] would feed first, under the same conditions), so
     /// a round costs one device step for all of them. Speculative generations feed inside
