@@ -25,6 +25,12 @@
 //     (12 x 5 + 4 bits) resolve the whole key: the first from the workspace's histogram, the
 //     second over the row while it lists the candidates of the first digit, the rest over
 //     that list only.
+//
+// Penalties (step 0 of sampling.rs) come first, on a copy of the row: the host copies the row
+// into the workspace and lists the tokens they change (`PenaltyList`: distinct ids, each with
+// its count since `penalty_from`); `sample_penalize` (a thread per listed token) rewrites
+// those values with the host's f32 operations, each rounded to nearest and never contracted
+// (__fdiv_rn / __fmul_rn / __fsub_rn), and the three kernels above sample the copy.
 #include "common.cuh"
 
 namespace {
@@ -332,4 +338,29 @@ extern "C" __global__ void __launch_bounds__(kThreads) sample_pick(const SampleP
     const unsigned long long target = (hi << 11) | (lo >> 53);
     const unsigned long long key = select_rank(p, m, hist0, target, &above, sh);
     if (threadIdx.x == 0) p.out[0] = 0xffffffffu - (unsigned)key;
+}
+
+// Step 0 on the row copy at `row`: entries[i] = (id, count since penalty_from), ids distinct.
+struct PenalizeParams {
+    float* row;
+    const unsigned int* entries; // 2 per entry
+    unsigned int count;
+    unsigned int n;
+    float repetition;            // used when use_repetition
+    float presence;
+    float frequency;
+    unsigned int use_repetition;
+    unsigned int counted;        // presence or frequency set
+    unsigned int pad;
+};
+
+extern "C" __global__ void __launch_bounds__(256) sample_penalize(const PenalizeParams p) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < p.count; i += gridDim.x * blockDim.x) {
+        const unsigned t = p.entries[2 * i], c = p.entries[2 * i + 1];
+        if (t >= p.n) continue;
+        float v = p.row[t];
+        if (p.use_repetition) v = v > 0.0f ? __fdiv_rn(v, p.repetition) : __fmul_rn(v, p.repetition);
+        if (p.counted && c > 0) v = __fsub_rn(__fsub_rn(v, p.presence), __fmul_rn(p.frequency, (float)c));
+        p.row[t] = v;
+    }
 }

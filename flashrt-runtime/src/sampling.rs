@@ -17,7 +17,8 @@
 //!    token in id order, each an f32 operation rounded to nearest: for a token anywhere in the
 //!    history, `v / r` if `v > 0` else `v · r` (repetition penalty `r`); then for a token
 //!    generated `c > 0` times since `penalty_from`, `(v − presence) − frequency · c`. The
-//!    steps below run on the penalized row (the device sampler is not used then).
+//!    steps below run on the penalized row (a device sampler penalizes a copy of its row:
+//!    [`SamplerState::penalty_list`]).
 //! 1. **Greedy** when `temperature <= 0` or `top_k == 1`: the index of the largest logit
 //!    (the first one on ties; NaN never wins). No random number is drawn.
 //! 2. Candidates are the indices whose logit `v` is finite. They are ordered by `v`,
@@ -381,36 +382,50 @@ impl SamplerState {
     /// Step 0 of the module docs: `row` with the penalties applied for a session whose token
     /// history is `history`; `None` when the sampler has no penalty.
     pub fn penalize(&self, row: &[f32], history: &[u32]) -> Option<Vec<f32>> {
+        let list = self.penalty_list(history, row.len())?;
+        let mut out = row.to_vec();
+        list.apply(&mut out);
+        Some(out)
+    }
+
+    /// Step 0 as the tokens it changes: every distinct id of `history` below `n` (the
+    /// repetition penalty's), each with its count since `penalty_from` (presence and
+    /// frequency), in id order. `None` when the sampler has no penalty. A device sampler
+    /// applies it to a copy of the row it samples (kernels/sample.cu `sample_penalize`).
+    pub fn penalty_list(&self, history: &[u32], n: usize) -> Option<PenaltyList> {
         if !self.has_penalties() {
             return None;
         }
-        let mut out = row.to_vec();
-        let n = row.len();
-        if self.repetition_penalty != 1.0 {
-            let mut seen = vec![false; n];
-            for &t in history {
-                if let Some(x) = seen.get_mut(t as usize) {
-                    *x = true;
-                }
-            }
-            let r = self.repetition_penalty;
-            for (v, _) in out.iter_mut().zip(&seen).filter(|(_, s)| **s) {
-                *v = if *v > 0.0 { *v / r } else { *v * r };
-            }
-        }
-        if self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 {
-            let mut count = std::collections::BTreeMap::<u32, u32>::new();
-            for &t in history.get(self.penalty_from..).unwrap_or(&[]) {
-                if (t as usize) < n {
-                    *count.entry(t).or_default() += 1;
-                }
-            }
-            for (t, c) in count {
-                let v = &mut out[t as usize];
-                *v = (*v - self.presence_penalty) - self.frequency_penalty * c as f32;
+        let repetition = self.repetition_penalty != 1.0;
+        let counted = self.presence_penalty != 0.0 || self.frequency_penalty != 0.0;
+        // (id, generated since penalty_from) keys, sorted: runs of one id.
+        let from = self.penalty_from.min(history.len());
+        let mut keys: Vec<u64> = history
+            .iter()
+            .enumerate()
+            .filter(|&(_, &t)| (t as usize) < n)
+            .map(|(i, &t)| ((t as u64) << 1) | (i >= from) as u64)
+            .collect();
+        keys.sort_unstable();
+        let mut entries: Vec<[u32; 2]> = Vec::new();
+        for k in keys {
+            let (t, generated) = ((k >> 1) as u32, (k & 1) as u32);
+            match entries.last_mut() {
+                Some(e) if e[0] == t => e[1] += generated,
+                _ => entries.push([t, generated]),
             }
         }
-        Some(out)
+        // Without a repetition penalty only the generated tokens change.
+        if !repetition {
+            entries.retain(|e| e[1] > 0);
+        }
+        Some(PenaltyList {
+            repetition: repetition.then_some(self.repetition_penalty),
+            presence: self.presence_penalty,
+            frequency: self.frequency_penalty,
+            counted,
+            entries,
+        })
     }
 
     /// The min-p floor of step 5 (at least 1: a weight of 0 is never a candidate).
@@ -561,6 +576,38 @@ pub struct DrawSpec {
     pub top_p: Option<u64>,
     /// The RNG output `>> 11` (step 7's `u`).
     pub draw: u64,
+}
+
+/// Step 0's changes to a row ([`SamplerState::penalty_list`]): what a device sampler needs to
+/// penalize its copy of the row exactly as the host does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PenaltyList {
+    /// The repetition penalty `r`, when it is not 1.
+    pub repetition: Option<f32>,
+    pub presence: f32,
+    pub frequency: f32,
+    /// Whether presence or frequency is set (a token's count then applies).
+    pub counted: bool,
+    /// `[id, count since penalty_from]`, ids distinct, ascending, below the row's width.
+    pub entries: Vec<[u32; 2]>,
+}
+
+impl PenaltyList {
+    /// Apply the penalties to `row` in place: each listed token's value `v` becomes `v / r`
+    /// if `v > 0` else `v · r`, then, if it was generated `c > 0` times,
+    /// `(v − presence) − frequency · c`, every operation an f32 one rounded to nearest (no
+    /// fused multiply-add), as kernels/sample.cu computes it.
+    pub fn apply(&self, row: &mut [f32]) {
+        for &[t, c] in &self.entries {
+            let v = &mut row[t as usize];
+            if let Some(r) = self.repetition {
+                *v = if *v > 0.0 { *v / r } else { *v * r };
+            }
+            if self.counted && c > 0 {
+                *v = (*v - self.presence) - self.frequency * c as f32;
+            }
+        }
+    }
 }
 
 /// Step 7's `floor(u · K / 2^53)` with `u` the top 53 bits of the next RNG output.
@@ -945,6 +992,22 @@ mod tests {
         );
         // Out-of-vocabulary history ids are ignored, not a panic.
         assert!(s.penalize(&row, &[99, 100]).is_some());
+        // As a list (what a device sampler applies): distinct ids in order, generated counts.
+        let l = s.penalty_list(&history, row.len()).unwrap();
+        assert_eq!(l.entries, vec![[0, 0], [1, 1], [3, 2], [4, 1]]);
+        assert_eq!((l.repetition, l.counted), (Some(2.0), true));
+        // Without a repetition penalty only the generated tokens are listed.
+        let mut g = SamplerState::greedy().with_penalties(0.5, 0.0, 1.0);
+        g.penalty_from = 2;
+        let l = g.penalty_list(&[0, 3, 3, 1, 4, 3, 9], 5).unwrap();
+        assert_eq!(
+            (l.entries, l.repetition),
+            (vec![[1, 1], [3, 2], [4, 1]], None)
+        );
+        assert_eq!(
+            g.penalize(&row, &history).unwrap(),
+            vec![2.0, -1.5, 0.5, 2.5, 0.5]
+        );
     }
 
     #[test]

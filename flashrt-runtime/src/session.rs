@@ -847,23 +847,15 @@ impl Session {
                 "no logits to sample from: append tokens first".into(),
             ));
         }
-        // Penalties: the host samples a penalized copy of the row (step 0 of crate::sampling).
-        if let Some(p) = self.sampler.penalize(
-            &self.logits.as_slice()[(self.logits_rows - 1) * v..self.logits_rows * v],
-            &self.tokens,
-        ) {
-            return self.sampler.sample(&p).ok_or_else(|| Error::Backend {
-                op: "sample".into(),
-                msg: "the logits row has no finite value".into(),
-            });
-        }
+        // Step 0 of crate::sampling: the tokens the penalties change, if any.
+        let penalties = self.sampler.penalty_list(&self.tokens, v);
         // On the device where the row is still there: the same token as the host sampler's
-        // (crate::sampling), without a host pass over the row.
+        // (crate::sampling), without a host pass over the row; penalties go to a device copy.
         if let KeptLogits::Device(_, row, steps) = self.logits
             && steps == self.dev.steps_run()
             && let Some((spec, rng)) = self.sampler.draw_spec(v)
         {
-            match self.dev.sample_row(row, &spec) {
+            match self.dev.sample_row(row, &spec, penalties.as_ref()) {
                 Ok(Some(t)) => {
                     self.sampler.rng = rng;
                     return Ok(t);
@@ -878,6 +870,16 @@ impl Session {
                 Err(Error::Unsupported(_) | Error::Input(_)) => {}
                 Err(e) => return Err(e),
             }
+        }
+        // On the host: a penalized copy of the row when there are penalties.
+        if let Some(list) = &penalties {
+            let mut p =
+                self.logits.as_slice()[(self.logits_rows - 1) * v..self.logits_rows * v].to_vec();
+            list.apply(&mut p);
+            return self.sampler.sample(&p).ok_or_else(|| Error::Backend {
+                op: "sample".into(),
+                msg: "the logits row has no finite value".into(),
+            });
         }
         let row = &self.logits.as_slice()[(self.logits_rows - 1) * v..self.logits_rows * v];
         self.sampler.sample(row).ok_or_else(|| Error::Backend {

@@ -4,8 +4,10 @@
 //! ties (the order falls back to the index), values an ulp apart, both zeros, NaN and
 //! infinities, ties that share the high radix digits, a flat 248k-wide row (a model with
 //! random weights) and a peaked one — under greedy-adjacent and extreme temperatures, top-k,
-//! top-p and min-p. Then a whole session: sampled generation with the device sampler equals
-//! the same generation sampled on the host, token for token, RNG state included.
+//! top-p and min-p; the same rows with repetition, presence and frequency penalties (the
+//! device penalizes a copy of the row). Then a whole session: sampled generation with the
+//! device sampler equals the same generation sampled on the host, token for token, RNG state
+//! included, with and without penalties.
 //! Skips with a message when no CUDA device is present.
 #![cfg(feature = "cuda")]
 
@@ -161,7 +163,8 @@ fn sessions_sample_the_same_on_device_and_host() {
         ..Default::default()
     };
     let ir = flashrt_runtime::ir::hf::ir_from_hf_config(json, &opts).unwrap();
-    let run = |backend: std::sync::Arc<flashrt_runtime::backend::cuda::CudaBackend>| {
+    let run = |backend: std::sync::Arc<flashrt_runtime::backend::cuda::CudaBackend>,
+               sampler: SamplerState| {
         let compiled = std::sync::Arc::new(flashrt_runtime::ir::compile(
             &ir,
             flashrt_runtime::backend::Backend::target(backend.as_ref(), &ir),
@@ -170,8 +173,7 @@ fn sessions_sample_the_same_on_device_and_host() {
         let model = flashrt_runtime::Model::from_compiled(backend, compiled, w).unwrap();
         let mut s = model.session().unwrap();
         s.set_logits_mode(LogitsMode::Last);
-        // A high temperature over random weights: many tokens are possible at every step.
-        s.set_sampler(SamplerState::seeded(77, 1.5, 0, 0.95).with_min_p(0.001));
+        s.set_sampler(sampler);
         let prompt: Vec<u32> = (0..21).map(|i| (i * 37 % 1000) as u32).collect();
         s.append(&prompt).unwrap();
         let mut toks = s.generate(12).unwrap();
@@ -181,11 +183,87 @@ fn sessions_sample_the_same_on_device_and_host() {
         toks.extend(s.generate(6).unwrap());
         (toks, s.sampler().rng)
     };
-    let (a, ra) = run(on);
-    let (b, rb) = run(off);
-    assert_eq!(a, b, "device-sampled and host-sampled tokens");
-    assert_eq!(ra, rb);
-    assert_eq!(a[12..18], a[18..24], "restore replays the same draws");
-    let distinct: std::collections::BTreeSet<_> = a.iter().collect();
-    assert!(distinct.len() > 3, "a sampled run should vary: {a:?}");
+    // A high temperature over random weights: many tokens are possible at every step; then
+    // the same with penalties (the device penalizes a copy of the row, the host its own).
+    let plain = SamplerState::seeded(77, 1.5, 0, 0.95).with_min_p(0.001);
+    for (what, sampler) in [
+        ("plain", plain.clone()),
+        ("penalties", plain.with_penalties(0.4, 0.3, 1.3)),
+    ] {
+        let (a, ra) = run(on.clone(), sampler.clone());
+        let (b, rb) = run(off.clone(), sampler);
+        assert_eq!(a, b, "{what}: device-sampled and host-sampled tokens");
+        assert_eq!(ra, rb, "{what}");
+        assert_eq!(
+            a[12..18],
+            a[18..24],
+            "{what}: restore replays the same draws"
+        );
+        let distinct: std::collections::BTreeSet<_> = a.iter().collect();
+        assert!(
+            distinct.len() > 3,
+            "{what}: a sampled run should vary: {a:?}"
+        );
+    }
+}
+
+/// Step 0 on the device: penalties applied to a device copy of the row (kernels/sample.cu
+/// `sample_penalize`) choose what the host chooses from its penalized copy, on the adversarial
+/// rows, with histories that repeat tokens, start generating at different points, and name
+/// ids outside the row; under every penalty alone and together.
+#[test]
+fn device_penalties_choose_what_the_host_chooses() {
+    let Some(gpu) = cuda("device_penalties_choose_what_the_host_chooses") else {
+        return;
+    };
+    let mut dev = CudaSampler::new(&gpu, 248_320).expect("device sampler");
+    // (presence, frequency, repetition)
+    let penalties = [
+        (0.0f32, 0.0f32, 1.3f32),
+        (0.0, 0.0, 0.7),
+        (1.5, 0.0, 1.0),
+        (0.0, 0.8, 1.0),
+        (-0.5, 0.25, 1.1),
+        (2.0, 2.0, 1e-3),
+    ];
+    let mut rng = [0x9e37_79b9_7f4a_7c15u64, 3, 5, 7];
+    let mut checked = 0;
+    for (name, row) in rows() {
+        let n = row.len();
+        // Random ids, some twice or more, one past the row, the first and the last.
+        let mut history: Vec<u32> = (0..40)
+            .map(|_| (xoshiro256ss_next(&mut rng) % n as u64) as u32)
+            .collect();
+        history.extend([
+            history[3],
+            history[3],
+            history[7],
+            n as u32 + 5,
+            0,
+            (n - 1) as u32,
+        ]);
+        for (c, &(pr, fr, rp)) in penalties.iter().enumerate() {
+            for from in [0, 20, history.len()] {
+                let mut host = SamplerState::seeded(c as u64 * 31 + n as u64, 1.0, 0, 0.95)
+                    .with_penalties(pr, fr, rp);
+                host.penalty_from = from;
+                let mut device = host.clone();
+                let list = device.penalty_list(&history, n).expect("penalties");
+                let penalized = host.penalize(&row, &history).expect("penalties");
+                for draw in 0..3 {
+                    let want = host.sample(&penalized);
+                    let (spec, next) = device.draw_spec(n).expect("not greedy");
+                    let got = dev
+                        .sample_penalized(&row, &spec, Some(&list))
+                        .expect("device sample");
+                    if got.is_some() {
+                        device.rng = next;
+                    }
+                    assert_eq!(got, want, "{name}, penalties {c}, from {from}, draw {draw}");
+                    checked += 1;
+                }
+            }
+        }
+    }
+    println!("device penalties: {checked} draws equal to the host sampler's");
 }

@@ -627,9 +627,16 @@ pub trait DeviceSession: Send {
     /// inputs [`crate::SamplerState::draw_spec`] computed: the same token the host sampler
     /// chooses from the same row (only the id crosses to the host). `None` when no logit of
     /// the row is finite. `Unsupported` where the backend has no device sampler; an error,
-    /// not a token, when another session's step has overwritten the row.
-    fn sample_row(&mut self, row: usize, spec: &crate::sampling::DrawSpec) -> Result<Option<u32>> {
-        let _ = (row, spec);
+    /// not a token, when another session's step has overwritten the row. With `penalties`
+    /// (step 0 of [`crate::sampling`]) the draw is from a penalized copy of the row; the row
+    /// itself is left as the step wrote it.
+    fn sample_row(
+        &mut self,
+        row: usize,
+        spec: &crate::sampling::DrawSpec,
+        penalties: Option<&crate::sampling::PenaltyList>,
+    ) -> Result<Option<u32>> {
+        let _ = (row, spec, penalties);
         Err(crate::error::Error::Unsupported(
             "no device sampler on this backend".into(),
         ))

@@ -9,7 +9,7 @@
 use super::kernels::Kernels;
 use super::{CudaBackend, alloc_zeroed, dptr, drv};
 use crate::error::{Error, Result};
-use crate::sampling::DrawSpec;
+use crate::sampling::{DrawSpec, PenaltyList};
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
 
@@ -35,11 +35,106 @@ struct SampleParams {
 /// Bytes of the header and first-digit histogram at the start of a sampler workspace.
 const WS_HEAD: usize = 8 * (2 + 4096);
 
+/// `sample_penalize`'s parameters (kernels/sample.cu `PenalizeParams`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PenalizeParams {
+    row: u64,
+    entries: u64,
+    count: u32,
+    n: u32,
+    repetition: f32,
+    presence: f32,
+    frequency: f32,
+    use_repetition: u32,
+    counted: u32,
+    pad: u32,
+}
+
 /// Device bytes of a sampler workspace for rows of `n` logits (kernels/sample.cu
-/// `SampleParams::ws`): header and histogram, a weight per logit, a list of `n` pairs, and
-/// 4 bytes for the result.
+/// `SampleParams::ws`): header and histogram, a weight per logit, a list of `n` pairs, 4
+/// bytes for the result (padded to 256), then the penalized copy of a row (`n` f32) and its
+/// penalty list (at most `n` entries: the ids are distinct and below `n`).
 pub(super) fn workspace_bytes(n: usize) -> usize {
+    penalty_offset(n) + 4 * n + 8 * n
+}
+
+/// Where a workspace's penalized row copy starts (its list follows the `n` f32).
+fn penalty_offset(n: usize) -> usize {
     WS_HEAD + 8 * n + 16 * n + 256
+}
+
+/// Step 0 on the device: copy the `n` f32 logits at `row` into the workspace at `ws` and
+/// apply `list` to the copy (kernels/sample.cu `sample_penalize`); returns the copy's address,
+/// the row to sample.
+///
+/// # Safety
+/// As [`sample_on`]: `row` holds `n` f32, `ws` a workspace of [`workspace_bytes`]`(n)`, both
+/// live device memory of the stream's context, untouched by other work until the sample that
+/// follows has returned.
+pub(super) unsafe fn penalize_on(
+    kernels: &Kernels,
+    stream: &CudaStream,
+    row: u64,
+    n: usize,
+    ws: u64,
+    list: &PenaltyList,
+) -> Result<u64> {
+    if list.entries.len() > n || list.entries.iter().any(|e| e[0] as usize >= n) {
+        return Err(Error::Input(format!(
+            "sample: a penalty list of {} entries for a row of {n}",
+            list.entries.len()
+        )));
+    }
+    let copy = ws + penalty_offset(n) as u64;
+    let entries = copy + 4 * n as u64;
+    // SAFETY: `copy` and `entries` lie inside the workspace (this function's contract and
+    // `workspace_bytes`); the list's host memory is pageable, so the upload has left it when
+    // the call returns; the kernel below reads both in stream order.
+    unsafe {
+        cudarc::driver::result::memcpy_dtod_async(copy, row, 4 * n, stream.cu_stream())
+            .map_err(drv("sample: copy the row"))?;
+        if !list.entries.is_empty() {
+            cudarc::driver::result::memcpy_htod_async(
+                entries,
+                list.entries.as_flattened(),
+                stream.cu_stream(),
+            )
+            .map_err(drv("sample: upload the penalty list"))?;
+        }
+    }
+    if list.entries.is_empty() {
+        return Ok(copy);
+    }
+    let p = PenalizeParams {
+        row: copy,
+        entries,
+        count: list.entries.len() as u32,
+        n: n as u32,
+        repetition: list.repetition.unwrap_or(1.0),
+        presence: list.presence,
+        frequency: list.frequency,
+        use_repetition: list.repetition.is_some() as u32,
+        counted: list.counted as u32,
+        pad: 0,
+    };
+    let func = kernels.get("sample_penalize")?;
+    let mut args = [&p as *const PenalizeParams as *mut std::ffi::c_void];
+    let blocks = list.entries.len().div_ceil(256).min(1024) as u32;
+    // SAFETY: one by-value `PenalizeParams` (same repr(C) layout as the kernel's struct); the
+    // addresses are the workspace's, valid by this function's contract; `p` outlives the call.
+    unsafe {
+        cudarc::driver::result::launch_kernel(
+            func.cu_function(),
+            (blocks, 1, 1),
+            (256, 1, 1),
+            0,
+            stream.cu_stream(),
+            &mut args,
+        )
+    }
+    .map_err(drv("sample_penalize"))?;
+    Ok(copy)
 }
 
 /// Sample from the `n` f32 logits at device address `row` on `stream`, with a workspace of
@@ -152,6 +247,17 @@ impl CudaSampler {
 
     /// Copy `row` to the device and sample it with `spec`.
     pub fn sample(&mut self, row: &[f32], spec: &DrawSpec) -> Result<Option<u32>> {
+        self.sample_penalized(row, spec, None)
+    }
+
+    /// Copy `row` to the device, apply `penalties` to a copy of it there (step 0) and sample
+    /// that with `spec`.
+    pub fn sample_penalized(
+        &mut self,
+        row: &[f32],
+        spec: &DrawSpec,
+        penalties: Option<&PenaltyList>,
+    ) -> Result<Option<u32>> {
         if row.len() > self.cap {
             return Err(Error::Input(format!(
                 "a row of {} logits, the sampler holds {}",
@@ -169,12 +275,24 @@ impl CudaSampler {
         // synchronises before returning).
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, row, self.stream.cu_stream()) }
             .map_err(drv("sampler: copy the row"))?;
-        // SAFETY: the row and result buffers are this sampler's, used only on its stream.
+        // SAFETY: the row, workspace and result buffers are this sampler's, used only on its
+        // stream.
         unsafe {
+            let src = match penalties {
+                Some(list) => penalize_on(
+                    &self.kernels,
+                    &self.stream,
+                    dst,
+                    row.len(),
+                    dptr(&self.ws),
+                    list,
+                )?,
+                None => dst,
+            };
             sample_on(
                 &self.kernels,
                 &self.stream,
-                dst,
+                src,
                 row.len(),
                 dptr(&self.ws),
                 self.sms,

@@ -420,7 +420,12 @@ impl DeviceSession for CudaSession {
         self.steps
     }
 
-    fn sample_row(&mut self, row: usize, spec: &crate::sampling::DrawSpec) -> Result<Option<u32>> {
+    fn sample_row(
+        &mut self,
+        row: usize,
+        spec: &crate::sampling::DrawSpec,
+        penalties: Option<&crate::sampling::PenaltyList>,
+    ) -> Result<Option<u32>> {
         if !self.model.options.device_sampler {
             return Err(Error::Unsupported("device sampler off".into()));
         }
@@ -438,17 +443,25 @@ impl DeviceSession for CudaSession {
         let vocab = self.model.compiled.ir.vocab;
         let b = self.layout().buffer(self.model.compiled.io.logits);
         let src = self.io_base + b.offset as u64 + (4 * row * vocab) as u64;
+        let ws = dptr(&self.exec.sample_ws);
         // SAFETY: row < max_rows, so the vocab f32 at `src` lie inside io.logits, which this
         // session's last step wrote (owner checked under the lock, which is held until the
         // result is read); the workspace is the model's, sized for its vocabulary and used
-        // only under the same lock.
+        // only under the same lock. Penalties go to the workspace's copy of the row: the
+        // arena's row (the capsule's logits) stays as the step wrote it.
         unsafe {
+            let src = match penalties {
+                Some(list) => {
+                    sample::penalize_on(&self.model.kernels, &self.stream, src, vocab, ws, list)?
+                }
+                None => src,
+            };
             sample::sample_on(
                 &self.model.kernels,
                 &self.stream,
                 src,
                 vocab,
-                dptr(&self.exec.sample_ws),
+                ws,
                 self.model.sms,
                 spec,
             )
