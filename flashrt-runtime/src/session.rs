@@ -411,6 +411,7 @@ impl Model {
             sampler: SamplerState::default(),
             counters: Counters::default(),
             poisoned: false,
+            row_states: true,
         })
     }
 
@@ -591,6 +592,9 @@ pub struct Session {
     counters: Counters,
     /// A step failed half-way: the state is undefined until `reset` or a restore.
     poisoned: bool,
+    /// Speculative rounds roll back through the backend's per-row states where it keeps
+    /// them ([`Session::set_row_states`]).
+    row_states: bool,
 }
 
 impl fmt::Debug for Session {
@@ -673,6 +677,15 @@ impl Session {
     pub fn set_pending(&mut self, token: Option<u32>) {
         self.pending = token;
     }
+    /// How a speculative round whose drafts were rejected returns to the last accepted row
+    /// (see [`crate::speculative`]): with `true` (the default), through the state the backend
+    /// kept after each row of the verify pass (a copy) where it keeps them; with `false`, or
+    /// where it does not, by restoring the round's saved state and replaying the accepted rows.
+    /// The tokens and the state are the same either way.
+    pub fn set_row_states(&mut self, on: bool) {
+        self.row_states = on;
+    }
+
     pub fn set_logits_mode(&mut self, mode: LogitsMode) {
         self.logits_mode = mode;
     }
@@ -1081,9 +1094,9 @@ impl Session {
 impl Session {
     /// The device session and the token history, for a speculative round; errors if a step
     /// failed half-way earlier.
-    pub(crate) fn spec_parts(&mut self) -> Result<(&mut dyn DeviceSession, &[u32])> {
+    pub(crate) fn spec_parts(&mut self) -> Result<(&mut dyn DeviceSession, &[u32], bool)> {
         self.check_usable()?;
-        Ok((&mut *self.dev, &self.tokens))
+        Ok((&mut *self.dev, &self.tokens, self.row_states))
     }
 
     /// A speculative round failed half-way: the state is undefined until `reset` or a restore.

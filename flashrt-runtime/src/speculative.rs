@@ -19,10 +19,14 @@
 //!    round commits `[x, d_1 .. d_a]` (`a + 1` tokens) and its last logits are `L_{P+a}`, whose
 //!    argmax is the next round's `x` (this round's bonus token).
 //! 6. If `a == k`, the verify pass left the state at `P + k + 1` = the committed boundary:
-//!    nothing to undo. If `a < k` (a *rollback*), restore the saved non-KV regions and replay
-//!    the `a + 1` committed tokens in one pass (`Decode` for one row, else `Verify { a }`).
-//!    K/V rows past the new boundary are dead: every later step overwrites a row before any
-//!    attention reads it, so they need no restore.
+//!    nothing to undo. If `a < k` (a *rollback*): where the backend kept every non-KV
+//!    region's value after each row of the verify pass ([`DeviceSession::keep_row_states`],
+//!    asked for before step 4; the CPU reference keeps them), copy back the values after row
+//!    `a` ([`DeviceSession::rollback_to_row`]) — a rejected round then costs the verify pass
+//!    and a copy; otherwise (or with [`Session::set_row_states`]`(false)`) restore the saved
+//!    non-KV regions and replay the `a + 1` committed tokens in one pass (`Decode` for one
+//!    row, else `Verify { a }`). K/V rows past the new boundary are dead: every later step
+//!    overwrites a row before any attention reads it, so they need no restore.
 //!
 //! Afterwards the session is exactly what plain decoding of the same tokens leaves: token
 //! history, position, counters (one decode step per committed token), one kept logits row,
@@ -80,9 +84,11 @@
 //! cost less on this CPU whenever a draft is rejected — 2.2 / 3.2 / 4.2 / 5.2 decode steps
 //! per round for k = 1..4 against 4.2 .. 8.9 with save + replay — but are not one pass, and
 //! the pass is what a GPU makes cheap: there a `k + 1`-row verify costs about one decode step,
-//! so the replay would double a rejected round. The CUDA follow-up is per-row checkpoints
-//! written by the recurrence kernels inside the one verify pass (rollback = one copy of the
-//! accepted row's state), with this save + replay as the fallback.
+//! so the replay would double a rejected round. The CPU reference now keeps each row's state
+//! inside the one verify pass (its recurrent ops step row by row and copy the state after
+//! each, bit for bit what the whole pass computes), so a rollback there is one copy; on CUDA
+//! the recurrence kernels still have to write those per-row states
+//! ([`DeviceSession::keep_row_states`] is `false` there), and save + replay is the fallback.
 //!
 //! On an H200 with the Qwen3.6-27B shape (bf16, position 512) the same example measured a
 //! decode step at 16.6 ms, verify passes for k = 1..4 at 1.01 / 1.03 / 1.05 / 1.06 x that, an
@@ -462,7 +468,7 @@ impl Session {
                     )));
                 }
                 let p = self.pos();
-                let (dev, _) = self.spec_parts()?;
+                let (dev, _, _) = self.spec_parts()?;
                 if let Err(e) = dev.step(Phase::MtpDraft, &[t], p - 1) {
                     self.spec_poison();
                     return Err(e);
@@ -527,7 +533,7 @@ fn round(
     }
     // The verify pass writes rows pos ..= pos + k.
     let k = k.min(max_seq - pos - 1);
-    let (dev, history) = s.spec_parts()?;
+    let (dev, history, row_states) = s.spec_parts()?;
 
     // Rollback point, taken before the drafter moves `mtp.hidden`.
     let saved = dev.save(pos, RegionSet::NonKv)?;
@@ -556,6 +562,9 @@ fn round(
     fed.push(x);
     fed.extend_from_slice(&drafts);
 
+    // The state after each verified row, where the backend keeps it: a rejected tail is then
+    // undone by a copy instead of a replay.
+    let kept = row_states && kk > 0 && dev.keep_row_states();
     let verified = dev.step_read(target_phase(compiled, kk + 1), &fed, pos, StepLogits::All);
     let logits = match verified {
         Ok(l) => l,
@@ -568,7 +577,20 @@ fn round(
     let a = (0..kk)
         .take_while(|&i| argmax(&logits[i * vocab..(i + 1) * vocab]) == Some(drafts[i]))
         .count();
-    let last = if a < kk {
+    let last = if a < kk && kept {
+        // Rejected tail: every non-KV region back to its state after the last accepted row
+        // (the K/V rows past it are dead by position); that row's logits are the verify pass's.
+        match dev.rollback_to_row(a) {
+            Ok(()) => {
+                stats.rollbacks += 1;
+                row(&logits, a)
+            }
+            Err(e) => {
+                s.spec_poison();
+                return Err(e);
+            }
+        }
+    } else if a < kk {
         // Rejected tail: back to the boundary's non-KV state, then replay the committed rows.
         let replayed = dev.restore(&*saved, RegionSet::NonKv).and_then(|()| {
             dev.step_read(

@@ -224,23 +224,27 @@ fn adversary_drafts_are_all_rejected() {
     let n = 201;
     let prompt = tokens(8, 12, v);
     let (reference, all) = plain(&m, &prompt, n);
-    for k in 1..=4 {
+    // Rolled back through the per-row states the CPU keeps (a copy), and by restore + replay.
+    for (k, row_states) in (1..=4).flat_map(|k| [(k, true), (k, false)]) {
         let mut s = m.session().unwrap();
+        s.set_row_states(row_states);
         s.append(&prompt).unwrap();
         let before = s.counters();
         let (out, st) = s
             .decode_speculative(n, k, &mut AdversaryDrafter::new(all.clone()))
             .unwrap();
-        assert_eq!(out, all[prompt.len()..], "k = {k}");
-        assert_same_as_plain(&s, &reference, &format!("adversary, k = {k}"));
+        let what = format!("adversary, k = {k}, row states {row_states}");
+        assert_eq!(out, all[prompt.len()..], "{what}");
+        assert_same_as_plain(&s, &reference, &what);
         assert_eq!(delta(s.counters(), before), (n as u64, 0, n as u64));
-        assert_eq!(st.accepted, 0, "k = {k}: {st:?}");
+        assert_eq!(st.accepted, 0, "{what}: {st:?}");
         assert_eq!(st.rejected(), st.drafted);
         // Every round but the last (no room for a draft) verifies and rolls back one token.
         assert_eq!(st.rounds, n as u64);
         assert_eq!(st.verify_passes, n as u64 - 1);
         assert_eq!(st.rollbacks, st.verify_passes);
-        assert_eq!(st.replayed, st.rollbacks);
+        let replayed = if row_states { 0 } else { st.rollbacks };
+        assert_eq!(st.replayed, replayed, "{what}");
         assert_eq!(st.accepted_hist[0], st.verify_passes);
     }
 }
@@ -331,7 +335,8 @@ fn statistics_add_up() {
         st.accepted
     );
     assert!(st.rollbacks <= st.verify_passes - st.accepted_hist[3]);
-    assert!(st.replayed >= st.rollbacks);
+    // The CPU keeps per-row states: a rollback is a copy, nothing is replayed.
+    assert_eq!(st.replayed, 0);
     assert_eq!(st.draft_steps, 0, "the scripted drafter runs no plan");
     assert!((st.mean_accepted() - st.accepted as f64 / st.verify_passes as f64).abs() < 1e-12);
     assert!((st.tokens_per_round() - 200.0 / st.rounds as f64).abs() < 1e-12);
@@ -341,7 +346,7 @@ fn statistics_add_up() {
     s.append_with_mtp(&prompt).unwrap();
     let (_, st) = s.decode_speculative(50, 2, &mut MtpDrafter).unwrap();
     assert_eq!(st.draft_steps, st.drafted + st.rounds);
-    assert!(st.replayed >= st.rollbacks);
+    assert_eq!(st.replayed, 0);
 }
 
 #[test]
@@ -539,8 +544,9 @@ fn rollback_is_exact_for_conv_and_mamba2_state_too() {
         let prompt = tokens(18, 7, v);
         let n = 120;
         let (reference, all) = plain(&m, &prompt, n);
-        for k in [1, 3, 4] {
+        for (k, row_states) in [1, 3, 4].into_iter().flat_map(|k| [(k, true), (k, false)]) {
             let mut s = m.session().unwrap();
+            s.set_row_states(row_states);
             s.append(&prompt).unwrap();
             let before = s.counters();
             let (out, st) = s
@@ -552,10 +558,12 @@ fn rollback_is_exact_for_conv_and_mamba2_state_too() {
                     },
                 )
                 .unwrap();
-            assert_eq!(out, all[prompt.len()..], "{name}, k = {k}");
-            assert_same_as_plain(&s, &reference, &format!("{name}, k = {k}"));
+            let what = format!("{name}, k = {k}, row states {row_states}");
+            assert_eq!(out, all[prompt.len()..], "{what}");
+            assert_same_as_plain(&s, &reference, &what);
             assert_eq!(delta(s.counters(), before), (n as u64, 0, n as u64));
             assert!(st.rollbacks > 0, "{name}");
+            assert_eq!(st.replayed == 0, row_states, "{what}: {st:?}");
         }
     }
 }

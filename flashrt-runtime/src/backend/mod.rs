@@ -652,6 +652,23 @@ pub trait DeviceSession: Send {
     fn last_restore_seconds(&self) -> Result<Option<f64>> {
         Ok(None)
     }
+    /// Keep, during the next step only (a speculative round's verify pass), every non-KV state
+    /// region's value after each of its rows, so that [`DeviceSession::rollback_to_row`] can
+    /// return to any of them with a copy instead of a replay. `false` where the backend does
+    /// not keep them (the caller then saves and replays).
+    fn keep_row_states(&mut self) -> bool {
+        false
+    }
+    /// After a step run with [`DeviceSession::keep_row_states`]: set every non-KV state region
+    /// to its value after row `row` of that step — bit for bit what a step of rows
+    /// `0..=row` alone leaves (K/V rows past it are dead by position). One-shot: any other
+    /// step, reset or restore discards the kept states.
+    fn rollback_to_row(&mut self, row: usize) -> Result<()> {
+        let _ = row;
+        Err(crate::error::Error::Unsupported(
+            "no per-row states on this backend".into(),
+        ))
+    }
     /// Zero every state region (a fresh session).
     fn reset(&mut self) -> Result<()>;
     /// Copy the selected regions (KV: only positions `0..pos`) into backend-owned storage.

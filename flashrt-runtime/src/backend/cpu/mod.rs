@@ -268,6 +268,7 @@ impl DeviceModel for CpuModel {
                 scores: vec![0f32; layout.max_seq],
                 tmp: vec![0f32; m.tmp_len],
             },
+            rows: RowStates::default(),
         }))
     }
 }
@@ -288,6 +289,60 @@ pub struct CpuSession {
     scratch: Vec<f32>,
     io: Vec<f32>,
     ws: Workspace,
+    rows: RowStates,
+}
+
+/// The state regions' values after each row of a step ([`DeviceSession::keep_row_states`]).
+#[derive(Default)]
+struct RowStates {
+    /// Record during the next step.
+    armed: bool,
+    /// Rows of the step that recorded (0: nothing to roll back to).
+    rows: usize,
+    /// Each written region's place in the state arena and its value after every row.
+    regions: Vec<(std::ops::Range<usize>, Vec<f32>)>,
+}
+
+impl RowStates {
+    /// Region `at` holds `v` after row `row` of `rows` (a later op writing the same region
+    /// replaces an earlier one's values).
+    fn record(&mut self, at: &std::ops::Range<usize>, row: usize, rows: usize, v: &[f32]) {
+        let n = at.len();
+        let i = match self.regions.iter().position(|(r, _)| r == at) {
+            Some(i) => i,
+            None => {
+                self.regions.push((at.clone(), vec![0.0; rows * n]));
+                self.regions.len() - 1
+            }
+        };
+        self.regions[i].1[row * n..(row + 1) * n].copy_from_slice(v);
+    }
+
+    fn clear(&mut self) {
+        self.rows = 0;
+        self.regions.clear();
+    }
+}
+
+/// Run a recurrent op over `len` rows whose state is `state[at]`: at once, or, when `rec`
+/// records, row by row with the state kept after each (the ops step token by token, so both
+/// give the same bits).
+fn by_rows(
+    len: usize,
+    rec: &mut Option<&mut RowStates>,
+    at: &std::ops::Range<usize>,
+    state: &mut [f32],
+    mut step: impl FnMut(usize, usize, &mut [f32]),
+) {
+    match rec {
+        None => step(0, len, &mut state[at.clone()]),
+        Some(rec) => {
+            for r in 0..len {
+                step(r, 1, &mut state[at.clone()]);
+                rec.record(at, r, len, &state[at.clone()]);
+            }
+        }
+    }
 }
 
 /// Copy `len` rows of a view into `dst` (contiguous `[len, width]`).
@@ -345,6 +400,10 @@ impl CpuSession {
             &mut self.state[..],
             &mut self.ws,
         );
+        // Per-row states for a rollback (DeviceSession::keep_row_states), this step only.
+        let armed = std::mem::take(&mut self.rows.armed);
+        self.rows.clear();
+        let mut rec = armed.then_some(&mut self.rows);
         let region = |id: BufferId| {
             let l = locs[id.index()];
             l.off..l.off + l.len
@@ -530,8 +589,15 @@ impl CpuSession {
                     } else {
                         &scratch[..]
                     };
+                    let at = region(*st);
+                    if let Some(rec) = rec.as_mut() {
+                        for r in 0..len {
+                            let off = l.off + r * x.stride + x.col;
+                            rec.record(&at, r, len, &src[off..off + x.width]);
+                        }
+                    }
                     let off = l.off + (len - 1) * x.stride + x.col;
-                    state[region(*st)].copy_from_slice(&src[off..off + x.width]);
+                    state[at].copy_from_slice(&src[off..off + x.width]);
                 }
                 Op::LoadState { state: st, out } => {
                     let mut o = out_rows(locs, scratch, io, out);
@@ -551,19 +617,22 @@ impl CpuSession {
                 } => {
                     gather(locs, scratch, io, x, len, &mut ws.a);
                     let b = bias.map(|b| m.weight(b));
-                    let mut o = out_rows(locs, scratch, io, out);
-                    let s = &mut state[region(*st)];
-                    ops::causal_conv1d(
-                        &ws.a,
-                        len,
-                        x.width,
-                        m.weight(*weight),
-                        b,
-                        s,
-                        *act,
-                        *kernel,
-                        &mut o,
-                    );
+                    let w = x.width;
+                    by_rows(len, &mut rec, &region(*st), state, |r0, n, s| {
+                        let mut o = out_rows(locs, scratch, io, out);
+                        o.base += r0 * o.stride;
+                        ops::causal_conv1d(
+                            &ws.a[r0 * w..(r0 + n) * w],
+                            n,
+                            w,
+                            m.weight(*weight),
+                            b,
+                            s,
+                            *act,
+                            *kernel,
+                            &mut o,
+                        );
+                    });
                 }
                 Op::GatedDeltaNet {
                     qkv,
@@ -587,20 +656,30 @@ impl CpuSession {
                         key_dim: *key_dim,
                         value_dim: *value_dim,
                     };
-                    let mut o = out_rows(locs, scratch, io, out);
-                    let s = &mut state[region(*st)];
-                    ops::gated_deltanet(
-                        &ws.a,
-                        &ws.b,
-                        &ws.c,
-                        len,
-                        m.weight(*a_log),
-                        m.weight(*dt_bias),
-                        s,
-                        &dims,
-                        &mut ws.tmp,
-                        &mut o,
-                    );
+                    let (wq, wa, wb) = (qkv.width, a.width, b.width);
+                    let Workspace {
+                        a: qa,
+                        b: aa,
+                        c: ba,
+                        tmp,
+                        ..
+                    } = &mut *ws;
+                    by_rows(len, &mut rec, &region(*st), state, |r0, n, s| {
+                        let mut o = out_rows(locs, scratch, io, out);
+                        o.base += r0 * o.stride;
+                        ops::gated_deltanet(
+                            &qa[r0 * wq..(r0 + n) * wq],
+                            &aa[r0 * wa..(r0 + n) * wa],
+                            &ba[r0 * wb..(r0 + n) * wb],
+                            n,
+                            m.weight(*a_log),
+                            m.weight(*dt_bias),
+                            s,
+                            &dims,
+                            tmp,
+                            &mut o,
+                        );
+                    });
                 }
                 Op::GatedRmsNorm {
                     x,
@@ -652,19 +731,22 @@ impl CpuSession {
                         state: *state_size,
                         dt_min: dt_min.map(|v| v.0 as f32),
                     };
-                    let mut o = out_rows(locs, scratch, io, out);
-                    let s = &mut state[region(*st)];
-                    ops::mamba2_scan(
-                        &ws.a,
-                        &ws.b,
-                        len,
-                        m.weight(*a_log),
-                        m.weight(*d),
-                        m.weight(*dt_bias),
-                        s,
-                        &dims,
-                        &mut o,
-                    );
+                    let (wx, wd) = (xbc.width, dt.width);
+                    by_rows(len, &mut rec, &region(*st), state, |r0, n, s| {
+                        let mut o = out_rows(locs, scratch, io, out);
+                        o.base += r0 * o.stride;
+                        ops::mamba2_scan(
+                            &ws.a[r0 * wx..(r0 + n) * wx],
+                            &ws.b[r0 * wd..(r0 + n) * wd],
+                            n,
+                            m.weight(*a_log),
+                            m.weight(*d),
+                            m.weight(*dt_bias),
+                            s,
+                            &dims,
+                            &mut o,
+                        );
+                    });
                 }
             }
         }
@@ -734,7 +816,32 @@ impl DeviceSession for CpuSession {
         }
         self.io[m.locs[io.pos.index()].off] = f32::from_bits(pos as i32 as u32);
         self.io[m.locs[io.len.index()].off] = f32::from_bits(len as i32 as u32);
-        self.run(plan)
+        let keep = self.rows.armed;
+        self.run(plan)?;
+        if keep {
+            self.rows.rows = len;
+        }
+        Ok(())
+    }
+
+    fn keep_row_states(&mut self) -> bool {
+        self.rows.armed = true;
+        true
+    }
+
+    fn rollback_to_row(&mut self, row: usize) -> Result<()> {
+        if row >= self.rows.rows {
+            return Err(Error::Input(format!(
+                "no state kept after row {row} (the last step kept {} rows)",
+                self.rows.rows
+            )));
+        }
+        for (at, v) in &self.rows.regions {
+            let n = at.len();
+            self.state[at.clone()].copy_from_slice(&v[row * n..(row + 1) * n]);
+        }
+        self.rows.clear();
+        Ok(())
     }
 
     fn logits(&self, rows: usize) -> Result<Vec<f32>> {
@@ -752,6 +859,7 @@ impl DeviceSession for CpuSession {
 
     fn reset(&mut self) -> Result<()> {
         self.state.fill(0.0);
+        self.rows.clear();
         Ok(())
     }
 
@@ -790,6 +898,7 @@ impl DeviceSession for CpuSession {
     }
 
     fn restore(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
+        self.rows.clear();
         let Some(saved) = saved.as_any().downcast_ref::<CpuSaved>() else {
             // Not this backend's own saved state (a capsule file, a store tier): the generic
             // path through host bytes, every region validated before anything is written.
