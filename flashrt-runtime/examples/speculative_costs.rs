@@ -14,7 +14,9 @@
 //! a full snapshot for comparison; then one round's target work when `a` of `k` drafts are
 //! accepted, for restore + replay of the `a + 1` committed rows (what `crate::speculative`
 //! does) and for per-row checkpoints (emulated: `k + 1` single-row steps with a non-KV save
-//! after each, rollback = one restore); then end-to-end tokens per second of plain greedy
+//! after each, rollback = one restore), and measured where the backend keeps per-row states
+//! (`keep_row_states`: the verify pass keeping them, then `rollback_to_row`); then end-to-end
+//! tokens per second of plain greedy
 //! decoding and of speculative decoding with the MTP head, an oracle and an adversary drafter.
 
 use flashrt_runtime::ir::hf::{HfOptions, ir_from_hf_config};
@@ -186,7 +188,16 @@ fn main() {
         println!(
             "in-pass:     estimate: verify + (k+1) non-KV copies at the floor, if a < k: one more"
         );
-        println!(" k  a |  save+replay (x decode) |  row ckpt (x decode)    |  in-pass (x decode)");
+        println!("kept:        measured where the backend keeps per-row states (keep_row_states):");
+        println!("             verify (k+1 rows) keeping them, if a < k: rollback_to_row(a)");
+        let kept_ok = dev.keep_row_states();
+        if kept_ok {
+            // Disarm: the next step below must not keep them.
+            dev.step(Phase::Decode, &rows[..1], p).unwrap();
+        }
+        println!(
+            " k  a |  save+replay (x decode) |  row ckpt (x decode)    |  in-pass (x decode)     |  kept (x decode)"
+        );
         for (k, &verify_k) in verify.iter().enumerate().skip(1) {
             let ckpt = time(dev, reps, |d| {
                 for r in 0..=k {
@@ -209,11 +220,25 @@ fn main() {
                     })
                 };
                 let rejected = u32::from(a < k);
-                let costs = [
+                let kept = if kept_ok {
+                    time(dev, reps, |d| {
+                        d.keep_row_states();
+                        d.step(Phase::Verify { k }, &rows[..=k], p).unwrap();
+                        if a < k {
+                            d.rollback_to_row(a).unwrap();
+                        }
+                    })
+                } else {
+                    Duration::ZERO
+                };
+                let mut costs = vec![
                     save + verify_k + replay,
                     ckpt + restore * rejected,
                     verify_k + floor * (k as u32 + 1 + rejected),
                 ];
+                if kept_ok {
+                    costs.push(kept);
+                }
                 let x = |d: Duration| d.as_secs_f64() / decode.as_secs_f64();
                 let cells: Vec<String> = costs
                     .iter()
@@ -255,8 +280,15 @@ fn main() {
             st.tokens_per_round(),
             same(&o)
         );
-        for (what, adversary) in [("oracle   ", false), ("adversary", true)] {
+        // The adversary's rejected drafts rolled back through kept per-row states (where the
+        // backend keeps them) and by restore + replay.
+        for (what, adversary, kept) in [
+            ("oracle   ", false, true),
+            ("adversary", true, true),
+            ("adv.replay", true, false),
+        ] {
             let mut s = model.session().unwrap();
+            s.set_row_states(kept);
             s.append(prompt).unwrap();
             let t = Instant::now();
             let (o, st) = if adversary {
