@@ -283,6 +283,13 @@ struct GdnDecodeParams {
     // on its own session's state (g.state and conv_state are offsets into the state arena), as a
     // one-row step of that session does. Null otherwise.
     const unsigned long long* slots;
+    // Per-row states (a speculative round's verify pass; the runtime's
+    // DeviceSession::keep_row_states): when set, the recurrent state and the conv state as they
+    // are after row r, in their regions' own layouts, at ckpt_state / ckpt_conv +
+    // r * ckpt_row_bytes, so that a rejected draft is undone by a copy. Null otherwise.
+    float* ckpt_state;
+    void* ckpt_conv;
+    long long ckpt_row_bytes;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -384,6 +391,15 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
             co[(size_t)r * q.ld_conv_out + ch] = o;
             if (t < dv) cv[r][t] = flashrt::to_f32(o);
             else cqk[r][qi] = flashrt::to_f32(o);
+            if (q.ckpt_conv) {
+                // The state after row r: its last K1 inputs, win[4 - K1 .. 3], oldest first.
+                T* ck = reinterpret_cast<T*>(static_cast<char*>(q.ckpt_conv) + (size_t)r * q.ckpt_row_bytes);
+#pragma unroll
+                for (int m = 1; m < 4; ++m) {
+                    const int s = m - (4 - K1);
+                    if (s >= 0) ck[(size_t)s * C + ch] = flashrt::from_f32<T>(win[m]);
+                }
+            }
         }
         // New state row s = time len - K1 + s = win[4 - K1 + s] (state values where len < K1).
         // (Shifted left by 3 - K1 first, so that row s is win[1 + s]: static register indices.)
@@ -425,6 +441,16 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
         // ---- the recurrence (gdn_impl's token step)
         const float v = col_ok ? cv[r][j] : 0.0f;
         const float o = gdn_token<RPT>(S, sq, sk, dk, v, sab[r][0], sab[r][1], neg_a, dt_bias, qscale);
+        if (q.ckpt_state) {
+            // The recurrent state after row r (the final store below is the last row's).
+            float* ck = reinterpret_cast<float*>(reinterpret_cast<char*>(q.ckpt_state) + (size_t)r * q.ckpt_row_bytes) +
+                        (size_t)h * dk * dv;
+#pragma unroll
+            for (int m = 0; m < RPT; ++m) {
+                const int i = slice + GDN_SLICES * m;
+                if (col_ok && i < dk) ck[(size_t)i * dv + j] = S[m];
+            }
+        }
         if (col_ok && slice == 0) {
             const T ot = flashrt::from_f32<T>(o);
             mix[(size_t)r * p.ld_out + (size_t)h * dv + j] = ot;

@@ -577,19 +577,23 @@ fn round(
     let a = (0..kk)
         .take_while(|&i| argmax(&logits[i * vocab..(i + 1) * vocab]) == Some(drafts[i]))
         .count();
-    let last = if a < kk && kept {
-        // Rejected tail: every non-KV region back to its state after the last accepted row
-        // (the K/V rows past it are dead by position); that row's logits are the verify pass's.
-        match dev.rollback_to_row(a) {
-            Ok(()) => {
-                stats.rollbacks += 1;
-                row(&logits, a)
-            }
+    // Rejected tail with kept row states: every non-KV region back to its state after the
+    // last accepted row (the K/V rows past it are dead by position); that row's logits are the
+    // verify pass's. A backend that finds nothing kept leaves the state as it was for the
+    // replay below.
+    let rolled = a < kk
+        && kept
+        && match dev.rollback_to_row(a) {
+            Ok(()) => true,
+            Err(Error::Unsupported(_)) => false,
             Err(e) => {
                 s.spec_poison();
                 return Err(e);
             }
-        }
+        };
+    let last = if rolled {
+        stats.rollbacks += 1;
+        row(&logits, a)
     } else if a < kk {
         // Rejected tail: back to the boundary's non-KV state, then replay the committed rows.
         let replayed = dev.restore(&*saved, RegionSet::NonKv).and_then(|()| {

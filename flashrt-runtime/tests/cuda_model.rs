@@ -958,6 +958,91 @@ fn speculative_greedy_matches_plain_on_gpu() {
     }
 }
 
+/// Per-row states on the GPU (`CudaOptions::row_states`): the fused Gated DeltaNet kernel keeps
+/// the recurrent and conv states after every verified row, and a round whose drafts are
+/// rejected copies back the last accepted row's instead of replaying. Against the same model
+/// rolled back by restore + replay: the same tokens, no replay, and every target state region
+/// (and `mtp.hidden`) byte for byte the same after each run — all rejected (adversary) and the
+/// MTP head's own drafts, k = 1..4.
+#[test]
+fn row_states_roll_back_like_a_replay_on_gpu() {
+    use flashrt_runtime::speculative::{AdversaryDrafter, MtpDrafter};
+    let name = "row_states_roll_back_like_a_replay_on_gpu";
+    let Some(kept) = cuda_with(
+        name,
+        CudaOptions {
+            row_states: true,
+            ..CudaOptions::default()
+        },
+    ) else {
+        return;
+    };
+    let Some(replayed) = cuda_with(
+        name,
+        CudaOptions {
+            row_states: false,
+            ..CudaOptions::default()
+        },
+    ) else {
+        return;
+    };
+    let json = qwen_like_mtp();
+    let ir = ir_of(&json, DType::Bf16, &[8, 32], 512);
+    let mk = |b| Model::with_random_weights(b, &ir, 3).expect("model");
+    let (mk_kept, mk_replay) = (mk(kept), mk(replayed));
+    let vocab = mk_kept.vocab();
+    const N: usize = 60;
+    let state = |s: &flashrt_runtime::Session| -> Vec<(String, Vec<u8>)> {
+        s.model()
+            .compiled()
+            .layout
+            .state_buffers()
+            .filter(|b| !(b.name.starts_with("mtp.") && b.name != "mtp.hidden"))
+            .map(|b| (b.name.clone(), s.read_region(b.id).unwrap()))
+            .collect()
+    };
+    let p = prompt(40, vocab, 8);
+    let mut reference = mk_replay.session().unwrap();
+    reference.append_with_mtp(&p).unwrap();
+    let plain = reference.decode_greedy(N).unwrap();
+    let all: Vec<u32> = p.iter().chain(&plain).copied().collect();
+    for k in 1..=4 {
+        for adversary in [true, false] {
+            let run = |m: &Model| {
+                let mut s = m.session().unwrap();
+                s.append_with_mtp(&p).unwrap();
+                let (t, st) = if adversary {
+                    s.decode_speculative(N, k, &mut AdversaryDrafter::new(all.clone()))
+                } else {
+                    s.decode_speculative(N, k, &mut MtpDrafter)
+                }
+                .unwrap();
+                (t, st, state(&s))
+            };
+            let (ta, sa, a) = run(&mk_kept);
+            let (tb, sb, b) = run(&mk_replay);
+            let what = format!("k {k}, adversary {adversary}");
+            assert_eq!(ta, tb, "{what}: tokens");
+            assert!(sa.rollbacks > 0, "{what}: {sa:?}");
+            assert_eq!(
+                sa.replayed, 0,
+                "{what}: the kept states roll back without a replay"
+            );
+            assert_eq!(sb.replayed > 0, sb.rollbacks > 0, "{what}: {sb:?}");
+            for ((name, x), (_, y)) in a.iter().zip(&b) {
+                assert!(
+                    x == y,
+                    "{what}: region `{name}` differs from the replayed run's"
+                );
+            }
+            println!(
+                "{what}: {} rollbacks by copy, state equal to the replayed run",
+                sa.rollbacks
+            );
+        }
+    }
+}
+
 /// Issue 5 on the GPU: a capsule taken mid-way through speculative decoding holds the
 /// drafter's state too (its K/V regions and `mtp.hidden`), restores byte-exactly into another
 /// session, and the restored session continues with exactly the same tokens and drafts.

@@ -42,6 +42,8 @@ pub(super) struct Exec {
     /// The tensor-core gemv's split-tile partials and counters (ops::gemvm_sync_bytes).
     pub gemvm_part: CudaSlice<u8>,
     pub gemvm_cnt: CudaSlice<u8>,
+    /// Verify passes' per-row states (`CudaOptions::row_states`; ops::RowStateArea).
+    pub row_area: Option<CudaSlice<u8>>,
     lock: Mutex<ExecState>,
 }
 
@@ -92,6 +94,10 @@ impl Exec {
         let (part_b, cnt_b) = ops::gemvm_sync_bytes(model.sms);
         let gemvm_part = alloc_zeroed(&stream, part_b, "gemv partial sums")?;
         let gemvm_cnt = alloc_zeroed(&stream, cnt_b, "gemv tile counters")?;
+        let row_area = match model.row_area_bytes() {
+            0 => None,
+            n => Some(alloc_zeroed(&stream, n, "row-state area")?),
+        };
         let pinned = || {
             // SAFETY: a bounce buffer is only read in the range a completed copy just wrote.
             unsafe { ctx.alloc_pinned_with_flags::<f32>(BOUNCE_FLOATS, 0) }
@@ -114,6 +120,7 @@ impl Exec {
             sample_ws,
             gemvm_part,
             gemvm_cnt,
+            row_area,
             lock: Mutex::new(ExecState {
                 owner: 0,
                 rows_owners: Vec::new(),

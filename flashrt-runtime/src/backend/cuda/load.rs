@@ -395,6 +395,10 @@ impl WeightSink for CudaSink {
         let sm90a = cc == Some((9, 0));
         // Thread-block clusters: compute capability 9.0 and later.
         let clusters = cc.is_some_and(|(major, _)| major >= 9);
+        // Per-row states need the fused Gated DeltaNet kernel (it writes them).
+        let row_layout = (sink.options.row_states && clusters && sink.options.gdn_fused)
+            .then(|| ops::RowStateArea::layout(&compiled))
+            .filter(|(offsets, _)| !offsets.is_empty());
         Ok(Arc::new(CudaModel {
             inner: Arc::new(ModelInner {
                 ctx: sink.ctx,
@@ -413,6 +417,7 @@ impl WeightSink for CudaSink {
                 fp8_gemm: cc.is_some_and(|(major, _)| major == 9) && sink.options.fp8_gemm,
                 gemv_mma: cc.is_some_and(|(major, _)| major == 9) && sink.options.gemv_mma,
                 gemv16_mma: cc.is_some_and(|(major, _)| major == 9) && sink.options.gemv16_mma,
+                row_layout,
                 exec: Mutex::new(None),
                 sessions: AtomicU64::new(1),
             }),

@@ -187,6 +187,13 @@ pub struct CudaOptions {
     /// (kernels/gemv.cu `gemv_impl`; same arithmetic per row). Off by default until measured;
     /// `FLASHRT_GEMV_TILES=1` turns it on.
     pub gemv_tiles: bool,
+    /// Keep each row's Gated DeltaNet states in verify passes (the fused decode kernel writes
+    /// the recurrent and conv states after every row to a model-wide area of `MAX_DRAFT + 1`
+    /// rows of them), so that a speculative round whose drafts are rejected rolls back with
+    /// one copy instead of a replay (the runtime's `DeviceSession::keep_row_states`). Off by
+    /// default until measured on the device: every verify pass then writes those rows;
+    /// `FLASHRT_ROW_STATES=1` turns it on.
+    pub row_states: bool,
 }
 
 impl Default for CudaOptions {
@@ -205,6 +212,7 @@ impl Default for CudaOptions {
             gemv16_mma: std::env::var("FLASHRT_GEMV16_MMA").is_ok_and(|v| v == "1"),
             device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
             gemv_tiles: std::env::var("FLASHRT_GEMV_TILES").is_ok_and(|v| v == "1"),
+            row_states: std::env::var("FLASHRT_ROW_STATES").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -469,10 +477,23 @@ struct ModelInner {
     fp8_gemm: bool,
     gemv_mma: bool,
     gemv16_mma: bool,
+    /// Verify passes keep each row's states (`CudaOptions::row_states` with the fused Gated
+    /// DeltaNet kernel): the regions and the bytes of one row of the area.
+    row_layout: Option<(Vec<(BufferId, u64)>, u64)>,
     /// What its sessions share, from the first session on ([`exec`]).
     exec: Mutex<Option<Arc<Exec>>>,
     /// Ids handed to sessions (from 1), for [`exec::ExecState::owner`].
     sessions: AtomicU64,
+}
+
+impl ModelInner {
+    /// Device bytes of the row-state area (`CudaOptions::row_states`): a row of kept states
+    /// for every row a verify pass has.
+    fn row_area_bytes(&self) -> usize {
+        self.row_layout.as_ref().map_or(0, |(_, row)| {
+            *row as usize * (flashrt_ir::lower::MAX_DRAFT + 1)
+        })
+    }
 }
 
 /// A model whose weights are on one GPU.
@@ -532,6 +553,7 @@ impl DeviceModel for CudaModel {
                 let (part, cnt) = ops::gemvm_sync_bytes(self.inner.sms);
                 part + cnt
             }
+            + self.inner.row_area_bytes()
     }
 }
 
@@ -571,5 +593,15 @@ fn builder<'a>(
         gemvm_cnt: dptr(&exec.gemvm_cnt),
         fp8: exec.fp8,
         batch,
+        row_states: match (&model.row_layout, &exec.row_area) {
+            (Some((offsets, row_bytes)), Some(area)) if batch.is_none() => {
+                Some(ops::RowStateArea {
+                    base: dptr(area),
+                    row_bytes: *row_bytes,
+                    offsets: offsets.clone(),
+                })
+            }
+            _ => None,
+        },
     }
 }

@@ -46,6 +46,10 @@ pub struct CudaSession {
     pub(super) warm: Vec<ProgramKey>,
     pub(super) state_base: u64,
     pub(super) io_base: u64,
+    /// The next step keeps each row's states ([`DeviceSession::keep_row_states`]).
+    pub(super) row_armed: bool,
+    /// The step that kept them: its phase, rows and step count.
+    pub(super) kept: Option<(Phase, usize, u64)>,
 }
 
 impl Drop for CudaSession {
@@ -176,6 +180,8 @@ impl CudaSession {
             programs,
             graphs: Vec::new(),
             warm: Vec::new(),
+            row_armed: false,
+            kept: None,
         })
     }
 
@@ -344,6 +350,11 @@ impl CudaSession {
                 ))
             })?;
         let len = tokens.len();
+        // Kept row states belong to the step that kept them: this one replaces them (a step
+        // refused below never runs, and its count never matches).
+        let armed = std::mem::take(&mut self.row_armed);
+        self.kept =
+            (armed && self.programs[idx].1.row_states).then_some((phase, len, self.steps + 1));
         if len == 0 || len > phase.rows() {
             return Err(Error::Input(format!(
                 "{}: {len} tokens (1..={} allowed)",
@@ -418,6 +429,88 @@ impl DeviceSession for CudaSession {
 
     fn steps_run(&self) -> u64 {
         self.steps
+    }
+
+    fn keep_row_states(&mut self) -> bool {
+        // Every verify program keeps them (the model's option, and every state-writing op of
+        // the plan in the fused kernel).
+        let mut verify = self
+            .programs
+            .iter()
+            .filter(|((phase, _), _)| matches!(phase, Phase::Verify { .. }))
+            .peekable();
+        let ok = verify.peek().is_some() && verify.all(|(_, p)| p.row_states);
+        self.row_armed = ok;
+        ok
+    }
+
+    fn rollback_to_row(&mut self, row: usize) -> Result<()> {
+        let Some((phase, rows, steps)) = self.kept.take() else {
+            return Err(Error::Unsupported("no row states kept".into()));
+        };
+        if steps != self.steps || row >= rows {
+            return Err(Error::Unsupported(format!(
+                "no state kept after row {row} of the last step"
+            )));
+        }
+        let exec = self.exec.clone();
+        let g = exec.lock()?;
+        // The area and the scratch arena are the model's: another session's step since
+        // would have replaced them.
+        if g.owner != self.id {
+            return Err(Error::Unsupported(
+                "another session stepped since the row states were kept".into(),
+            ));
+        }
+        let (Some((offsets, row_bytes)), Some(area)) = (&self.model.row_layout, &exec.row_area)
+        else {
+            return Err(Error::Unsupported("no row-state area".into()));
+        };
+        let layout = &self.model.compiled.layout;
+        let base = dptr(area) + row as u64 * row_bytes;
+        let mut segments: Vec<(u64, u64, u64)> = offsets
+            .iter()
+            .map(|&(id, off)| {
+                let b = layout.buffer(id);
+                (
+                    base + off,
+                    self.state_base + b.offset as u64,
+                    b.bytes as u64,
+                )
+            })
+            .collect();
+        // The drafter's hidden input: row `row` of what the verify pass stored the last row of.
+        if let Some(plan) = self.model.compiled.plan(phase) {
+            for op in &plan.ops {
+                if let flashrt_ir::Op::StoreLastRow { x, state } = op {
+                    let xb = layout.buffer(x.buf);
+                    let arena = match xb.role {
+                        Role::Scratch => exec.scratch_base,
+                        Role::Io => exec.io_base,
+                        _ => {
+                            return Err(Error::Unsupported(format!(
+                                "`{}` is neither scratch nor I/O",
+                                xb.name
+                            )));
+                        }
+                    };
+                    let e = xb.dtype.size() as u64;
+                    let src = arena
+                        + xb.offset as u64
+                        + (row as u64 * x.stride as u64 + x.col as u64) * e;
+                    let dst = self.state_base + layout.buffer(*state).offset as u64;
+                    segments.push((src, dst, x.width as u64 * e));
+                }
+            }
+        }
+        self.bind()?;
+        // SAFETY: the sources are the model's row-state area (written by this session's last
+        // step, checked above) and its arenas' live rows; the destinations are this session's
+        // state regions; the copy runs on the compute stream, ordered after that step and
+        // before any later one.
+        unsafe { self.batched_copy(&self.stream, &segments, "rollback to a row")? };
+        drop(g);
+        Ok(())
     }
 
     fn sample_row(

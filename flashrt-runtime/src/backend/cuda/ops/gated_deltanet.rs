@@ -44,6 +44,9 @@ struct GdnDecodeParams {
     gate_then_norm: i32,
     eps: f32,
     slots: u64,
+    ckpt_state: u64,
+    ckpt_conv: u64,
+    ckpt_row_bytes: i64,
 }
 
 /// Mirrors of kernels/gated_deltanet.cu's GDND_* bounds: rows, key and value head widths of
@@ -60,11 +63,14 @@ impl Builder<'_> {
     /// writes them, each reading the previous one's output) as one launch of
     /// `gdn_decode_r{R}` (kernels/gated_deltanet.cu), R = value heads per key head. Returns
     /// the ops consumed, `None` where `ops` does not start with such a sequence the kernel
-    /// takes (they then run one by one).
+    /// takes (they then run one by one). With `keep_rows` (a verify pass, [`RowStateArea`])
+    /// the kernel also writes the recurrent and conv states after every row to the model's
+    /// row-state area.
     pub(super) fn gdn_small(
         &self,
         ops: &[Op],
         rows: usize,
+        keep_rows: bool,
         label: &str,
         cmds: &mut Vec<Cmd>,
     ) -> Result<Option<usize>> {
@@ -77,11 +83,13 @@ impl Builder<'_> {
                 x: cx,
                 out: cout,
                 kernel,
+                state: conv_state,
                 ..
             },
             gdn @ Op::GatedDeltaNet {
                 qkv,
                 out: gout,
+                state: gdn_state,
                 key_heads,
                 value_heads,
                 key_dim,
@@ -137,7 +145,23 @@ impl Builder<'_> {
             gate_then_norm: n.gate_then_norm,
             eps: n.eps,
             slots: self.slots(),
+            ckpt_state: 0,
+            ckpt_conv: 0,
+            ckpt_row_bytes: 0,
         };
+        // A verify pass keeping each row's states: the recurrent and conv states after row r
+        // at their places in row r of the model's row-state area.
+        let mut p = p;
+        if keep_rows && let Some(a) = &self.row_states {
+            let (Some(s), Some(c)) = (a.at(*gdn_state), a.at(*conv_state)) else {
+                return Err(Error::Config(format!(
+                    "{label}: state regions missing from the row-state area"
+                )));
+            };
+            p.ckpt_state = s;
+            p.ckpt_conv = c;
+            p.ckpt_row_bytes = a.row_bytes as i64;
+        }
         // A batched step: one cluster row per session row (grid y).
         let gy = if self.batch.is_some() { rows as u32 } else { 1 };
         cmds.push(self.kernel(

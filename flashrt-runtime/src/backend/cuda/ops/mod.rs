@@ -120,6 +120,54 @@ pub enum Cmd {
 /// A plan, ready to enqueue.
 pub struct Program {
     pub cmds: Vec<Cmd>,
+    /// Every state region the program writes is also kept after each of its rows in the
+    /// model's row-state area ([`RowStateArea`]; a verify pass with `CudaOptions::row_states`).
+    pub row_states: bool,
+}
+
+/// Where a verify pass keeps each row's states (`CudaOptions::row_states`; the runtime's
+/// `DeviceSession::keep_row_states`): the model's area at `base`, `row_bytes` per row, and the
+/// offset in a row of every state region the fused Gated DeltaNet kernel writes (its
+/// recurrent and conv states), in the regions' own layouts.
+#[derive(Clone, Debug, Default)]
+pub struct RowStateArea {
+    pub base: u64,
+    pub row_bytes: u64,
+    pub offsets: Vec<(BufferId, u64)>,
+}
+
+impl RowStateArea {
+    /// The regions a verify pass of `compiled` keeps per row (the recurrent and conv states
+    /// of its Gated DeltaNet layers), each at a 256-byte aligned offset, and the bytes of a row.
+    pub fn layout(compiled: &Compiled) -> (Vec<(BufferId, u64)>, u64) {
+        let mut offsets: Vec<(BufferId, u64)> = Vec::new();
+        let mut at = 0u64;
+        for plan in &compiled.plans {
+            if !matches!(plan.phase, flashrt_ir::Phase::Verify { .. }) {
+                continue;
+            }
+            for op in &plan.ops {
+                let id = match op {
+                    Op::CausalConv1d { state, .. } | Op::GatedDeltaNet { state, .. } => *state,
+                    _ => continue,
+                };
+                if offsets.iter().any(|(i, _)| *i == id) {
+                    continue;
+                }
+                offsets.push((id, at));
+                at += (compiled.layout.buffer(id).bytes as u64).next_multiple_of(256);
+            }
+        }
+        (offsets, at)
+    }
+
+    /// Address of region `id` in row 0 of the area.
+    pub fn at(&self, id: BufferId) -> Option<u64> {
+        self.offsets
+            .iter()
+            .find(|(i, _)| *i == id)
+            .map(|(_, o)| self.base + o)
+    }
 }
 
 impl Program {
@@ -344,6 +392,8 @@ pub struct Builder<'a> {
     /// one-row decode step of its session computes it, or the build fails with
     /// `Error::Unsupported` (the runtime then steps the sessions one by one).
     pub batch: Option<BatchTables>,
+    /// Keep each row's states in verify passes (`CudaOptions::row_states`).
+    pub row_states: Option<RowStateArea>,
 }
 
 fn act_code(a: Act) -> i32 {
@@ -577,6 +627,13 @@ impl Builder<'_> {
         // A batched step's rows are one-row decode steps: they share what a decode step shares.
         let one_row = if self.batch.is_some() { 1 } else { rows };
         let shared = (has_verify && one_row <= spec && layout.max_rows >= spec).then_some(spec);
+        // A verify pass keeps each row's states where the model has the area (RowStateArea:
+        // MAX_DRAFT + 1 rows); count the state-writing ops that would not keep theirs.
+        let keep = self.row_states.is_some()
+            && self.batch.is_none()
+            && matches!(plan.phase, flashrt_ir::Phase::Verify { .. })
+            && (2..=spec).contains(&rows);
+        let mut unkept = 0usize;
         let mut i = 0;
         while i < plan.ops.len() {
             let op = &plan.ops[i];
@@ -601,9 +658,17 @@ impl Builder<'_> {
                 i += used;
                 continue;
             }
-            if let Some(used) = self.gdn_small(&plan.ops[i..], rows, &label, &mut cmds)? {
+            if let Some(used) = self.gdn_small(&plan.ops[i..], rows, keep, &label, &mut cmds)? {
                 i += used;
                 continue;
+            }
+            // Not fused: its per-row states are not kept.
+            if matches!(
+                op,
+                Op::CausalConv1d { .. } | Op::GatedDeltaNet { .. } | Op::Mamba2Scan { .. }
+            ) && keep
+            {
+                unkept += 1;
             }
             // gemv computes a row the same way whatever the row count (see kernels/gemv.cu),
             // so it runs at the plan's own rows even where phases share a GEMM shape.
@@ -618,7 +683,10 @@ impl Builder<'_> {
             self.op(op, rows, shared, &label, &mut cmds)?;
             i += 1;
         }
-        Ok(Program { cmds })
+        Ok(Program {
+            cmds,
+            row_states: keep && unkept == 0,
+        })
     }
 
     /// The LM head for row `io.len - 1` only (one `gemv` row reading and writing that row):
