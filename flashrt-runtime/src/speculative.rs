@@ -86,9 +86,10 @@
 //! the pass is what a GPU makes cheap: there a `k + 1`-row verify costs about one decode step,
 //! so the replay would double a rejected round. The CPU reference now keeps each row's state
 //! inside the one verify pass (its recurrent ops step row by row and copy the state after
-//! each, bit for bit what the whole pass computes), so a rollback there is one copy; on CUDA
-//! the recurrence kernels still have to write those per-row states
-//! ([`DeviceSession::keep_row_states`] is `false` there), and save + replay is the fallback.
+//! each, bit for bit what the whole pass computes), so a rollback there is one copy. On CUDA
+//! the fused Gated DeltaNet decode kernel writes them with `CudaOptions::row_states`
+//! (`FLASHRT_ROW_STATES=1`, off until measured on the device); save + replay stays the
+//! fallback wherever a backend keeps nothing.
 //!
 //! On an H200 with the Qwen3.6-27B shape (bf16, position 512) the same example measured a
 //! decode step at 16.6 ms, verify passes for k = 1..4 at 1.01 / 1.03 / 1.05 / 1.06 x that, an
