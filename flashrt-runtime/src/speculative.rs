@@ -7,7 +7,9 @@
 //!    verification, or the first token after a prefill) — exactly what
 //!    [`Session::decode_greedy`] would feed next.
 //! 2. Save the rollback point: the non-KV state regions ([`RegionSet::NonKv`]: conv,
-//!    recurrent, `mtp.hidden`), a fixed number of bytes whatever `P` is.
+//!    recurrent, `mtp.hidden`), a fixed number of bytes whatever `P` is — or, where the
+//!    verify pass will keep each row's states (step 6), only `mtp.hidden`
+//!    ([`RegionSet::Hidden`]), to undo a drafter that fails.
 //! 3. A [`Drafter`] proposes up to `k <= MAX_DRAFT` tokens `d_1 .. d_k` for positions
 //!    `P+1 .. P+k` ([`MtpDrafter`]: `k + 1` runs of the [`Phase::MtpDraft`] plan).
 //! 4. One target pass over the `k + 1` rows `[x, d_1 .. d_k]` at position `P` with the
@@ -536,8 +538,15 @@ fn round(
     let k = k.min(max_seq - pos - 1);
     let (dev, history, row_states) = s.spec_parts()?;
 
-    // Rollback point, taken before the drafter moves `mtp.hidden`.
-    let saved = dev.save(pos, RegionSet::NonKv)?;
+    // Rollback point, taken before the drafter moves `mtp.hidden`: the non-KV regions, or,
+    // where the verify pass will keep each row's states, only `mtp.hidden` (to undo a drafter
+    // that fails; everything else is restored from the kept rows).
+    let saved_set = if row_states && k > 0 && dev.can_keep_row_states() {
+        RegionSet::Hidden
+    } else {
+        RegionSet::NonKv
+    };
+    let saved = dev.save(pos, saved_set)?;
     let mut cx = DraftCx {
         dev,
         compiled,
@@ -552,7 +561,7 @@ fn round(
         Ok(d) => d,
         Err(e) => {
             // Undo what the drafter did to `mtp.hidden`; its K/V rows from `pos - 1` on are dead.
-            if dev.restore(&*saved, RegionSet::NonKv).is_err() {
+            if dev.restore(&*saved, saved_set).is_err() {
                 s.spec_poison();
             }
             return Err(e);
@@ -565,7 +574,7 @@ fn round(
 
     // The state after each verified row, where the backend keeps it: a rejected tail is then
     // undone by a copy instead of a replay.
-    let kept = row_states && kk > 0 && dev.keep_row_states();
+    let kept = saved_set == RegionSet::Hidden && kk > 0 && dev.keep_row_states();
     let verified = dev.step_read(target_phase(compiled, kk + 1), &fed, pos, StepLogits::All);
     let logits = match verified {
         Ok(l) => l,
@@ -580,8 +589,10 @@ fn round(
         .count();
     // Rejected tail with kept row states: every non-KV region back to its state after the
     // last accepted row (the K/V rows past it are dead by position); that row's logits are the
-    // verify pass's. A backend that finds nothing kept leaves the state as it was for the
-    // replay below.
+    // verify pass's. A backend that finds nothing kept (another session stepped in between)
+    // leaves the state as it was: the replay below then needs the non-KV regions, which only
+    // `mtp.hidden` was saved of, and fails without touching the state (the session is then
+    // poisoned, not wrong).
     let rolled = a < kk
         && kept
         && match dev.rollback_to_row(a) {

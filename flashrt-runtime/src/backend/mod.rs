@@ -405,6 +405,10 @@ pub enum RegionSet {
     /// whatever the position; what a speculative rollback saves and restores (K/V rows past
     /// the accepted boundary are dead and get overwritten, so they need no restore).
     NonKv,
+    /// Only the MTP drafter's hidden input (`mtp.hidden`): what a speculative round saves
+    /// when the backend keeps each verified row's states
+    /// ([`DeviceSession::keep_row_states`]), to undo a drafter that fails.
+    Hidden,
 }
 
 impl RegionSet {
@@ -416,12 +420,15 @@ impl RegionSet {
             RegionSet::All => true,
             RegionSet::KvOnly => kv,
             RegionSet::NonKv => kind.is_some() && !kv,
+            RegionSet::Hidden => kind == Some(StateKind::Hidden),
         }
     }
 
     /// Whether state saved with `self` holds every region a restore of `set` needs.
     pub fn covers(self, set: RegionSet) -> bool {
-        self == RegionSet::All || self == set
+        self == RegionSet::All
+            || self == set
+            || (self == RegionSet::NonKv && set == RegionSet::Hidden)
     }
 }
 
@@ -657,6 +664,11 @@ pub trait DeviceSession: Send {
     /// return to any of them with a copy instead of a replay. `false` where the backend does
     /// not keep them (the caller then saves and replays).
     fn keep_row_states(&mut self) -> bool {
+        false
+    }
+    /// Whether [`DeviceSession::keep_row_states`] would keep them (asked before the round's
+    /// drafting, to choose what it saves). Arms nothing.
+    fn can_keep_row_states(&self) -> bool {
         false
     }
     /// After a step run with [`DeviceSession::keep_row_states`]: set every non-KV state region

@@ -829,6 +829,10 @@ impl DeviceSession for CpuSession {
         true
     }
 
+    fn can_keep_row_states(&self) -> bool {
+        true
+    }
+
     fn rollback_to_row(&mut self, row: usize) -> Result<()> {
         if row >= self.rows.rows {
             return Err(Error::Input(format!(

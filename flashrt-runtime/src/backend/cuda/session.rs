@@ -317,6 +317,7 @@ pub(super) fn in_set(b: &Buffer, set: RegionSet) -> bool {
         RegionSet::NonKv => b
             .state
             .is_some_and(|k| !matches!(k, StateKind::Key | StateKind::Value)),
+        RegionSet::Hidden => b.state == Some(StateKind::Hidden),
     }
 }
 
@@ -432,6 +433,12 @@ impl DeviceSession for CudaSession {
     }
 
     fn keep_row_states(&mut self) -> bool {
+        let ok = self.can_keep_row_states();
+        self.row_armed = ok;
+        ok
+    }
+
+    fn can_keep_row_states(&self) -> bool {
         // Every verify program keeps them (the model's option, and every state-writing op of
         // the plan in the fused kernel).
         let mut verify = self
@@ -439,9 +446,7 @@ impl DeviceSession for CudaSession {
             .iter()
             .filter(|((phase, _), _)| matches!(phase, Phase::Verify { .. }))
             .peekable();
-        let ok = verify.peek().is_some() && verify.all(|(_, p)| p.row_states);
-        self.row_armed = ok;
-        ok
+        verify.peek().is_some() && verify.all(|(_, p)| p.row_states)
     }
 
     fn rollback_to_row(&mut self, row: usize) -> Result<()> {
