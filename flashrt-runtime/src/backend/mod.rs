@@ -745,3 +745,43 @@ pub fn best_with(tensor_core_decode: Option<bool>) -> Result<Arc<dyn Backend>> {
 pub fn best() -> Result<Arc<dyn Backend>> {
     best_with(None)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::RegionSet;
+    use flashrt_ir::StateKind;
+
+    /// Which regions each set holds, and which saves can serve which restores: a round that
+    /// saved only `mtp.hidden` cannot be replayed from (it needs the non-KV set).
+    #[test]
+    fn region_sets_hold_and_cover_what_they_say() {
+        use StateKind::*;
+        let kinds = [
+            Some(Key),
+            Some(Value),
+            Some(Conv),
+            Some(Recurrent),
+            Some(Hidden),
+            None,
+        ];
+        let held = |set: RegionSet| kinds.map(|k| set.contains(k));
+        assert_eq!(held(RegionSet::All), [true; 6]);
+        assert_eq!(
+            held(RegionSet::KvOnly),
+            [true, true, false, false, false, false]
+        );
+        assert_eq!(
+            held(RegionSet::NonKv),
+            [false, false, true, true, true, false]
+        );
+        assert_eq!(
+            held(RegionSet::Hidden),
+            [false, false, false, false, true, false]
+        );
+        assert!(RegionSet::All.covers(RegionSet::Hidden));
+        assert!(RegionSet::NonKv.covers(RegionSet::Hidden));
+        assert!(!RegionSet::Hidden.covers(RegionSet::NonKv));
+        assert!(!RegionSet::KvOnly.covers(RegionSet::Hidden));
+        assert!(!RegionSet::NonKv.covers(RegionSet::All));
+    }
+}
