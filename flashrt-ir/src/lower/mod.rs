@@ -431,20 +431,24 @@ impl<'a> Lower<'a> {
                 state: hidden,
             });
         }
-        let logits = View {
-            buf: io.logits,
-            col: 0,
-            width: ir.vocab,
-            stride: ir.vocab,
-        };
-        ops.push(Op::Linear {
+        ops.push(self.lm_head(io, hn, head));
+        ops
+    }
+
+    /// The LM head: every row of the final-normed hidden `hn` to `io.logits`.
+    fn lm_head(&self, io: IoIds, hn: View, head: BufferId) -> Op {
+        Op::Linear {
             x: hn,
             w: head,
             bias: None,
-            out: logits,
+            out: View {
+                buf: io.logits,
+                col: 0,
+                width: self.ir.vocab,
+                stride: self.ir.vocab,
+            },
             accumulate: false,
-        });
-        ops
+        }
     }
 
     fn norm_names(&self, layer: &LayerIr) -> (&'static str, &'static str) {

@@ -112,19 +112,7 @@ impl Lower<'_> {
             x: hn,
             state: hidden,
         });
-        let logits = View {
-            buf: io.logits,
-            col: 0,
-            width: ir.vocab,
-            stride: ir.vocab,
-        };
-        ops.push(Op::Linear {
-            x: hn,
-            w: head,
-            bias: None,
-            out: logits,
-            accumulate: false,
-        });
+        ops.push(self.lm_head(io, hn, head));
         ops
     }
 }
