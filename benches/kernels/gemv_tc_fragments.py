@@ -1,4 +1,4 @@
-"""Emulates gemv_tc.cu's data movement for one 64-wide column block (8 weight rows, R input rows):
+"""Emulates kernels/gemv_tc.cu's data movement for one 64-wide column block (8 weight rows, R input rows):
 the whole-line loads, `gemvm_exchange`'s shuffles (each source lane passing its own selection),
 and the operands of the four `mma.sync.m16n8k16` in the PTX ISA's fragment layouts (A: rows
 groupID / groupID + 8, columns 2 tig + {0, 1} / + 8; B: rows 2 tig + {0, 1} / + 8, column

@@ -7,7 +7,7 @@
 //
 // Checks printed per shape: the tensor-core kernel's row 0 is bit-identical at every row count
 // (`rows-invariant`), and its outputs agree with the CUDA-core kernel's (16-bit weights; max
-// difference relative to the largest output); the same for the candidate in gemv_tc.cu (`tc`,
+// difference relative to the largest output); the same for the candidate in kernels/gemv_tc.cu (`tc`,
 // bf16 weights; MB_TC_F4=1: 4 weight rows a block for the matrices without a norm).
 //
 //   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \

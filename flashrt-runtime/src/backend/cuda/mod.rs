@@ -177,6 +177,13 @@ pub struct CudaOptions {
     /// decode, verify and batched steps. `FLASHRT_GEMV16_MMA=1` (or the CLI's
     /// `--decode-matmuls tensor-cores`) turns it on.
     pub gemv16_mma: bool,
+    /// Run small phases' matmuls over bf16/f16 weights with the candidate tensor-core kernel in
+    /// the CUDA-core kernel's shape (kernels/gemv_tc.cu `gemv16t_*`: a block per 8 weight rows,
+    /// no cross-block fix-up) on compute capability 8.0 and later; before `gemv16_mma` when
+    /// both are on. Off by default until measured on the device; `FLASHRT_GEMV16_TC=1` turns it
+    /// on. Every phase of a model uses the same kernel, so rows round alike across decode,
+    /// verify and batched steps.
+    pub gemv16_tc: bool,
     /// Sample non-greedy tokens on the device (kernels/sample.cu) from the row the step left
     /// in the I/O arena (default): only the id crosses to the host. `false` samples on the
     /// host from the copied row; both choose the same token. Default from
@@ -210,6 +217,7 @@ impl Default for CudaOptions {
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
             gemv_mma: on("FLASHRT_GEMV_MMA"),
             gemv16_mma: std::env::var("FLASHRT_GEMV16_MMA").is_ok_and(|v| v == "1"),
+            gemv16_tc: std::env::var("FLASHRT_GEMV16_TC").is_ok_and(|v| v == "1"),
             device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
             gemv_tiles: std::env::var("FLASHRT_GEMV_TILES").is_ok_and(|v| v == "1"),
             row_states: std::env::var("FLASHRT_ROW_STATES").is_ok_and(|v| v == "1"),
@@ -271,7 +279,9 @@ impl CudaBackend {
         let (major, minor) = ctx.compute_capability().unwrap_or((0, 0));
         // Said in the name where it applies (compute capability 9.x), so every report names
         // the decode kernels it measured.
-        let units = if options.gemv16_mma && major == 9 {
+        let units = if options.gemv16_tc && major >= 8 {
+            ", tensor-core (per-block) decode matmuls"
+        } else if options.gemv16_mma && major == 9 {
             ", tensor-core decode matmuls"
         } else {
             ""
@@ -477,6 +487,7 @@ struct ModelInner {
     fp8_gemm: bool,
     gemv_mma: bool,
     gemv16_mma: bool,
+    gemv16_tc: bool,
     /// Verify passes keep each row's states (`CudaOptions::row_states` with the fused Gated
     /// DeltaNet kernel): the regions and the bytes of one row of the area.
     row_layout: Option<(Vec<(BufferId, u64)>, u64)>,
@@ -588,6 +599,7 @@ fn builder<'a>(
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,
         gemv16_mma: model.gemv16_mma,
+        gemv16_tc: model.gemv16_tc,
         gemv_tiles: model.options.gemv_tiles,
         gemvm_part: dptr(&exec.gemvm_part),
         gemvm_cnt: dptr(&exec.gemvm_cnt),

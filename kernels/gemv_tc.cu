@@ -1,8 +1,9 @@
-// Candidate, not in the product: the small phases' matmuls over 16-bit weights on the tensor
-// cores, in the CUDA-core kernel's shape (`gemv16t_*`). Measured by gemvm_micro.cu (mode `tc`)
-// next to kernels/gemv.cu's CUDA-core `gemv_*` and kernels/gemv_mma.cu's stream-K `gemv16m_*`;
-// it goes into kernels/ (and the host picks it) only once it measures as fast as the CUDA-core
-// kernel at one row. Include after kernels/gemv.cu and kernels/gemv_mma.cu (their helpers).
+// flashrt kernels: the small phases' matmuls over 16-bit weights on the tensor cores, in the
+// CUDA-core kernel's shape (`gemv16t_*`). A candidate, off by default (`CudaOptions::gemv16_tc`,
+// `FLASHRT_GEMV16_TC=1`) until it measures on the device: benches/kernels/gemvm_micro.cu (mode
+// `tc`) next to kernels/gemv.cu's CUDA-core `gemv_*` and kernels/gemv_mma.cu's stream-K
+// `gemv16m_*`, and `flashrt bench --batch 1,2,4,8` with the variable set. Uses helpers of
+// gemv.cu and gemv_mma.cu (the same translation unit, included before it by name order).
 //
 // Why this shape (benches/RESULTS.md, 2026-12-04 01:12 UTC): the stream-K tensor-core kernel
 // streams as fast as the CUDA-core one until its split tiles are finished, and finishing them
@@ -202,5 +203,9 @@ static __device__ __forceinline__ void gemvt_impl(const GemvParams& p) {
 
 FLASHRT_GEMVT_ENTRY(1)
 FLASHRT_GEMVT_ENTRY(2)
+FLASHRT_GEMVT_ENTRY(3)
 FLASHRT_GEMVT_ENTRY(4)
+FLASHRT_GEMVT_ENTRY(5)
+FLASHRT_GEMVT_ENTRY(6)
+FLASHRT_GEMVT_ENTRY(7)
 FLASHRT_GEMVT_ENTRY(8)
