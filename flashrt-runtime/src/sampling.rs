@@ -397,7 +397,6 @@ impl SamplerState {
             return None;
         }
         let repetition = self.repetition_penalty != 1.0;
-        let counted = self.presence_penalty != 0.0 || self.frequency_penalty != 0.0;
         // (id, generated since penalty_from) keys, sorted: runs of one id.
         let from = self.penalty_from.min(history.len());
         let mut keys: Vec<u64> = history
@@ -423,7 +422,6 @@ impl SamplerState {
             repetition: repetition.then_some(self.repetition_penalty),
             presence: self.presence_penalty,
             frequency: self.frequency_penalty,
-            counted,
             entries,
         })
     }
@@ -586,24 +584,28 @@ pub struct PenaltyList {
     pub repetition: Option<f32>,
     pub presence: f32,
     pub frequency: f32,
-    /// Whether presence or frequency is set (a token's count then applies).
-    pub counted: bool,
     /// `[id, count since penalty_from]`, ids distinct, ascending, below the row's width.
     pub entries: Vec<[u32; 2]>,
 }
 
 impl PenaltyList {
+    /// Whether presence or frequency is set (a generated token's count then applies).
+    pub fn counted(&self) -> bool {
+        self.presence != 0.0 || self.frequency != 0.0
+    }
+
     /// Apply the penalties to `row` in place: each listed token's value `v` becomes `v / r`
     /// if `v > 0` else `v · r`, then, if it was generated `c > 0` times,
     /// `(v − presence) − frequency · c`, every operation an f32 one rounded to nearest (no
     /// fused multiply-add), as kernels/sample.cu computes it.
     pub fn apply(&self, row: &mut [f32]) {
+        let counted = self.counted();
         for &[t, c] in &self.entries {
             let v = &mut row[t as usize];
             if let Some(r) = self.repetition {
                 *v = if *v > 0.0 { *v / r } else { *v * r };
             }
-            if self.counted && c > 0 {
+            if counted && c > 0 {
                 *v = (*v - self.presence) - self.frequency * c as f32;
             }
         }
@@ -995,7 +997,7 @@ mod tests {
         // As a list (what a device sampler applies): distinct ids in order, generated counts.
         let l = s.penalty_list(&history, row.len()).unwrap();
         assert_eq!(l.entries, vec![[0, 0], [1, 1], [3, 2], [4, 1]]);
-        assert_eq!((l.repetition, l.counted), (Some(2.0), true));
+        assert_eq!((l.repetition, l.counted()), (Some(2.0), true));
         // Without a repetition penalty only the generated tokens are listed.
         let mut g = SamplerState::greedy().with_penalties(0.5, 0.0, 1.0);
         g.penalty_from = 2;

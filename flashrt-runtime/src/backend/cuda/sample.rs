@@ -115,7 +115,7 @@ pub(super) unsafe fn penalize_on(
         presence: list.presence,
         frequency: list.frequency,
         use_repetition: list.repetition.is_some() as u32,
-        counted: list.counted as u32,
+        counted: list.counted() as u32,
         pad: 0,
     };
     let func = kernels.get("sample_penalize")?;
