@@ -485,28 +485,13 @@ impl DeviceSession for CudaSession {
             })
             .collect();
         // The drafter's hidden input: row `row` of what the verify pass stored the last row of.
-        if let Some(plan) = self.model.compiled.plan(phase) {
-            for op in &plan.ops {
-                if let flashrt_ir::Op::StoreLastRow { x, state } = op {
-                    let xb = layout.buffer(x.buf);
-                    let arena = match xb.role {
-                        Role::Scratch => exec.scratch_base,
-                        Role::Io => exec.io_base,
-                        _ => {
-                            return Err(Error::Unsupported(format!(
-                                "`{}` is neither scratch nor I/O",
-                                xb.name
-                            )));
-                        }
-                    };
-                    let e = xb.dtype.size() as u64;
-                    let src = arena
-                        + xb.offset as u64
-                        + (row as u64 * x.stride as u64 + x.col as u64) * e;
-                    let dst = self.state_base + layout.buffer(*state).offset as u64;
-                    segments.push((src, dst, x.width as u64 * e));
-                }
-            }
+        let program = self
+            .programs
+            .iter()
+            .find(|(k, _)| *k == (phase, StepLogits::All))
+            .map(|(_, p)| p);
+        for &(src, ld, bytes, dst) in program.map_or(&[][..], |p| &p.row_hidden) {
+            segments.push((src + row as u64 * ld, dst, bytes));
         }
         self.bind()?;
         // SAFETY: the sources are the model's row-state area (written by this session's last

@@ -123,6 +123,9 @@ pub struct Program {
     /// Every state region the program writes is also kept after each of its rows in the
     /// model's row-state area ([`RowStateArea`]; a verify pass with `CudaOptions::row_states`).
     pub row_states: bool,
+    /// With `row_states`: each `StoreLastRow` as `(row 0 of its source, bytes between rows,
+    /// bytes of a row, its state region)`, so that a rollback to row r stores row r instead.
+    pub row_hidden: Vec<(u64, u64, u64, u64)>,
 }
 
 /// Where a verify pass keeps each row's states (`CudaOptions::row_states`; the runtime's
@@ -637,6 +640,7 @@ impl Builder<'_> {
             && matches!(plan.phase, flashrt_ir::Phase::Verify { .. })
             && (2..=spec).contains(&rows);
         let mut unkept = 0usize;
+        let mut row_hidden = Vec::new();
         let mut i = 0;
         while i < plan.ops.len() {
             let op = &plan.ops[i];
@@ -665,6 +669,11 @@ impl Builder<'_> {
                 i += used;
                 continue;
             }
+            if keep && let Op::StoreLastRow { x, state } = op {
+                let (src, ld, d) = self.view(x, rows, &label, "x")?;
+                let e = d.size() as u64;
+                row_hidden.push((src, ld as u64 * e, x.width as u64 * e, self.addr(*state)));
+            }
             // Not fused: its per-row states are not kept.
             if matches!(
                 op,
@@ -686,9 +695,11 @@ impl Builder<'_> {
             self.op(op, rows, shared, &label, &mut cmds)?;
             i += 1;
         }
+        let row_states = keep && unkept == 0;
         Ok(Program {
             cmds,
-            row_states: keep && unkept == 0,
+            row_states,
+            row_hidden: if row_states { row_hidden } else { Vec::new() },
         })
     }
 
