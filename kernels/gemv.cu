@@ -190,6 +190,51 @@ static __device__ __forceinline__ void unpack_e4m3x8(uint4 u, int h, float (&f)[
     }
 }
 
+// The end of a tile (after the block barrier): thread (r, i) adds the warps' partial sums
+// `red[w][r][i]` of output j0 + i of input row r in warp order and stores it — in `glu` mode
+// thread (r, i < F / 2) finishes pair i (gate in slot i, up in slot i + F / 2, both rounded to
+// the element type, and act(gate) * up), else to matrix `mi`'s row r + row0 (the element type
+// or f32, accumulating when asked). `W`: the slots of `red`, `F` of them used. Shared by the
+// CUDA-core tiles and kernels/gemv_tc.cu.
+template <typename T, int R, int W, int F>
+static __device__ __forceinline__ void gemv_finish(const GemvParams& p, const float (&red)[GEMV_WARPS][R][W], int mi,
+                                                   int j0, int row0) {
+    constexpr int WARPS = GEMV_WARPS, HALF = F / 2;
+    const int t = threadIdx.x;
+    if (t >= R * F) return;
+    const int r = t / F, i = t % F;
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) v += red[w][r][i];
+    if (p.glu) {
+        if (i >= HALF) return;
+        const int j = j0 + i;
+        if (j >= p.m[0].n) return;
+        float u = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) u += red[w][r][i + HALF];
+        const T gt = flashrt::from_f32<T>(v);
+        const T ut = flashrt::from_f32<T>(u);
+        static_cast<T*>(p.m[0].out)[(size_t)r * p.m[0].ld_out + j] = gt;
+        static_cast<T*>(p.m[1].out)[(size_t)r * p.m[1].ld_out + j] = ut;
+        const float y = flashrt::apply_act(p.act, flashrt::to_f32(gt)) * flashrt::to_f32(ut);
+        static_cast<T*>(p.glu_out)[(size_t)r * p.ld_glu + j] = flashrt::from_f32<T>(y);
+        return;
+    }
+    const GemvMat& m = p.m[mi];
+    const int j = j0 + i;
+    if (j >= m.n) return;
+    const size_t o = (size_t)(r + row0) * m.ld_out + j;
+    if (p.out_f32) {
+        float* out = static_cast<float*>(m.out);
+        out[o] = p.accumulate ? out[o] + v : v;
+    } else {
+        T* out = static_cast<T*>(m.out);
+        const float prev = p.accumulate ? flashrt::to_f32(out[o]) : 0.0f;
+        out[o] = flashrt::from_f32<T>(v + prev);
+    }
+}
+
 // One tile: GEMV_FEATS outputs of every row (see gemv_impl), `tile` counted over the launch's
 // matrices in order. `inv`: the rows' norm scales (NORM). Ends after a block barrier; threads
 // return early only after it.
@@ -306,41 +351,7 @@ static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, 
             if (lane == 0) red[warp][r][i] = v;
         }
     __syncthreads();
-    const int t = threadIdx.x;
-    if (t >= R * GEMV_FEATS) return;
-    const int r = t / GEMV_FEATS, i = t % GEMV_FEATS;
-    float v = 0.0f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) v += red[w][r][i];
-
-    if (p.glu) {
-        // Thread (r, i < HALF) finishes pair i: gate in slot i, up in slot i + HALF.
-        if (i >= HALF) return;
-        const int j = j0 + i;
-        if (j >= p.m[0].n) return;
-        float u = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) u += red[w][r][i + HALF];
-        const T gt = flashrt::from_f32<T>(v);
-        const T ut = flashrt::from_f32<T>(u);
-        static_cast<T*>(p.m[0].out)[(size_t)r * p.m[0].ld_out + j] = gt;
-        static_cast<T*>(p.m[1].out)[(size_t)r * p.m[1].ld_out + j] = ut;
-        const float y = flashrt::apply_act(p.act, flashrt::to_f32(gt)) * flashrt::to_f32(ut);
-        static_cast<T*>(p.glu_out)[(size_t)r * p.ld_glu + j] = flashrt::from_f32<T>(y);
-        return;
-    }
-    const GemvMat& m = p.m[mi];
-    const int j = j0 + i;
-    if (j >= m.n) return;
-    const size_t o = (size_t)(r + row0) * m.ld_out + j;
-    if (p.out_f32) {
-        float* out = static_cast<float*>(m.out);
-        out[o] = p.accumulate ? out[o] + v : v;
-    } else {
-        T* out = static_cast<T*>(m.out);
-        const float prev = p.accumulate ? flashrt::to_f32(out[o]) : 0.0f;
-        out[o] = flashrt::from_f32<T>(v + prev);
-    }
+    gemv_finish<T, R, GEMV_FEATS, GEMV_FEATS>(p, red, mi, j0, row0);
 }
 
 // A block takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the host launches one block per

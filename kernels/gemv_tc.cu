@@ -26,8 +26,8 @@
 //   16q + 15 feed MMA t with columns 16q + 4t .. 16q + 4t + 3), the same for both operands;
 // - each warp accumulates its column blocks in order in f32 (the MMA's accumulator), the block
 //   adds the 8 warps' sums in warp order in shared memory, and one thread per output applies
-//   gemv.cu's epilogue (element type or f32, accumulating, the glu product from the rounded
-//   gate and up values). An output is the same sum in the same order whatever R is.
+//   gemv.cu's epilogue, `gemv_finish` (element type or f32, accumulating, the glu product from
+//   the rounded gate and up values). An output is the same sum in the same order whatever R is.
 //
 // The fused RMSNorm prologue (`norm`) is gemv.cu's: each block reduces its rows' sums of squares
 // and normalises the input columns it reads, rounded to the element type (block 0 also stores
@@ -151,40 +151,7 @@ static __device__ __forceinline__ void gemvt_impl(const GemvParams& p) {
         red[warp][g][2 * q + 1] = d[1];
     }
     __syncthreads();
-    const int t = threadIdx.x;
-    if (t >= R * FEATS) return;
-    const int r = t / FEATS, n = t % FEATS;
-    float v = 0.0f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) v += red[w][r][n];
-    if (p.glu) {
-        // Thread (r, n < HALF) finishes pair n: gate in column n, up in column n + HALF.
-        if (n >= HALF) return;
-        const int j = j0 + n;
-        if (j >= p.m[0].n) return;
-        float u = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) u += red[w][r][n + HALF];
-        const T gt = flashrt::from_f32<T>(v);
-        const T ut = flashrt::from_f32<T>(u);
-        static_cast<T*>(p.m[0].out)[(size_t)r * p.m[0].ld_out + j] = gt;
-        static_cast<T*>(p.m[1].out)[(size_t)r * p.m[1].ld_out + j] = ut;
-        const float y = flashrt::apply_act(p.act, flashrt::to_f32(gt)) * flashrt::to_f32(ut);
-        static_cast<T*>(p.glu_out)[(size_t)r * p.ld_glu + j] = flashrt::from_f32<T>(y);
-        return;
-    }
-    const GemvMat& m = p.m[mi];
-    const int j = j0 + n;
-    if (j >= m.n) return;
-    const size_t o = (size_t)(r + row0) * m.ld_out + j;
-    if (p.out_f32) {
-        float* out = static_cast<float*>(m.out);
-        out[o] = p.accumulate ? out[o] + v : v;
-    } else {
-        T* out = static_cast<T*>(m.out);
-        const float prev = p.accumulate ? flashrt::to_f32(out[o]) : 0.0f;
-        out[o] = flashrt::from_f32<T>(v + prev);
-    }
+    gemv_finish<T, R, 8, FEATS>(p, red, mi, j0, row0);
 }
 
 #define FLASHRT_GEMVT_ENTRY_T(NAME, R, FEATS, NORM, U)                                                   \
