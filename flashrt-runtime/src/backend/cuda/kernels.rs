@@ -167,6 +167,7 @@ const PLAIN: &[&str] = &[
     "sample_best",
     "sample_weigh",
     "sample_pick",
+    "sample_penalize",
 ];
 
 /// Base names of the kernels whose entry points do NOT start with `flashrt::pdl_wait()` (see
@@ -280,5 +281,83 @@ impl Kernels {
     /// Size of the embedded fatbins in bytes.
     pub fn fatbin_bytes() -> usize {
         FATBINS.iter().map(|(_, f)| f.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn sources(dir: &Path, ext: &str, out: &mut Vec<(String, String)>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                sources(&path, ext, out);
+            } else if path.extension().is_some_and(|e| e == ext) {
+                let text = std::fs::read_to_string(&path).unwrap();
+                out.push((path.display().to_string(), text));
+            }
+        }
+    }
+
+    /// The string literals that follow `marker` (`.get("` / `.typed("`) in `text`.
+    fn literals<'a>(text: &'a str, marker: &str) -> Vec<&'a str> {
+        text.match_indices(marker)
+            .filter_map(|(i, _)| {
+                let rest = &text[i + marker.len()..];
+                let name = &rest[..rest.find('"')?];
+                let ident = name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+                (!name.is_empty() && ident).then_some(name)
+            })
+            .collect()
+    }
+
+    /// Every kernel the CUDA backend asks for by a literal name is one that `Kernels::load`
+    /// resolves (a kernel missing from these lists fails only on the GPU, at its first use),
+    /// and every single-entry kernel is defined in kernels/*.cu. Checked without a GPU.
+    #[test]
+    fn every_kernel_asked_for_is_registered_and_defined() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut rust = Vec::new();
+        sources(&root.join("src/backend/cuda"), "rs", &mut rust);
+        let mut cuda = Vec::new();
+        sources(&root.join("../kernels"), "cu", &mut cuda);
+        assert!(!rust.is_empty() && !cuda.is_empty());
+        let mut missing = Vec::new();
+        for (path, text) in &rust {
+            for name in literals(text, ".get(\"") {
+                if !PLAIN.contains(&name) {
+                    missing.push(format!("{path}: `{name}` (get) is not in PLAIN"));
+                }
+            }
+            for name in literals(text, ".typed(\"") {
+                if !PER_DTYPE.contains(&name) && !PER_HALF_DTYPE.contains(&name) {
+                    missing.push(format!(
+                        "{path}: `{name}` (typed) is not in PER_DTYPE / PER_HALF_DTYPE"
+                    ));
+                }
+            }
+        }
+        for name in PLAIN {
+            let defined = cuda
+                .iter()
+                .any(|(_, text)| text.contains(&format!(" {name}(")));
+            if !defined {
+                missing.push(format!(
+                    "PLAIN kernel `{name}` is defined in no kernels/*.cu"
+                ));
+            }
+        }
+        // Per-dtype entry points are stamped out by macros (`attention_d##D`): their stem.
+        for name in PER_DTYPE.iter().chain(PER_HALF_DTYPE) {
+            let stem = name.trim_end_matches(|c: char| c.is_ascii_digit());
+            if !cuda.iter().any(|(_, text)| text.contains(stem)) {
+                missing.push(format!("kernel `{name}` appears in no kernels/*.cu"));
+            }
+        }
+        assert!(missing.is_empty(), "{}", missing.join("\n"));
     }
 }
