@@ -6,8 +6,14 @@
 // positions 0 ..= min(io.pos + r, max_seq - 1) of KV head h / (q_heads / kv_heads);
 // out = softmax(scale * q.k) v; rows >= io.len are not written.
 //
-// grid  = (q_heads, ceil(bucket rows / 128)); the row tile of block y is tiles - 1 - y (the
-//         longest tiles start first). Blocks whose first row is >= io.len return at once.
+// grid  = (q_heads, ceil(bucket rows / 128), splits); the row tile of block y is tiles - 1 - y
+//         (the longest tiles start first). Blocks whose first row is >= io.len return at once.
+//         With splits > 1 (a small grid: a short chunk after a long context) block z walks
+//         only its even share of the tile's key tiles and writes each row's softmax state
+//         (m in natural-log units, l, o not divided by l) to `partial` in attention.cu's
+//         layout; `attention_combine` merges them. A row's result then depends on how its
+//         tile's keys were split (a function of the chunk), as GPU rows already do on the
+//         kernels a phase uses; one split keeps the single-walk arithmetic.
 // block = 2 warpgroups (256 threads); warpgroup w owns query rows 64w .. 64w + 63 of the tile
 //         and within it warp i of the group owns rows 16i .. 16i + 15 (the wgmma M layout).
 // loop  = over key tiles of 64 positions, 0 .. min(io.pos + last row + 1, max_seq); iteration t
@@ -251,7 +257,13 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     const int kvh = h / (p.q_heads / p.kv_heads);
     const int rend = min(r0 + BR, len);          // valid rows [r0, rend)
     const int kend = min(pos + rend, p.max_seq); // keys [0, kend)
-    const int ntiles = (kend + BC - 1) / BC;
+    const int all_tiles = (kend + BC - 1) / BC;
+    // Split z of p.splits (gridDim.z) takes key tiles [tb, tb + ntiles): an even share of the
+    // block's tiles. Iteration t below counts the split's own tiles (stages, barrier phases);
+    // key offsets are (tb + t) * BC.
+    const int z = blockIdx.z;
+    const int tb = (int)((long long)all_tiles * z / p.splits);
+    const int ntiles = (int)((long long)all_tiles * (z + 1) / p.splits) - tb;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // The warpgroup index through a shuffle from lane 0, so the compiler knows it is uniform
     // per warp: every branch around a wgmma must be, or ptxas serialises the wgmmas.
@@ -292,7 +304,7 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     // Prologue: Q and K of tile 0. Iteration t then loads K of tile t + 1 and V of tile t.
     if (issuer) {
         load(sQ, &tp.q, Q_SLAB, h, r0, bar_q);
-        load(sK, &tp.k, KV_SLAB, kvh, 0, bar_k);
+        if (ntiles > 0) load(sK, &tp.k, KV_SLAB, kvh, tb * BC, bar_k);
     }
 
     float o[128];
@@ -301,26 +313,27 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     uint32_t pf[4][4]; // P of the previous tile as the A fragments of its 4 k-steps
     const uint32_t q_rows = sQ + wg * 64 * 128; // this group's 64 rows within each Q slab
-    // Key tiles this warpgroup needs: those that start at or before its last row's limit.
-    const int gtiles = group_rows ? min(ntiles, group_hi / BC + 1) : 0;
+    // Key tiles of the split this warpgroup needs: those that start at or before its last
+    // row's limit.
+    const int gtiles = group_rows ? max(0, min(ntiles, group_hi / BC + 1 - tb)) : 0;
 
     // Iteration t issues S(t) = Q K(t)^T and O += P(t - 1) V(t - 1) together, then runs the
     // softmax of tile t while the tensor cores do the P V product (the two are independent
     // once P(t - 1) is packed), and rescales O only after P V has landed.
     for (int t = 0; t <= ntiles; ++t) {
         if (issuer) {
-            if (t + 1 < ntiles) load(sK + ((t + 1) & 1) * KV_STAGE, &tp.k, KV_SLAB, kvh, (t + 1) * BC, bar_k + ((t + 1) & 1) * 8);
-            if (t < ntiles) load(sV + (t & 1) * KV_STAGE, &tp.v, KV_SLAB, kvh, t * BC, bar_v + (t & 1) * 8);
+            if (t + 1 < ntiles) load(sK + ((t + 1) & 1) * KV_STAGE, &tp.k, KV_SLAB, kvh, (tb + t + 1) * BC, bar_k + ((t + 1) & 1) * 8);
+            if (t < ntiles) load(sV + (t & 1) * KV_STAGE, &tp.v, KV_SLAB, kvh, (tb + t) * BC, bar_v + (t & 1) * 8);
         }
         // K(t) and V(t - 1) (and Q) have landed: stage s holds tiles s, s + 2, ..., so tile u
         // completes phase u / 2 of its stage's barrier.
         if (t == 0) mbar_wait(bar_q, 0);
         if (t < ntiles) mbar_wait(bar_k + (t & 1) * 8, (t >> 1) & 1);
         if (t > 0) mbar_wait(bar_v + ((t - 1) & 1) * 8, ((t - 1) >> 1) & 1);
-        if (t == ntiles && kend % BC != 0) {
+        if (t == ntiles && t > 0 && tb + ntiles == all_tiles && kend % BC != 0) {
             // Keys past kend in the last tile are masked, but 0 * (stale V) could still be NaN:
             // zero those V rows (whole 128-byte slab rows, so the swizzle does not matter).
-            const int first = kend - (ntiles - 1) * BC;
+            const int first = kend - (all_tiles - 1) * BC;
             const uint32_t vt = sV + ((t - 1) & 1) * KV_STAGE;
             for (int c = threadIdx.x; c < (BC - first) * 4 * 8; c += blockDim.x) {
                 const int row = first + c / 32, slab = (c / 8) & 3, ch = c & 7;
@@ -348,7 +361,7 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
                 wg_wait<1>();
                 pin(s);
                 float corr[2];
-                softmax_tile(s, m, l, corr, t * BC, warp_lo, lim, t4, sl2);
+                softmax_tile(s, m, l, corr, (tb + t) * BC, warp_lo, lim, t4, sl2);
                 wg_wait<0>();
                 pin(o);
                 rescale_pack<T>(o, pf, s, corr);
@@ -356,7 +369,7 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
                 wg_wait<0>();
                 pin(s);
                 float corr[2];
-                softmax_tile(s, m, l, corr, t * BC, warp_lo, lim, t4, sl2);
+                softmax_tile(s, m, l, corr, (tb + t) * BC, warp_lo, lim, t4, sl2);
                 rescale_pack<T>(o, pf, s, corr);
             }
         } else if (t == gtiles && t > 0) {
@@ -372,8 +385,35 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     }
 
     if (!group_rows) return;
-    flashrt::flash_store<T, 32>(o, l, wr0 + g, rend, static_cast<T*>(p.out) + (size_t)h * p.head_dim, p.ld_out,
-                                p.head_dim, t4);
+    if (p.splits == 1) {
+        flashrt::flash_store<T, 32>(o, l, wr0 + g, rend, static_cast<T*>(p.out) + (size_t)h * p.head_dim, p.ld_out,
+                                    p.head_dim, t4);
+        return;
+    }
+    // Several splits: each row's (m, l, o[]) to the partials (attention.cu's layout, m in
+    // natural-log units of the scaled scores, o not yet divided by l), merged by
+    // `attention_combine`; a row that saw no key of this split writes m = -inf, which the
+    // combine skips.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        float sum = l[i];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int r = wr0 + g + 8 * i;
+        if (r >= rend) continue;
+        float* part = p.partial + (((size_t)r * p.q_heads + h) * p.splits + z) * (size_t)(p.head_dim + 2);
+        if (t4 == 0) {
+            part[0] = m[i] == -INFINITY ? -INFINITY : m[i] * 0.6931471805599453f;
+            part[1] = sum;
+        }
+        if (m[i] == -INFINITY) continue;
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+            if (8 * j < p.head_dim) {
+                part[2 + 8 * j + 2 * t4] = o[4 * j + 2 * i];
+                part[2 + 8 * j + 2 * t4 + 1] = o[4 * j + 2 * i + 1];
+            }
+    }
 #else
     __trap();
 #endif

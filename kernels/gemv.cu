@@ -194,8 +194,7 @@ static __device__ __forceinline__ void unpack_e4m3x8(uint4 u, int h, float (&f)[
 // `red[w][r][i]` of output j0 + i of input row r in warp order and stores it — in `glu` mode
 // thread (r, i < F / 2) finishes pair i (gate in slot i, up in slot i + F / 2, both rounded to
 // the element type, and act(gate) * up), else to matrix `mi`'s row r + row0 (the element type
-// or f32, accumulating when asked). `W`: the slots of `red`, `F` of them used. Shared by the
-// CUDA-core tiles and kernels/gemv_tc.cu.
+// or f32, accumulating when asked). `W`: the slots of `red`, `F` of them used.
 template <typename T, int R, int W, int F>
 static __device__ __forceinline__ void gemv_finish(const GemvParams& p, const float (&red)[GEMV_WARPS][R][W], int mi,
                                                    int j0, int row0) {

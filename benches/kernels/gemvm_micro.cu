@@ -7,8 +7,7 @@
 //
 // Checks printed per shape: the tensor-core kernel's row 0 is bit-identical at every row count
 // (`rows-invariant`), and its outputs agree with the CUDA-core kernel's (16-bit weights; max
-// difference relative to the largest output); the same for the candidate in kernels/gemv_tc.cu (`tc`,
-// bf16 weights; MB_TC_F4=1: 4 weight rows a block for the matrices without a norm).
+// difference relative to the largest output).
 //
 //   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \
 //       -o gemvm_micro benches/kernels/gemvm_micro.cu
@@ -36,7 +35,6 @@ __device__ unsigned long long* g_probe;
 #endif
 #include "gemv.cu"
 #include "gemv_mma.cu"
-#include "gemv_tc.cu"
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -160,7 +158,7 @@ int main() {
             CK(cudaMalloc(&go, 8 * s.n * 4));
             CK(cudaMalloc(&no, 8 * s.k * 2));
             std::vector<unsigned short> row0_r1;
-            std::vector<unsigned short> mma_out[9], core_out[9], tc_out[9];
+            std::vector<unsigned short> mma_out[9], core_out[9];
             // The read ceiling for these bytes.
             const int iters = 40;
             cudaEventRecord(e0);
@@ -175,28 +173,13 @@ int main() {
             printf("%s %-34s read %7.2f us %5.2f TB/s\n", fp8 ? "fp8 " : "bf16", s.name, msr * 1e3 / iters,
                    nm * wbytes / (msr * 1e3 / iters) / 1e6);
             for (int R : rows_list)
-                for (int mode = 0; mode < 3; ++mode) {
-                    // 0: tensor cores, stream-K (kernels/gemv_mma.cu); 1: CUDA cores; 2: the
-                    // candidate tensor-core kernel in the CUDA-core shape (gemv_tc.cu, bf16 only).
-                    const bool core = mode == 1, tc = mode == 2;
-                    if (tc && fp8) continue;
+                for (int core = 0; core < 2; ++core) {
                     Kern f = nullptr;
-                    int threads = core || tc ? 256 : GEMVM_WARPS * 32, grid;
+                    int threads = core ? 256 : GEMVM_WARPS * 32, grid;
                     size_t smem = 0;
                     const int tiles = s.glu ? (s.n + 7) / 8 : (s.n + 15) / 16;
                     int blocks;
-                    if (tc) {
-                        // MB_TC_F4=1: 4 weight rows a block where there is no norm.
-                        const char* f4e = getenv("MB_TC_F4");
-                        const int feats = (!s.norm && f4e && f4e[0] == '1') ? 4 : 8;
-                        const int per = s.glu ? feats / 2 : feats;
-                        blocks = (s.n + per - 1) / per;
-                        grid = s.glu ? blocks : blocks * nm;
-#define TC(NR)                                                                                     \
-    if (R == NR)                                                                                   \
-        f = s.norm ? gemv16t_norm_r##NR##_bf16 : (feats == 4 ? gemv16t_r##NR##f4_bf16 : gemv16t_r##NR##_bf16);
-                        TC(1) TC(2) TC(4) TC(8)
-                    } else if (core) {
+                    if (core) {
                         // gemv_r<R> / gemv8_r<R>: 8 features per block at R <= 2 (FP8: R == 1), else 4.
                         const int feats = fp8 ? (R == 1 ? 8 : 4) : (R <= 2 ? 8 : 4);
                         const int per = s.glu ? feats / 2 : feats;
@@ -286,12 +269,12 @@ int main() {
                     CK(cudaDeviceSynchronize());
                     std::vector<unsigned short> h((size_t)R * s.n);
                     CK(cudaMemcpy(h.data(), s.glu ? go : o0, h.size() * 2, cudaMemcpyDeviceToHost));
-                    (tc ? tc_out : core ? core_out : mma_out)[R] = h;
+                    (core ? core_out : mma_out)[R] = h;
                     const double us = ms * 1e3 / iters;
-                    printf("   %-6s R=%d grid=%5d smem=%6zu  %8.2f us %5.2f TB/s\n", tc ? "tc" : core ? "cores" : "mma", R, grid,
+                    printf("   %-6s R=%d grid=%5d smem=%6zu  %8.2f us %5.2f TB/s\n", core ? "cores" : "mma", R, grid,
                            smem, us, bytes / us / 1e6);
 #ifdef GEMVM_PROBE
-                    if (mode == 0) {
+                    if (!core) {
                         const size_t nw8 = (size_t)grid * GEMVM_WARPS * 10;
                         unsigned long long* pb;
                         CK(cudaMalloc(&pb, nw8 * 8));
@@ -338,20 +321,6 @@ int main() {
                     diff = std::max(diff, (double)fabsf(bf(core_out[8][i]) - bf(mma_out[8][i])));
                 }
             printf("   rows-invariant %s, |mma - cores| max %.3g of max |out| %.3g\n", inv ? "yes" : "NO", diff, big);
-            if (!tc_out[1].empty()) {
-                bool tinv = true;
-                for (int R : rows_list)
-                    if (!tc_out[R].empty())
-                        tinv = tinv && memcmp(tc_out[R].data(), tc_out[1].data(), (size_t)s.n * 2) == 0;
-                double tdiff = 0, tbig = 0;
-                if (!tc_out[8].empty() && !core_out[8].empty())
-                    for (size_t i = 0; i < tc_out[8].size(); ++i) {
-                        tbig = std::max(tbig, (double)fabsf(bf(core_out[8][i])));
-                        tdiff = std::max(tdiff, (double)fabsf(bf(core_out[8][i]) - bf(tc_out[8][i])));
-                    }
-                printf("   tc: rows-invariant %s, |tc - cores| max %.3g of max |out| %.3g\n", tinv ? "yes" : "NO", tdiff,
-                       tbig);
-            }
             for (auto p : w) cudaFree(p);
             for (auto p : scl) cudaFree(p);
             cudaFree(x);

@@ -263,9 +263,19 @@ fn main() {
     );
     let mut reference = prompt.to_vec();
     reference.extend_from_slice(&out);
-    let same = |o: &[u32]| match o.iter().zip(&out).position(|(a, b)| a != b) {
+    let same_as = |o: &[u32], r: &[u32]| match o.iter().zip(r).position(|(a, b)| a != b) {
         None => "== plain".to_string(),
         Some(i) => format!("differs from plain at token {i}"),
+    };
+    let same = |o: &[u32]| same_as(o, &out);
+    // The MTP head's sessions take the prompt token by token (`append_with_mtp`: decode steps
+    // that also fill the drafter's state), the others as one chunk. On the CPU both leave the
+    // same bits; on a GPU a prefill chunk and decode steps round differently (other kernels),
+    // so their plain reference is greedy decoding after the same token-by-token prompt.
+    let out_mtp = {
+        let mut s = model.session().unwrap();
+        s.append_with_mtp(prompt).unwrap();
+        s.decode_greedy(n_end).unwrap()
     };
     for k in 1..=4 {
         let mut s = model.session().unwrap();
@@ -278,7 +288,7 @@ fn main() {
             n_end as f64 / e.as_secs_f64(),
             100.0 * st.acceptance_rate(),
             st.tokens_per_round(),
-            same(&o)
+            same_as(&o, &out_mtp)
         );
         // The adversary's rejected drafts rolled back through kept per-row states (where the
         // backend keeps them) and by restore + replay.

@@ -89,9 +89,11 @@
 //! so the replay would double a rejected round. The CPU reference now keeps each row's state
 //! inside the one verify pass (its recurrent ops step row by row and copy the state after
 //! each, bit for bit what the whole pass computes), so a rollback there is one copy. On CUDA
-//! the fused Gated DeltaNet decode kernel writes them with `CudaOptions::row_states`
-//! (`FLASHRT_ROW_STATES=1`, off until measured on the device); save + replay stays the
-//! fallback wherever a backend keeps nothing.
+//! the fused Gated DeltaNet decode kernel writes them with `CudaOptions::row_states` (on by
+//! default, `FLASHRT_ROW_STATES=0` off): on the H200 at the 27B shape an all-rejected round
+//! then costs its verify pass (1.25 / 1.74 / 2.01 / 2.28 decode steps for k = 1..4, against
+//! 2.28 / 2.76 / 3.03 / 3.30 with save + replay; benches/RESULTS.md). Save + replay stays
+//! the fallback wherever a backend keeps nothing.
 //!
 //! On an H200 with the Qwen3.6-27B shape (bf16, position 512) the same example measured a
 //! decode step at 16.6 ms, verify passes for k = 1..4 at 1.01 / 1.03 / 1.05 / 1.06 x that, an

@@ -605,7 +605,8 @@ fn attention_prefill_mma_sync() {
 /// attention_prefill_wgmma.cu at head_dim 129..=256 on sm_90, else attention_prefill.cu), f32
 /// the split kernel. Partial tiles (130 = 128 + 2 rows), partial chunks, chunks that start far
 /// from 0 and at positions that are not multiples of a tile, head_dim below the instantiated
-/// bound (96 -> 128, 200 -> 256), GQA.
+/// bound (96 -> 128, 200 -> 256), GQA; small grids whose keys the wgmma kernel splits over
+/// blocks (`CudaOptions::attn_split`; empty splits past a short context included).
 fn attention_prefill_cases(
     gpu: &std::sync::Arc<flashrt_runtime::backend::cuda::CudaBackend>,
     dtypes: &[DType],
@@ -619,6 +620,16 @@ fn attention_prefill_cases(
             (64, 4, 2, 128, Some(vec![64, 64, 64, 64, 3, 61, 64, 1, 1])),
             (128, 6, 1, 256, Some(vec![128, 128, 100, 128, 5, 128, 1])),
             (200, 4, 1, 200, Some(vec![200, 133, 200, 1])),
+            // Short chunks after ~1.1k positions at GQA 6:1: the wgmma kernel's 12-block grid
+            // splits its keys (7 on a 132-SM device), splits that end inside a key tile, then
+            // a partial chunk.
+            (
+                64,
+                12,
+                2,
+                256,
+                Some([vec![64; 16], vec![37, 64, 5]].concat()),
+            ),
         ] {
             let mut case = attention_case(bucket, qh, kvh, hd);
             if let Some(steps) = steps {

@@ -148,6 +148,12 @@ pub struct CudaOptions {
     /// any other device, uses the mma.sync kernel of kernels/attention_prefill.cu. Default
     /// from `FLASHRT_ATTN_WGMMA` (`0` = off).
     pub attn_wgmma: bool,
+    /// Split the warpgroup-MMA prefill attention's keys over several blocks per query tile
+    /// when its (heads x row tiles) grid would leave most of the device idle — short chunks
+    /// after a long context (a 32-token suffix of a 16k-token prompt: 24 blocks, each walking
+    /// 256 key tiles alone) — and merge the splits' softmax states with `attention_combine`
+    /// (default). Default from `FLASHRT_ATTN_SPLIT` (`0` = off).
+    pub attn_split: bool,
     /// Run prefill MoE experts as warpgroup-MMA grouped GEMMs (kernels/moe_wgmma.cu) on
     /// compute capability 9.0 (default); `false`, or any other device, uses the wmma kernels
     /// of kernels/moe.cu. Default from `FLASHRT_MOE_WGMMA` (`0` = off).
@@ -177,13 +183,6 @@ pub struct CudaOptions {
     /// decode, verify and batched steps. `FLASHRT_GEMV16_MMA=1` (or the CLI's
     /// `--decode-matmuls tensor-cores`) turns it on.
     pub gemv16_mma: bool,
-    /// Run small phases' matmuls over bf16/f16 weights with the candidate tensor-core kernel in
-    /// the CUDA-core kernel's shape (kernels/gemv_tc.cu `gemv16t_*`: a block per 8 weight rows,
-    /// no cross-block fix-up) on compute capability 8.0 and later; before `gemv16_mma` when
-    /// both are on. Off by default until measured on the device; `FLASHRT_GEMV16_TC=1` turns it
-    /// on. Every phase of a model uses the same kernel, so rows round alike across decode,
-    /// verify and batched steps.
-    pub gemv16_tc: bool,
     /// Sample non-greedy tokens on the device (kernels/sample.cu) from the row the step left
     /// in the I/O arena (default): only the id crosses to the host. `false` samples on the
     /// host from the copied row; both choose the same token. Default from
@@ -197,9 +196,12 @@ pub struct CudaOptions {
     /// Keep each row's Gated DeltaNet states in verify passes (the fused decode kernel writes
     /// the recurrent and conv states after every row to a model-wide area of `MAX_DRAFT + 1`
     /// rows of them), so that a speculative round whose drafts are rejected rolls back with
-    /// one copy instead of a replay (the runtime's `DeviceSession::keep_row_states`). Off by
-    /// default until measured on the device: every verify pass then writes those rows;
-    /// `FLASHRT_ROW_STATES=1` turns it on.
+    /// one copy instead of a replay (the runtime's `DeviceSession::keep_row_states`). Default
+    /// on: on the H200 at the 27B shape a round with every draft rejected costs what its
+    /// verify pass costs (1.25x a decode step at k = 1, 2.28x at k = 4) instead of 2.28x /
+    /// 3.30x with a restore and replay, and a verify pass keeping them costs the same as one
+    /// that does not (benches/RESULTS.md, 2026-12-04 16:00 UTC); the area is 0.77 GB at that
+    /// shape. `FLASHRT_ROW_STATES=0` turns it off.
     pub row_states: bool,
 }
 
@@ -212,15 +214,15 @@ impl Default for CudaOptions {
             gemv: on("FLASHRT_GEMV"),
             attn_decode: on("FLASHRT_ATTN_DECODE"),
             attn_wgmma: on("FLASHRT_ATTN_WGMMA"),
+            attn_split: on("FLASHRT_ATTN_SPLIT"),
             moe_wgmma: on("FLASHRT_MOE_WGMMA"),
             gdn_fused: on("FLASHRT_GDN_FUSED"),
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
             gemv_mma: on("FLASHRT_GEMV_MMA"),
             gemv16_mma: std::env::var("FLASHRT_GEMV16_MMA").is_ok_and(|v| v == "1"),
-            gemv16_tc: std::env::var("FLASHRT_GEMV16_TC").is_ok_and(|v| v == "1"),
             device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
             gemv_tiles: std::env::var("FLASHRT_GEMV_TILES").is_ok_and(|v| v == "1"),
-            row_states: std::env::var("FLASHRT_ROW_STATES").is_ok_and(|v| v == "1"),
+            row_states: on("FLASHRT_ROW_STATES"),
         }
     }
 }
@@ -279,9 +281,7 @@ impl CudaBackend {
         let (major, minor) = ctx.compute_capability().unwrap_or((0, 0));
         // Said in the name where it applies (compute capability 9.x), so every report names
         // the decode kernels it measured.
-        let units = if options.gemv16_tc && major >= 8 {
-            ", tensor-core (per-block) decode matmuls"
-        } else if options.gemv16_mma && major == 9 {
+        let units = if options.gemv16_mma && major == 9 {
             ", tensor-core decode matmuls"
         } else {
             ""
@@ -487,7 +487,6 @@ struct ModelInner {
     fp8_gemm: bool,
     gemv_mma: bool,
     gemv16_mma: bool,
-    gemv16_tc: bool,
     /// Verify passes keep each row's states (`CudaOptions::row_states` with the fused Gated
     /// DeltaNet kernel): the regions and the bytes of one row of the area.
     row_layout: Option<(Vec<(BufferId, u64)>, u64)>,
@@ -593,13 +592,13 @@ fn builder<'a>(
         pdl: model.options.pdl,
         gemv: model.options.gemv,
         attn_decode: model.options.attn_decode,
+        attn_split: model.options.attn_split,
         wgmma: model.wgmma,
         moe_wgmma: model.moe_wgmma,
         gdn_fused: model.gdn_fused,
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,
         gemv16_mma: model.gemv16_mma,
-        gemv16_tc: model.gemv16_tc,
         gemv_tiles: model.options.gemv_tiles,
         gemvm_part: dptr(&exec.gemvm_part),
         gemvm_cnt: dptr(&exec.gemvm_cnt),

@@ -464,31 +464,59 @@ impl Builder<'_> {
                 && ld_o % 8 == 0
                 && [qp, op_, p.cache_k, p.cache_v].iter().all(|a| a % 16 == 0)
         });
+        // A small grid of the wgmma kernel (few heads x row tiles: a short chunk) splits its
+        // keys (see `prefill_splits`); the splits' states merge in `attention_combine`.
+        let mut pw = p;
+        pw.splits = if self.attn_split {
+            prefill_splits(
+                q_heads * rows.div_ceil(PREFILL_ROWS),
+                self.sms,
+                rows * q_heads * (head_dim + 2) * 4,
+            ) as i32
+        } else {
+            1
+        };
         let prefill = match prefill_d {
             // attention_prefill_wgmma.cu (sm_90a): TMA-fed, so it takes tensor maps
             // of Q, K and V; if the driver cannot encode them, the mma.sync kernel.
             Some(256) if self.wgmma => self
-                .attention_tma_params(&p, t, rows)
+                .attention_tma_params(&pw, t, rows)
                 .and_then(|tp| {
-                    self.kernel_smem(
+                    let splits = pw.splits as u32;
+                    let mut v = vec![self.kernel_smem(
                         &format!("{label} prefill wgmma d256"),
                         self.kernels.typed("attention_prefill_wg_d256", t)?,
-                        (*q_heads as u32, ceil_div(rows, PREFILL_ROWS), 1),
+                        (*q_heads as u32, ceil_div(rows, PREFILL_ROWS), splits),
                         256,
                         FA_WG_SMEM,
                         &tp,
-                    )
+                    )?];
+                    if splits > 1 {
+                        v.push(self.kernel(
+                            &format!("{label} prefill combine ({splits} splits)"),
+                            self.kernels.typed("attention_combine", t)?,
+                            (*q_heads as u32, r, 1),
+                            128,
+                            &pw,
+                        ));
+                    }
+                    Ok(v)
                 })
                 .ok()
                 .map_or_else(
-                    || self.attention_prefill_mma(label, &p, t, 256, rows),
-                    |c| Ok(Some(c)),
+                    || {
+                        self.attention_prefill_mma(label, &p, t, 256, rows)
+                            .map(|c| c.map(|c| vec![c]))
+                    },
+                    |v| Ok(Some(v)),
                 )?,
-            Some(d) => self.attention_prefill_mma(label, &p, t, d, rows)?,
+            Some(d) => self
+                .attention_prefill_mma(label, &p, t, d, rows)?
+                .map(|c| vec![c]),
             None => None,
         };
-        if let Some(cmd) = prefill {
-            cmds.push(cmd);
+        if let Some(v) = prefill {
+            cmds.extend(v);
         } else if let Some(dec) = self
             .attn_decode
             .then(|| self.attention_decode(label, &p, rows, shared))
@@ -532,5 +560,47 @@ impl Builder<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// Key splits of the warpgroup-MMA prefill attention for a grid of `blocks` (query heads x
+/// row tiles) on `sms` multiprocessors (one block each: 192 KiB of shared memory), within the
+/// workspace that holds their partial states (`per_split` bytes each), at most 16. Blocks of
+/// one launch walk equally many keys, so the time goes as waves / splits; each split adds a
+/// little (its partial states, the combine's reads, Q loaded again), counted as 2 % of a
+/// whole walk. A grid that fills the device by itself keeps one. A 32- or 64-row chunk of
+/// the 27B shape (24 blocks) gets 5 splits, 256 rows (48) 5, 512 rows (96) one (two splits'
+/// partials fit the workspace, and would make two waves of half walks).
+fn prefill_splits(blocks: usize, sms: usize, per_split: usize) -> usize {
+    let (blocks, sms) = (blocks.max(1), sms.max(1));
+    if blocks >= sms {
+        return 1;
+    }
+    let most = 16.min(gemm::WORKSPACE_BYTES / per_split.max(1)).max(1);
+    let cost = |s: usize| (blocks * s).div_ceil(sms) as f64 / s as f64 + 0.02 * s as f64;
+    (1..=most)
+        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)))
+        .unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefill_splits;
+
+    #[test]
+    fn prefill_splits_fill_the_device_and_stay_in_the_workspace() {
+        let per = |rows: usize| rows * 24 * (256 + 2) * 4;
+        // The 27B shape (24 query heads) on 132 multiprocessors.
+        assert_eq!(prefill_splits(24, 132, per(64)), 5);
+        assert_eq!(prefill_splits(48, 132, per(256)), 5);
+        // 512 rows: the workspace holds 2 splits' partials, which would make 2 waves of half
+        // walks: no gain.
+        assert_eq!(prefill_splits(96, 132, per(512)), 1);
+        assert_eq!(prefill_splits(384, 132, per(2048)), 1);
+        // 1024 rows: one split's partials take 25 MiB of the 32 MiB workspace.
+        assert_eq!(prefill_splits(192, 132, per(1024)), 1);
+        // One block: past ~7 splits each costs more than it saves; a huge grid gets one.
+        assert_eq!(prefill_splits(1, 132, 1024), 7);
+        assert_eq!(prefill_splits(10_000, 132, 1024), 1);
     }
 }

@@ -288,24 +288,11 @@ impl Builder<'_> {
                 self.gemv16_mma && mma_shape && (norm.is_none() || staged_max <= GEMVM_MAX_SMEM)
             }
         };
-        // The per-block tensor-core candidate (kernels/gemv_tc.cu): 64-column blocks, before
-        // the stream-K kernel when both are on. Which kernel runs depends on the shape alone.
-        let tc = self.gemv16_tc && first.weights == GemvWeights::Plain && k.is_multiple_of(64);
-        let mma = mma && !tc;
         let stage = mma && staged <= GEMVM_MAX_SMEM;
         let mma_smem = if stage { staged } else { 0 };
         // Features per block: the rows' default, or for one row fewer when the default leaves
         // the last wave of resident blocks mostly empty (see `gemv_r1f<F>`).
-        let (prefix, feats, suffix) = if tc {
-            // 4 weight rows a block for matrices of few outputs without a norm (more, shorter
-            // blocks; an output's sum is the same either way).
-            let outs: usize = widths.iter().sum();
-            if glu.is_none() && norm.is_none() && outs <= 8192 {
-                ("gemv16t", 4, "f4")
-            } else {
-                ("gemv16t", 8, "")
-            }
-        } else if mma {
+        let (prefix, feats, suffix) = if mma {
             let name = match first.weights {
                 GemvWeights::Plain => "gemv16m",
                 GemvWeights::Fp8 { .. } => "gemv8m",
@@ -391,7 +378,6 @@ impl Builder<'_> {
         } else {
             (suffix, GEMV_WARPS)
         };
-        // (The per-block candidate names its 4-row variant `gemv16t_r<R>f4`.)
         let kernel = if norm.is_some() {
             format!("{prefix}_norm_r{shape_rows}{suffix}")
         } else {
@@ -411,7 +397,7 @@ impl Builder<'_> {
         // (kernels/gemv.cu, `gemv_impl`). A tile computes the same whichever block runs it.
         let grid_blocks = if mma {
             mma_grid as u32
-        } else if !tc && self.gemv_tiles && shape_rows > 1 && first.weights == GemvWeights::Plain {
+        } else if self.gemv_tiles && shape_rows > 1 && first.weights == GemvWeights::Plain {
             let resident = func
                 .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
                 .unwrap_or(1)

@@ -367,6 +367,8 @@ pub struct Builder<'a> {
     pub attn_decode: bool,
     /// Prefill attention at head_dim 129..=256 through attention_prefill_wgmma.cu (sm_90a).
     pub wgmma: bool,
+    /// Split that kernel's keys over blocks when its grid is small (`CudaOptions::attn_split`).
+    pub attn_split: bool,
     /// Prefill MoE grouped GEMMs through kernels/moe_wgmma.cu (sm_90a).
     pub moe_wgmma: bool,
     /// Small phases' Gated DeltaNet layers (conv, recurrence, gated norm) as one clustered
@@ -381,9 +383,6 @@ pub struct Builder<'a> {
     /// Small phases' matmuls over 16-bit weights on the tensor cores (kernels/gemv_mma.cu
     /// `gemv16m_*`, compute capability 9.x; [`Builder::gemv`]).
     pub gemv16_mma: bool,
-    /// Small phases' matmuls over 16-bit weights with the per-block tensor-core candidate
-    /// (kernels/gemv_tc.cu `gemv16t_*`; [`Builder::gemv`]).
-    pub gemv16_tc: bool,
     /// The tensor-core gemv's split-tile partials and counters (the model's, zero between
     /// launches; [`gemv::gemvm_sync_bytes`]).
     pub gemvm_part: u64,
