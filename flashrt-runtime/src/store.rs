@@ -1055,25 +1055,38 @@ impl CapsuleStore {
             return Ok(h);
         }
         let (_, regions) = self.full_regions(id)?;
-        let h = self.hash_kv(&regions, usize::MAX);
+        let h = self.hash_kv(&regions, &[usize::MAX]).remove(0);
         if let Some(e) = self.entries.get_mut(id) {
             e.kv_hash = Some(h.clone());
         }
         Ok(h)
     }
 
-    /// XXH64 of each KV region's first `rows` rows (all of them for `usize::MAX`).
-    fn hash_kv(&self, regions: &[(BufferId, Vec<u8>)], rows: usize) -> Vec<u64> {
-        self.kv_buffers()
+    /// XXH64 of each KV region's first `rows` rows (all of them for `usize::MAX`), for each
+    /// `rows` in `prefixes`: `[prefix][region]`. One streaming pass over each region serves
+    /// every prefix (XXH64's state is read out at each prefix's end), and the regions are
+    /// hashed on several threads: demoting a 16k-token capsule of the 27B shape hashes
+    /// ~1.1 GB of KV, on the worker thread, while every stream waits (benches/RESULTS.md, "A
+    /// stall found in the logs").
+    fn hash_kv(&self, regions: &[(BufferId, Vec<u8>)], prefixes: &[usize]) -> Vec<Vec<u64>> {
+        let work: Vec<(&[u8], Vec<usize>)> = self
+            .kv_buffers()
             .iter()
             .map(|b| {
                 let bytes = regions
                     .iter()
                     .find(|(x, _)| *x == b.id)
                     .map_or(&[][..], |(_, v)| &v[..]);
-                let n = rows.saturating_mul(b.bytes_per_token()).min(bytes.len());
-                capsule_file::xxh64(&bytes[..n], 0)
+                let ends = prefixes
+                    .iter()
+                    .map(|&rows| rows.saturating_mul(b.bytes_per_token()).min(bytes.len()))
+                    .collect();
+                (bytes, ends)
             })
+            .collect();
+        let per_region = hash_prefixes_parallel(&work);
+        (0..prefixes.len())
+            .map(|i| per_region.iter().map(|h| h[i]).collect())
             .collect()
     }
 
@@ -1083,8 +1096,8 @@ impl CapsuleStore {
         if let Some(b) = &self.entries[id].base {
             return Ok(b.clone());
         }
-        let own_hash = self.hash_kv(full, usize::MAX);
         let mut chosen = None;
+        let mut own_hash = None;
         if self.cfg.share_kv {
             let (pos, seq, tokens) = {
                 let e = &self.entries[id];
@@ -1111,14 +1124,25 @@ impl CapsuleStore {
                     .get(self.group_root(&c.2).as_str())
                     .is_none_or(|&n| n < MAX_CHAIN)
             });
-            for (cpos, _, cid) in cands.into_iter().take(4) {
+            cands.truncate(4);
+            // This capsule's KV hashed once: its whole rows and every candidate's prefix.
+            let prefixes: Vec<usize> = std::iter::once(usize::MAX)
+                .chain(cands.iter().map(|c| c.0))
+                .collect();
+            let mut mine = self.hash_kv(full, &prefixes).into_iter();
+            own_hash = mine.next();
+            for ((cpos, _, cid), prefix) in cands.into_iter().zip(mine) {
                 let theirs = self.kv_hashes(&cid)?;
-                if theirs == self.hash_kv(full, cpos) {
+                if theirs == prefix {
                     chosen = Some(BaseRef { id: cid, pos: cpos });
                     break;
                 }
             }
         }
+        let own_hash = match own_hash {
+            Some(h) => h,
+            None => self.hash_kv(full, &[usize::MAX]).remove(0),
+        };
         if let Some(b) = &chosen
             && let Some(be) = self.entries.get_mut(&b.id)
         {
@@ -1346,6 +1370,90 @@ impl CapsuleStore {
                 true
             }
             None => false,
+        }
+    }
+}
+
+/// XXH64 (seed 0) of `bytes[..end]` for every `end` (ascending order not required) of each
+/// `(bytes, ends)` item, in one streaming pass per item; items spread over up to
+/// `available_parallelism` threads. Equal to `capsule_file::xxh64(&bytes[..end], 0)`.
+fn hash_prefixes_parallel(work: &[(&[u8], Vec<usize>)]) -> Vec<Vec<u64>> {
+    fn one(bytes: &[u8], ends: &[usize]) -> Vec<u64> {
+        let mut order: Vec<usize> = (0..ends.len()).collect();
+        order.sort_by_key(|&i| ends[i]);
+        let mut out = vec![0; ends.len()];
+        let mut h = capsule_file::Xxh64::new(0);
+        let mut at = 0;
+        for i in order {
+            h.update(&bytes[at..ends[i]]);
+            at = ends[i];
+            out[i] = h.finish();
+        }
+        out
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(work.len())
+        .max(1);
+    if threads == 1 {
+        return work.iter().map(|(b, e)| one(b, e)).collect();
+    }
+    let per = work.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = work
+            .chunks(per)
+            .map(|part| {
+                scope.spawn(move || part.iter().map(|(b, e)| one(b, e)).collect::<Vec<_>>())
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("hashing thread"))
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One streaming pass per region, read out at every prefix, on several threads, gives
+    /// exactly the one-shot XXH64 of each prefix (what capsule files and earlier stores
+    /// computed), in the callers' order.
+    #[test]
+    fn prefix_hashes_in_one_pass_equal_one_shot_hashes() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut byte = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        };
+        let data: Vec<Vec<u8>> = [0usize, 7, 31, 32, 33, 1000, 4099]
+            .iter()
+            .cycle()
+            .take(37)
+            .map(|&n| (0..n).map(|_| byte()).collect())
+            .collect();
+        let work: Vec<(&[u8], Vec<usize>)> = data
+            .iter()
+            .map(|d| {
+                let n = d.len();
+                // Unsorted, repeated and whole-region ends.
+                (&d[..], vec![n, n / 2, 0, n / 3, n / 2, n.saturating_sub(1)])
+            })
+            .collect();
+        let got = hash_prefixes_parallel(&work);
+        assert_eq!(got.len(), work.len());
+        for ((bytes, ends), hashes) in work.iter().zip(&got) {
+            for (&end, &h) in ends.iter().zip(hashes) {
+                assert_eq!(
+                    h,
+                    capsule_file::xxh64(&bytes[..end], 0),
+                    "prefix {end} of {}",
+                    bytes.len()
+                );
+            }
         }
     }
 }
