@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What a CPU-only build session prepared for the GPU and has not yet run, in ONE command on the
-# GPU machine (results in OUT; benches/RESULTS.md names each):
+# The GPU half of a build session's checks in ONE command on the GPU machine (results in OUT;
+# benches/RESULTS.md, 2026-12-04 15:40 UTC, shows a run of it):
 #
 #   1. every GPU test suite (scripts/gpu-check.sh; SUITES="cuda_sample cuda_model" runs only
 #      those binaries);
