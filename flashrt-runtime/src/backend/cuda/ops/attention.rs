@@ -491,15 +491,7 @@ impl Builder<'_> {
                         FA_WG_SMEM,
                         &tp,
                     )?];
-                    if splits > 1 {
-                        v.push(self.kernel(
-                            &format!("{label} prefill combine ({splits} splits)"),
-                            self.kernels.typed("attention_combine", t)?,
-                            (*q_heads as u32, r, 1),
-                            128,
-                            &pw,
-                        ));
-                    }
+                    v.extend(self.attention_combine(&format!("{label} prefill"), &pw, t, r)?);
                     Ok(v)
                 })
                 .ok()
@@ -549,17 +541,31 @@ impl Builder<'_> {
                 128,
                 &p,
             ));
-            if splits > 1 {
-                cmds.push(self.kernel(
-                    &format!("{label} combine ({splits} splits)"),
-                    self.kernels.typed("attention_combine", t)?,
-                    (*q_heads as u32, r, 1),
-                    128,
-                    &p,
-                ));
-            }
+            cmds.extend(self.attention_combine(label, &p, t, r)?);
         }
         Ok(())
+    }
+
+    /// With `p.splits > 1`: the launch of `attention_combine` (kernels/attention.cu) that
+    /// merges the splits' partial states of `rows` rows into `p.out` — after the split kernel
+    /// of attention.cu or the warpgroup-MMA prefill kernel, which write the same layout.
+    fn attention_combine(
+        &self,
+        label: &str,
+        p: &AttentionParams,
+        t: DType,
+        rows: u32,
+    ) -> Result<Option<Cmd>> {
+        if p.splits <= 1 {
+            return Ok(None);
+        }
+        Ok(Some(self.kernel(
+            &format!("{label} combine ({} splits)", p.splits),
+            self.kernels.typed("attention_combine", t)?,
+            (p.q_heads as u32, rows, 1),
+            128,
+            p,
+        )))
     }
 }
 
