@@ -200,8 +200,8 @@ pub struct CudaOptions {
     /// on: on the H200 at the 27B shape a round with every draft rejected costs what its
     /// verify pass costs (1.25x a decode step at k = 1, 2.28x at k = 4) instead of 2.28x /
     /// 3.30x with a restore and replay, and a verify pass keeping them costs the same as one
-    /// that does not (benches/RESULTS.md, 2026-12-04 16:00 UTC); the area is 0.77 GB at that
-    /// shape. `FLASHRT_ROW_STATES=0` turns it off.
+    /// that does not (benches/RESULTS.md, the 2026-12-04 15:40 UTC section); the area is
+    /// 0.77 GB at that shape. `FLASHRT_ROW_STATES=0` turns it off.
     pub row_states: bool,
 }
 
