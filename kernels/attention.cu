@@ -228,18 +228,15 @@ FLASHRT_ENTRY(attention_combine, AttentionParams, 256)
 
 #define FLASHRT_ATTN_ENTRY(D, VPL)                                                                  \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_d##D##_bf16(const AttentionParams p) { \
-        flashrt::pdl_wait();                                                                  \
-        flashrt::pdl_trigger();                                                               \
+        flashrt::pdl_enter();                                                                  \
         attention_impl<__nv_bfloat16, VPL>(p);                                                      \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_d##D##_f16(const AttentionParams p) {  \
-        flashrt::pdl_wait();                                                                  \
-        flashrt::pdl_trigger();                                                               \
+        flashrt::pdl_enter();                                                                  \
         attention_impl<__half, VPL>(p);                                                             \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_d##D##_f32(const AttentionParams p) {  \
-        flashrt::pdl_wait();                                                                  \
-        flashrt::pdl_trigger();                                                               \
+        flashrt::pdl_enter();                                                                  \
         attention_impl<float, VPL>(p);                                                              \
     }
 

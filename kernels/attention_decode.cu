@@ -71,8 +71,8 @@
 // and a chunk outside a row's own piece is an exact no-op for that row (max unchanged ->
 // correction 1 by select, p = 0 times finite V).
 //
-// Both entries are PDL-ready (not in kernels.rs NOT_PDL): they start with `pdl_wait()` and then
-// `pdl_trigger()`, so the combine's launch overlaps the main kernel.
+// Both entries are PDL-ready (not in kernels.rs NOT_PDL): they start with `pdl_enter()` (the wait
+// and the trigger), so the combine's launch overlaps the main kernel.
 //
 // Traffic per step and KV head: n * head_dim * 2 elements of K and V read once (plus tile
 // rounding at piece ends, mostly L2 hits), Q read once; partials 4 (head_dim + 2) bytes per (row,
@@ -661,8 +661,7 @@ static __device__ __forceinline__ void attention_decode_combine_impl(const Atten
 #define FLASHRT_DEC_COMBINE(suffix, T)                                                                 \
     extern "C" __global__ void __launch_bounds__(flashrt_dec::COMBINE_THREADS, 8)                      \
         attention_decode_combine_##suffix(const AttentionDecodeParams p) {                             \
-        flashrt::pdl_wait();                                                                           \
-        flashrt::pdl_trigger();                                                                        \
+        flashrt::pdl_enter();                                                                           \
         attention_decode_combine_impl<T>(p);                                                           \
     }
 FLASHRT_DEC_COMBINE(bf16, __nv_bfloat16)
@@ -672,20 +671,17 @@ FLASHRT_DEC_COMBINE(f32, float)
 #define FLASHRT_DEC_ENTRY(D)                                                                           \
     extern "C" __global__ void __launch_bounds__(flashrt_dec::THREADS, 1)                              \
         attention_decode_d##D##_bf16(const AttentionDecodeParams p) {                                  \
-        flashrt::pdl_wait();                                                                           \
-        flashrt::pdl_trigger();                                                                        \
+        flashrt::pdl_enter();                                                                           \
         attention_decode_impl<__nv_bfloat16, D>(p);                                                    \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(flashrt_dec::THREADS, 1)                              \
         attention_decode_d##D##_f16(const AttentionDecodeParams p) {                                   \
-        flashrt::pdl_wait();                                                                           \
-        flashrt::pdl_trigger();                                                                        \
+        flashrt::pdl_enter();                                                                           \
         attention_decode_impl<__half, D>(p);                                                           \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(flashrt_dec::THREADS, 1)                              \
         attention_decode_d##D##_f32(const AttentionDecodeParams p) {                                   \
-        flashrt::pdl_wait();                                                                           \
-        flashrt::pdl_trigger();                                                                        \
+        flashrt::pdl_enter();                                                                           \
         attention_decode_impl<float, D>(p);                                                            \
     }
 

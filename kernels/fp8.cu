@@ -156,12 +156,10 @@ template <typename T> static __device__ __forceinline__ void fp8_act_quant_impl(
 
 // Only the 16-bit activation types: f32 targets hold quantized weights dequantized.
 extern "C" __global__ void __launch_bounds__(256) fp8_act_quant_bf16(const Fp8ActQuantParams p) {
-    flashrt::pdl_wait();
-    flashrt::pdl_trigger();
+    flashrt::pdl_enter();
     fp8_act_quant_impl<__nv_bfloat16>(p);
 }
 extern "C" __global__ void __launch_bounds__(256) fp8_act_quant_f16(const Fp8ActQuantParams p) {
-    flashrt::pdl_wait();
-    flashrt::pdl_trigger();
+    flashrt::pdl_enter();
     fp8_act_quant_impl<__half>(p);
 }

@@ -359,14 +359,28 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
     const float neg_a = -expf(p.a_log[h]);
     const float dt_bias = p.dt_bias[h];
 
-    flashrt::pdl_wait();
-    flashrt::pdl_trigger();
+    flashrt::pdl_enter();
     const int live = flashrt::load_len(p.len);
     if (q.slots && row0 >= live) return; // a batched step's padding row (the whole cluster)
     const int len = q.slots ? 1 : min(live, GDND_ROWS);
     // Activation rows from row0 on (r below counts from there).
     const T* x = static_cast<const T*>(p.qkv) + (size_t)row0 * p.ld_qkv;
     T* cst = flashrt::in_slot(static_cast<T*>(q.conv_state), q.slots, row0);
+    // The norm's gate and the recurrence's a, b for every row, requested first and held in
+    // registers until the conv's loads are in flight too (one trip to L2 for all of them: the
+    // compiler keeps loads after the conv's stores in program order, as the pointers may alias).
+    constexpr int ZPER = (GDND_ROWS * GDND_DV + GDND_THREADS - 1) / GDND_THREADS;
+    float zr[ZPER], ar = 0.0f, br = 0.0f;
+#pragma unroll
+    for (int u = 0; u < ZPER; ++u) {
+        const int i = t + u * GDND_THREADS;
+        zr[u] = i < len * dv ? flashrt::to_f32(static_cast<const T*>(q.z)[(size_t)(row0 + i / dv) * q.ld_z + (size_t)h * dv + i % dv])
+                             : 0.0f;
+    }
+    if (t < len) {
+        ar = flashrt::to_f32(static_cast<const T*>(p.a)[(size_t)(row0 + t) * p.ld_a + h]);
+        br = flashrt::to_f32(static_cast<const T*>(p.b)[(size_t)(row0 + t) * p.ld_b + h]);
+    }
 
     // ---- the causal conv of this thread's channel over the rows, its state rolled
     if (conv_ok) {
@@ -413,14 +427,12 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
         for (int s = 0; s < 3; ++s)
             if (s < K1) cst[(size_t)s * C + ch] = flashrt::from_f32<T>(win[1 + s]);
     }
-    // The norm's gate and the recurrence's a, b for every row.
-    for (int i = t; i < len * dv; i += blockDim.x)
-        zs[i / dv][i % dv] =
-            flashrt::to_f32(static_cast<const T*>(q.z)[(size_t)(row0 + i / dv) * q.ld_z + (size_t)h * dv + i % dv]);
-    if (t < len) {
-        sab[t][0] = flashrt::to_f32(static_cast<const T*>(p.a)[(size_t)(row0 + t) * p.ld_a + h]);
-        sab[t][1] = flashrt::to_f32(static_cast<const T*>(p.b)[(size_t)(row0 + t) * p.ld_b + h]);
+#pragma unroll
+    for (int u = 0; u < ZPER; ++u) {
+        const int i = t + u * GDND_THREADS;
+        if (i < len * dv) zs[i / dv][i % dv] = zr[u];
     }
+    if (t < len) sab[t][0] = ar, sab[t][1] = br;
     // The other blocks' q, k shares through distributed shared memory; the second barrier
     // keeps every block's shared memory alive until the others have read it.
     gdnd_cluster_sync();

@@ -80,6 +80,10 @@ struct GemvParams {
     // FP8 weights: rows and columns of a scale block (`qbc` a multiple of 16).
     int qbr;
     int qbc;
+    // `gemv8m_*` / `gemv16m_*`: steps per warp, after the ring's first slots, asked of the L2
+    // before the PDL wait (0: none); weights only (no earlier kernel writes them), so DRAM
+    // keeps streaming while the prologue waits and runs. Unused by `gemv*`.
+    int pf;
     // `gemv8m_*` / `gemv16m_*` (gemv_mma.cu): the split tiles' partial sums (two slots of 128
     // floats per warp of the launch) and arrival counters (one per warp), all zero between
     // launches.
@@ -401,13 +405,11 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
 // `gemv8_*`: the same over FP8 E4M3 weights with block scales (activations bf16/f16).
 #define FLASHRT_GEMV_ENTRY_T(NAME, R, FEATS, NORM, MINB, FP8)                                             \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##_bf16(const GemvParams p) {   \
-        flashrt::pdl_wait();                                                                             \
-        flashrt::pdl_trigger();                                                                          \
+        flashrt::pdl_enter();                                                                             \
         gemv_impl<__nv_bfloat16, R, FEATS, NORM, FP8>(p);                                               \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##_f16(const GemvParams p) {    \
-        flashrt::pdl_wait();                                                                             \
-        flashrt::pdl_trigger();                                                                          \
+        flashrt::pdl_enter();                                                                             \
         gemv_impl<__half, R, FEATS, NORM, FP8>(p);                                                      \
     }
 #define FLASHRT_GEMV_ENTRY(R)                                                                            \

@@ -356,12 +356,26 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     };
 #pragma unroll
     for (int u = 0; u < EARLY; ++u) fetch(u);
+    // `p.pf` more steps of the current tile asked of the L2 (lane = tile row: half lane / 8,
+    // row lane % 8), so DRAM keeps working while the prologue waits and runs.
+    if (p.pf > 0 && fi < i1 && lane < 16) {
+        int pt = ft, ps = fs;
+        if (ps == spt) ++pt, ps = 0;
+        const int ns = min(min(p.pf, spt - ps), i1 - fi);
+        int mi, j0;
+        gemvm_tile(p, pt, mi, j0);
+        const int h = lane >> 3;
+        const GemvMat& m = p.glu ? p.m[h] : p.m[mi];
+        const int j = (p.glu ? j0 : j0 + 8 * h) + (lane & 7);
+        if (j < m.n)
+            flashrt::prefetch_l2(static_cast<const unsigned char*>(m.w) + (size_t)j * k * WB + (size_t)ps * GEMVM_STEP * WB,
+                                 (unsigned)(ns * GEMVM_STEP * WB));
+    }
     GEMVM_MARK(1);
     // Weights and scales are constant while a plan runs, so the first slots fill before the
     // wait for the previous launch (programmatic dependent launch); the inputs are read after
     // it, the other slots requested after the prologue.
-    flashrt::pdl_wait();
-    flashrt::pdl_trigger();
+    flashrt::pdl_enter();
     GEMVM_MARK(2);
 
     const T* x = static_cast<const T*>(p.x);

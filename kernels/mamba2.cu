@@ -133,18 +133,15 @@ template <typename T, int NPT> static __device__ __forceinline__ void mamba2_imp
 
 #define FLASHRT_M2_ENTRY(D, NPT)                                                                   \
     extern "C" __global__ void __launch_bounds__(M2_WARPS * 32) mamba2_scan_n##D##_bf16(const Mamba2Params p) { \
-        flashrt::pdl_wait();                                                                  \
-        flashrt::pdl_trigger();                                                               \
+        flashrt::pdl_enter();                                                                  \
         mamba2_impl<__nv_bfloat16, NPT>(p);                                                        \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(M2_WARPS * 32) mamba2_scan_n##D##_f16(const Mamba2Params p) {  \
-        flashrt::pdl_wait();                                                                  \
-        flashrt::pdl_trigger();                                                               \
+        flashrt::pdl_enter();                                                                  \
         mamba2_impl<__half, NPT>(p);                                                               \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(M2_WARPS * 32) mamba2_scan_n##D##_f32(const Mamba2Params p) {  \
-        flashrt::pdl_wait();                                                                  \
-        flashrt::pdl_trigger();                                                               \
+        flashrt::pdl_enter();                                                                  \
         mamba2_impl<float, NPT>(p);                                                                \
     }
 
@@ -229,7 +226,7 @@ FLASHRT_M2_ENTRY(256, 32)
 //            Like mamba2_scan_* it continues from `state` and leaves the state after row
 //            len - 1 there, so successive calls (later prefill chunks, decode steps with
 //            mamba2_scan_*) chain; len <= 0: nothing is read or written;
-//   PDL      the entries start with pdl_wait / pdl_trigger, like mamba2_scan_*;
+//   PDL      the entries start with pdl_enter (wait, trigger), like mamba2_scan_*;
 //   alignment none required (no vector loads/stores unless the runtime check above passes;
 //            y is written element by element).
 #define M2C_ROWS 64
@@ -604,13 +601,11 @@ template <typename T, int NK> static __device__ __forceinline__ void m2c_impl(co
 
 #define FLASHRT_M2C_ENTRY(D)                                                                          \
     extern "C" __global__ void __launch_bounds__(M2C_THREADS, 2) mamba2_chunk_n##D##_bf16(const Mamba2Params p) { \
-        flashrt::pdl_wait();                                                                          \
-        flashrt::pdl_trigger();                                                                       \
+        flashrt::pdl_enter();                                                                          \
         m2c_impl<__nv_bfloat16, D>(p);                                                                \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(M2C_THREADS, 2) mamba2_chunk_n##D##_f16(const Mamba2Params p) {  \
-        flashrt::pdl_wait();                                                                          \
-        flashrt::pdl_trigger();                                                                       \
+        flashrt::pdl_enter();                                                                          \
         m2c_impl<__half, D>(p);                                                                       \
     }
 

@@ -889,13 +889,11 @@ template <typename T> static __device__ __forceinline__ void moe_down_mm_impl(co
 
 #define MOE_MM_ENTRY(name)                                                                    \
     extern "C" __global__ void __launch_bounds__(128) name##_bf16(const MoeParams p) {       \
-        flashrt::pdl_wait();                                                                  \
-        flashrt::pdl_trigger();                                                               \
+        flashrt::pdl_enter();                                                                  \
         name##_impl<__nv_bfloat16>(p);                                                        \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) name##_f16(const MoeParams p) {        \
-        flashrt::pdl_wait();                                                                  \
-        flashrt::pdl_trigger();                                                               \
+        flashrt::pdl_enter();                                                                  \
         name##_impl<__half>(p);                                                               \
     }
 

@@ -253,13 +253,11 @@ template <typename T, int S> static __device__ __forceinline__ void moe_down_wg_
 
 #define MOE_WG_ENTRY(name, S, suffix)                                                         \
     extern "C" __global__ void __launch_bounds__(128) name##suffix##_bf16(const MoeParams p) { \
-        flashrt::pdl_wait();                                                                  \
-        flashrt::pdl_trigger();                                                               \
+        flashrt::pdl_enter();                                                                  \
         name##_impl<__nv_bfloat16, S>(p);                                                     \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) name##suffix##_f16(const MoeParams p) {  \
-        flashrt::pdl_wait();                                                                  \
-        flashrt::pdl_trigger();                                                               \
+        flashrt::pdl_enter();                                                                  \
         name##_impl<__half, S>(p);                                                            \
     }
 

@@ -12,7 +12,9 @@
 //   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \
 //       -o gemvm_micro benches/kernels/gemvm_micro.cu
 //   ./gemvm_micro            (MB_STAGE=0: unstaged inputs where there is no norm; build with
-//                             -DGEMVM8_RING=3 etc. for other ring depths)
+//                             -DGEMVM8_RING=3 etc. for other ring depths; MB_PFS=steps: the
+//                             tensor-core kernels' L2 prefetch before the PDL wait, as
+//                             GemvParams::pf)
 //
 // -DGEMVM_NO_FIXUP: split tiles are not finished (wrong outputs), a bound on what finishing
 // them costs. MB_GRID=n: n resident blocks per SM at most (default GEMVM_MINB, as the host). Built with
@@ -232,6 +234,9 @@ int main() {
                         p.qbc = fp8 ? 128 : 1;
                         p.part = part;
                         p.cnt = cnt;
+                        // MB_PFS: the tensor-core kernels' L2 prefetch, steps per warp.
+                        const char* pf = getenv("MB_PFS");
+                        p.pf = pf && !core ? atoi(pf) : 0;
                         for (int m = 0; m < nm; ++m) {
                             p.m[m].w = w[c * nm + m];
                             p.m[m].out = m ? o1 : o0;

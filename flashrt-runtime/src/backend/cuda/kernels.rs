@@ -170,7 +170,7 @@ const PLAIN: &[&str] = &[
     "sample_penalize",
 ];
 
-/// Base names of the kernels whose entry points do NOT start with `flashrt::pdl_wait()` (see
+/// Base names of the kernels whose entry points do NOT start with `flashrt::pdl_enter()` (see
 /// kernels/common.cuh): they are launched with plain stream ordering. Every other `PER_DTYPE`
 /// / `PER_HALF_DTYPE` kernel waits for its predecessor first (`FLASHRT_ENTRY` kernels and
 /// those whose entry macros call the wait) and may be launched with programmatic stream

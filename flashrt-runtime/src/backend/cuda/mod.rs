@@ -203,11 +203,34 @@ pub struct CudaOptions {
     /// that does not (benches/RESULTS.md, the 2026-12-04 15:40 UTC section); the area is
     /// 0.77 GB at that shape. `FLASHRT_ROW_STATES=0` turns it off.
     pub row_states: bool,
+    /// Tensor-core small-phase matmuls (kernels/gemv_mma.cu) ask the L2 for this many more
+    /// 128-column steps per warp before their PDL wait, so DRAM keeps streaming while the
+    /// prologue (inputs, fused norm) waits and runs: `(16-bit weights, FP8 weights)`. On the
+    /// H200 at the 27B shape 4 steps take the tensor-core bf16 decode step from 15.61 to
+    /// 15.34 ms, and cost the FP8 step 0.1 ms (10.14 against 10.26 ms), hence (4, 0)
+    /// (benches/RESULTS.md, 2026-12-04 18:00 UTC; the same prefetch in the CUDA-core `gemv`,
+    /// bytes of each weight row, was slower there and is gone). Default from
+    /// `FLASHRT_GEMV16M_PREFETCH` and `FLASHRT_GEMV8M_PREFETCH`.
+    pub gemvm_prefetch: (u32, u32),
+    /// FP8 small-phase matmuls run on the tensor cores (`gemv_mma`) only where at most this
+    /// many warps of the stream-K launch share a weight tile on average; matrices with few,
+    /// long tiles (the 27B shape's down and out projections: 6.6 warps a tile) take the
+    /// CUDA-core `gemv8_*`, which streams them faster at one row (26.8 / 12.3 us against
+    /// 32.9 / 16.8 on the H200, RESULTS.md 2026-12-04 18:00 UTC). The choice depends on the
+    /// shape alone, so every phase computes a row alike. Default 4 from
+    /// `FLASHRT_GEMV8M_MAX_SPLITS` (`0`: every shape the kernel can run).
+    pub gemv8m_max_splits: u32,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
         let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
+        let num = |var: &str, default: u32| {
+            std::env::var(var)
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(default)
+        };
         Self {
             graphs: on("FLASHRT_CUDA_GRAPHS"),
             pdl: on("FLASHRT_PDL"),
@@ -223,6 +246,11 @@ impl Default for CudaOptions {
             device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
             gemv_tiles: std::env::var("FLASHRT_GEMV_TILES").is_ok_and(|v| v == "1"),
             row_states: on("FLASHRT_ROW_STATES"),
+            gemvm_prefetch: (
+                num("FLASHRT_GEMV16M_PREFETCH", 4),
+                num("FLASHRT_GEMV8M_PREFETCH", 0),
+            ),
+            gemv8m_max_splits: num("FLASHRT_GEMV8M_MAX_SPLITS", 4),
         }
     }
 }
@@ -600,6 +628,8 @@ fn builder<'a>(
         gemv_mma: model.gemv_mma,
         gemv16_mma: model.gemv16_mma,
         gemv_tiles: model.options.gemv_tiles,
+        gemvm_prefetch: model.options.gemvm_prefetch,
+        gemv8m_max_splits: model.options.gemv8m_max_splits,
         gemvm_part: dptr(&exec.gemvm_part),
         gemvm_cnt: dptr(&exec.gemvm_cnt),
         fp8: exec.fp8,

@@ -109,6 +109,9 @@ pub(super) struct GemvParams {
     pub(super) eps: f32,
     pub(super) qbr: i32,
     pub(super) qbc: i32,
+    /// `gemv8m_*` / `gemv16m_*`: steps per warp asked of the L2 before the PDL wait; 0 for
+    /// none ([`Builder::gemvm_prefetch`]).
+    pub(super) pf: i32,
     /// `gemv8m_*` / `gemv16m_*`: split tiles' partial sums and arrival counters
     /// ([`gemvm_sync_bytes`]).
     pub(super) part: u64,
@@ -276,6 +279,18 @@ impl Builder<'_> {
         let mma_shape = k.is_multiple_of(GEMVM_STEP)
             && k >= GEMVM_RING * GEMVM_STEP
             && steps < i32::MAX as usize;
+        // The tensor-core kernel: its steps dealt evenly to up to two resident 8-warp blocks
+        // per SM (at least GEMVM_MIN_STEPS per warp), a grid chosen from the shape alone, so
+        // every row count of a matrix sums in the same order.
+        let mma_grid =
+            (steps / (GEMVM_MIN_STEPS * GEMVM_WARPS)).clamp(1, GEMVM_MINB * self.sms.max(1));
+        // Warps sharing a tile on average: each split tile is finished after its last
+        // contributor's stream ends, a chain that costs a few microseconds at the end of every
+        // launch, so matrices whose tiles fall to many warps (few long tiles: a down or out
+        // projection, 6.6 warps a tile at the 27B shape) stream faster on the CUDA cores at
+        // one row (`CudaOptions::gemv8m_max_splits`).
+        let splits =
+            (k / GEMVM_STEP) as f64 * (mma_grid * GEMVM_WARPS) as f64 / steps.max(1) as f64;
         let mma = match first.weights {
             GemvWeights::Fp8 { block } => {
                 self.gemv_mma
@@ -283,6 +298,7 @@ impl Builder<'_> {
                     && block[1].is_multiple_of(GEMVM_STEP)
                     && (block[1] / GEMVM_STEP).is_power_of_two()
                     && (norm.is_none() || staged <= GEMVM_MAX_SMEM)
+                    && (self.gemv8m_max_splits == 0 || splits <= self.gemv8m_max_splits as f64)
             }
             GemvWeights::Plain => {
                 self.gemv16_mma && mma_shape && (norm.is_none() || staged_max <= GEMVM_MAX_SMEM)
@@ -364,15 +380,15 @@ impl Builder<'_> {
             eps: n.eps,
             qbr,
             qbc,
+            pf: match (mma, first.weights) {
+                (false, _) => 0,
+                (true, GemvWeights::Plain) => self.gemvm_prefetch.0 as i32,
+                (true, GemvWeights::Fp8 { .. }) => self.gemvm_prefetch.1 as i32,
+            },
             part: self.gemvm_part,
             cnt: self.gemvm_cnt,
             m: mats,
         };
-        // The tensor-core kernel: its steps dealt evenly to up to two resident 8-warp blocks
-        // per SM (at least GEMVM_MIN_STEPS per warp), a grid chosen from the shape alone, so
-        // every row count of a matrix sums in the same order.
-        let mma_grid =
-            (steps / (GEMVM_MIN_STEPS * GEMVM_WARPS)).clamp(1, GEMVM_MINB * self.sms.max(1));
         let (suffix, warps) = if mma {
             ("", GEMVM_WARPS)
         } else {

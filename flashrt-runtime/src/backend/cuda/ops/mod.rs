@@ -390,6 +390,12 @@ pub struct Builder<'a> {
     /// Several rows' 16-bit `gemv` launches as resident blocks looping over tiles
     /// ([`Builder::gemv`]; `CudaOptions::gemv_tiles`).
     pub gemv_tiles: bool,
+    /// Steps per warp a tensor-core `gemv` launch asks of the L2 before its PDL wait, over
+    /// 16-bit and FP8 weights (`CudaOptions::gemvm_prefetch`).
+    pub gemvm_prefetch: (u32, u32),
+    /// FP8 matmuls take the tensor-core kernel only where at most this many warps share a
+    /// tile on average (`CudaOptions::gemv8m_max_splits`; 0: wherever it can run).
+    pub gemv8m_max_splits: u32,
     /// The session's FP8 scratch ([`fp8_scratch_needs`]).
     pub fp8: Fp8Scratch,
     /// Build the decode plan as a batched step of `rows` sessions (`arenas.state` is then 0, so
@@ -752,6 +758,7 @@ impl Builder<'_> {
             eps: 0.0,
             qbr,
             qbc,
+            pf: 0,
             part: 0,
             cnt: 0,
             m,
