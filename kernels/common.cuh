@@ -156,7 +156,7 @@ static __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcont
 // The start of a PDL-ready entry: wait, then let the next kernel launch. (Triggering first, so
 // that a chain of short kernels is resident ahead of its predecessor's end, measured slower on
 // the H200 for every model: 27B decode 13.91 against 13.67 ms, FP8 10.44 / 10.15, 35B-A3B
-// 3.56 / 3.49; benches/RESULTS.md, 2026-12-04 18:00 UTC.)
+// 3.56 / 3.49; benches/RESULTS.md, 2026-12-04 17:55 UTC.)
 static __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_trigger();

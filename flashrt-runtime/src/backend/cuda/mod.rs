@@ -208,7 +208,7 @@ pub struct CudaOptions {
     /// prologue (inputs, fused norm) waits and runs: `(16-bit weights, FP8 weights)`. On the
     /// H200 at the 27B shape 4 steps take the tensor-core bf16 decode step from 15.61 to
     /// 15.34 ms, and cost the FP8 step 0.1 ms (10.14 against 10.26 ms), hence (4, 0)
-    /// (benches/RESULTS.md, 2026-12-04 18:00 UTC; the same prefetch in the CUDA-core `gemv`,
+    /// (benches/RESULTS.md, 2026-12-04 17:55 UTC; the same prefetch in the CUDA-core `gemv`,
     /// bytes of each weight row, was slower there and is gone). Default from
     /// `FLASHRT_GEMV16M_PREFETCH` and `FLASHRT_GEMV8M_PREFETCH`.
     pub gemvm_prefetch: (u32, u32),
@@ -216,7 +216,7 @@ pub struct CudaOptions {
     /// many warps of the stream-K launch share a weight tile on average; matrices with few,
     /// long tiles (the 27B shape's down and out projections: 6.6 warps a tile) take the
     /// CUDA-core `gemv8_*`, which streams them faster at one row (26.8 / 12.3 us against
-    /// 32.9 / 16.8 on the H200, RESULTS.md 2026-12-04 18:00 UTC). The choice depends on the
+    /// 32.9 / 16.8 on the H200, RESULTS.md 2026-12-04 17:55 UTC). The choice depends on the
     /// shape alone, so every phase computes a row alike. Default 4 from
     /// `FLASHRT_GEMV8M_MAX_SPLITS` (`0`: every shape the kernel can run).
     pub gemv8m_max_splits: u32,
