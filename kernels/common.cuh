@@ -153,6 +153,13 @@ template <typename P> static __device__ __forceinline__ P* in_slot(P* state, con
 // stays that of the stream while the launch latency overlaps this kernel's execution.
 static __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 static __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// Timing hooks at a kernel's phases (gemv_mma.cu, gated_deltanet.cu): empty in the product; the
+// kernel microbenchmarks built with -DFLASHRT_PROBE (benches/kernels/micro.cuh) stamp each
+// warp's %globaltimer there.
+#ifndef FLASHRT_MARK
+#define FLASHRT_MARK(i)
+#endif
+
 // The start of a PDL-ready entry: wait, then let the next kernel launch. (Triggering first, so
 // that a chain of short kernels is resident ahead of its predecessor's end, measured slower on
 // the H200 for every model: 27B decode 13.91 against 13.67 ms, FP8 10.44 / 10.15, 35B-A3B

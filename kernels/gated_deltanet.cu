@@ -258,10 +258,6 @@ FLASHRT_GDN_ENTRY(256, 64)
 // recurrence, its output rounded to T (stored), then the gated norm of the head's dv outputs
 // (the sum of squares in another order than the norm kernel's: f32 rounding).
 #define GDND_ROWS 8
-// Timing hooks for benches/kernels/gdn_micro.cu (-DGDND_PROBE): empty in the product.
-#ifndef GDND_MARK
-#define GDND_MARK(i)
-#endif
 #define GDND_DK 128
 #define GDND_DV 128
 #define GDND_THREADS (GDND_DV / GDN_COLS_PER_WARP * 32)
@@ -325,7 +321,7 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
     __shared__ float sab[GDND_ROWS][2];
     __shared__ float red[GDND_THREADS / 32];
     const GdnParams& p = q.g;
-    GDND_MARK(0);
+    FLASHRT_MARK(0);
     const int h = blockIdx.x, kh = h / R;
     // This block's first row: 0, or its row of a batched step (the cluster shares blockIdx.y).
     const int row0 = q.slots ? (int)blockIdx.y : 0;
@@ -364,9 +360,9 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
     const float neg_a = -expf(p.a_log[h]);
     const float dt_bias = p.dt_bias[h];
 
-    GDND_MARK(1);
+    FLASHRT_MARK(1);
     flashrt::pdl_enter();
-    GDND_MARK(2);
+    FLASHRT_MARK(2);
     const int live = flashrt::load_len(p.len);
     if (q.slots && row0 >= live) return; // a batched step's padding row (the whole cluster)
     const int len = q.slots ? 1 : min(live, GDND_ROWS);
@@ -440,11 +436,11 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
         if (i < len * dv) zs[i / dv][i % dv] = zr[u];
     }
     if (t < len) sab[t][0] = ar, sab[t][1] = br;
-    GDND_MARK(3);
+    FLASHRT_MARK(3);
     // The other blocks' q, k shares through distributed shared memory; the second barrier
     // keeps every block's shared memory alive until the others have read it.
     gdnd_cluster_sync();
-    GDND_MARK(4);
+    FLASHRT_MARK(4);
     if (R > 1) {
         for (int i = t; i < len * 2 * dk; i += blockDim.x) {
             const int r = i / (2 * dk), c = i % (2 * dk);
@@ -453,7 +449,7 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
         }
         gdnd_cluster_sync();
     }
-    GDND_MARK(5);
+    FLASHRT_MARK(5);
 
     T* mix = static_cast<T*>(p.out) + (size_t)row0 * p.ld_out;
     T* gated = static_cast<T*>(q.gated) + (size_t)row0 * q.ld_gated;
@@ -463,7 +459,7 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
         // ---- the recurrence (gdn_impl's token step)
         const float v = col_ok ? cv[r][j] : 0.0f;
         const float o = gdn_token<RPT>(S, sq, sk, dk, v, sab[r][0], sab[r][1], neg_a, dt_bias, qscale);
-        GDND_MARK(6);
+        FLASHRT_MARK(6);
         if (q.ckpt_state) {
             // The recurrent state after row r (the final store below is the last row's).
             float* ck = reinterpret_cast<float*>(reinterpret_cast<char*>(q.ckpt_state) + (size_t)r * q.ckpt_row_bytes) +
@@ -503,14 +499,14 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
             gated[(size_t)r * q.ld_gated + (size_t)h * dv + t] = flashrt::from_f32<T>(hv * inv * gv);
         }
     }
-    GDND_MARK(7);
+    FLASHRT_MARK(7);
 
 #pragma unroll
     for (int m = 0; m < RPT; ++m) {
         const int i = slice + GDN_SLICES * m;
         if (col_ok && i < dk) st[(size_t)i * dv + j] = S[m];
     }
-    GDND_MARK(8);
+    FLASHRT_MARK(8);
 #else
     __trap(); // sm_90 only; the host never selects it elsewhere
 #endif

@@ -94,10 +94,6 @@
 // Shared-memory row padding of the staged inputs (elements): the input loads of a warp's lanes
 // (rows g, columns 16q or 32q of a step) spread over the banks.
 #define GEMVM_PAD 8
-// Timing hooks for benches/kernels/gemvm_micro.cu (-DGEMVM_PROBE): empty in the product.
-#ifndef GEMVM_MARK
-#define GEMVM_MARK(i)
-#endif
 
 // Two E4M3 codes (first code in the low byte) as an f16x2 (exact).
 static __device__ __forceinline__ uint32_t gemvm_codes(unsigned short c) {
@@ -281,7 +277,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, q = lane & 3;
-    GEMVM_MARK(0);
+    FLASHRT_MARK(0);
     const int k = p.k, spt = k / GEMVM_STEP;
     int tiles = p.m[0].blocks;
     if (!p.glu)
@@ -371,12 +367,12 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             flashrt::prefetch_l2(static_cast<const unsigned char*>(m.w) + (size_t)j * k * WB + (size_t)ps * GEMVM_STEP * WB,
                                  (unsigned)(ns * GEMVM_STEP * WB));
     }
-    GEMVM_MARK(1);
+    FLASHRT_MARK(1);
     // Weights and scales are constant while a plan runs, so the first slots fill before the
     // wait for the previous launch (programmatic dependent launch); the inputs are read after
     // it, the other slots requested after the prologue.
     flashrt::pdl_enter();
-    GEMVM_MARK(2);
+    FLASHRT_MARK(2);
 
     const T* x = static_cast<const T*>(p.x);
     const int row0 = p.last_row ? flashrt::load_len(p.len) - 1 : 0;
@@ -412,7 +408,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
                     for (int e = 0; e < 8; ++e) am[r] = fmaxf(am[r], fabsf(xf[e]));
                 }
             }
-        GEMVM_MARK(7);
+        FLASHRT_MARK(7);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const float v = flashrt::warp_sum(ss[r]);
@@ -423,7 +419,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
         }
     }
     __syncthreads();
-    GEMVM_MARK(8);
+    FLASHRT_MARK(8);
     float inv[R], f[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -471,7 +467,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     __syncthreads();
 #pragma unroll
     for (int u = EARLY; u < RING; ++u) fetch(u);
-    GEMVM_MARK(3);
+    FLASHRT_MARK(3);
     // The input row this lane feeds (column g of the MMA) and its scale.
     const bool feeds = g < R;
     const float fg = feeds ? row_scale[g] : 0.0f;
@@ -654,7 +650,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             }
             // The slot is free again: the warp's next step goes into it.
             fetch(u);
-            if (i == i0) GEMVM_MARK(4);
+            if (i == i0) FLASHRT_MARK(4);
             ++i;
             if (++cs == spt) cs = 0, crossed = true;
         }
@@ -665,10 +661,10 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             ++ct;
         }
     }
-    GEMVM_MARK(5);
+    FLASHRT_MARK(5);
     // The share of a tile the warp's steps end inside, and the one it started inside.
     settle(i0 < i1 && cs != 0 ? ct : -1, acc);
-    GEMVM_MARK(6);
+    FLASHRT_MARK(6);
 }
 
 // `gemv8m_r<R>` / `gemv8m_norm_r<R>` (`p.norm` = 1): blocks of GEMVM_WARPS warps, two per SM

@@ -7,53 +7,17 @@
 //   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \
 //       -o gdn_micro benches/kernels/gdn_micro.cu
 //
-// Built with -DGDND_PROBE, one launch alone is also timed per warp at the kernel's phases
-// (GDND_MARK: entry, state requested, wait passed, conv done, cluster barrier, q / k shared,
-// recurrence, norm stored, state stored), printed as median / last warp in microseconds after
-// the first warp's entry. Figures: benches/RESULTS.md.
-#ifdef GDND_PROBE
-__device__ unsigned long long* g_probe;
-#define GDND_MARK(i)                                                                               \
-    do {                                                                                           \
-        if ((threadIdx.x & 31) == 0 && g_probe) {                                                  \
-            unsigned long long t_;                                                                 \
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                 \
-            const size_t o_ = ((size_t)blockIdx.x * 16 + (threadIdx.x >> 5)) * 10;                \
-            g_probe[o_ + (i)] = t_;                                                                \
-        }                                                                                          \
-    } while (0)
-#endif
+// Built with -DFLASHRT_PROBE (benches/kernels/micro.cuh), one launch alone is also timed per
+// warp at the kernel's phases (FLASHRT_MARK: entry, state requested, wait passed, conv done,
+// cluster barrier, q / k shared, recurrence, norm stored, state stored), printed as median /
+// last warp in microseconds after the first warp's entry. Figures: benches/RESULTS.md.
+#include "micro.cuh"
 #include "gated_deltanet.cu"
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e = (x);                                                                       \
-        if (e != cudaSuccess) {                                                                    \
-            printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));                       \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
-__global__ void fillb(__nv_bfloat16* p, size_t n, unsigned seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        p[i] = __float2bfloat16(((int)(h & 1023) - 512) * scale);
-    }
-}
-__global__ void fillf(float* p, size_t n, unsigned seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
-        p[i] = ((int)(h & 1023) - 512) * scale;
-    }
+// Uniform in about +-512 scale, as T (bf16 or f32).
+template <typename T> __global__ void fill(T* p, size_t n, unsigned seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = (T)(((int)(micro_hash(i, seed) & 1023) - 512) * scale);
 }
 
 int main() {
@@ -68,13 +32,13 @@ int main() {
     auto bf = [&](size_t n, float scale) {
         __nv_bfloat16* p;
         CK(cudaMalloc(&p, n * 2));
-        fillb<<<256, 256>>>(p, n, seed++, scale);
+        fill<<<256, 256>>>(p, n, seed++, scale);
         return p;
     };
     auto f32 = [&](size_t n, float scale) {
         float* p;
         CK(cudaMalloc(&p, n * 4));
-        fillf<<<256, 256>>>(p, n, seed++, scale);
+        fill<<<256, 256>>>(p, n, seed++, scale);
         return p;
     };
     for (int l = 0; l < L; ++l) {
@@ -150,30 +114,15 @@ int main() {
     }
     std::sort(alone.begin(), alone.end());
     printf("gdn_decode_r3 alone: median %.2f us (events around one launch)\n", alone[alone.size() / 2]);
-#ifdef GDND_PROBE
-    const size_t nw = (size_t)HV * 16 * 10;
-    unsigned long long* pb;
-    CK(cudaMalloc(&pb, nw * 8));
-    CK(cudaMemset(pb, 0, nw * 8));
-    CK(cudaMemcpyToSymbol(g_probe, &pb, sizeof pb));
-    CK(cudaLaunchKernelEx(&cfg, gdn_decode_r3_bf16, ps[5]));
-    CK(cudaDeviceSynchronize());
-    std::vector<unsigned long long> hp(nw);
-    CK(cudaMemcpy(hp.data(), pb, nw * 8, cudaMemcpyDeviceToHost));
-    unsigned long long t0 = ~0ull;
-    for (size_t w = 0; w < nw / 10; ++w)
-        if (hp[w * 10]) t0 = std::min(t0, hp[w * 10]);
+#ifdef FLASHRT_PROBE
+    const auto hp = probe_run((size_t)HV * (GDND_THREADS / 32), [&] {
+        CK(cudaLaunchKernelEx(&cfg, gdn_decode_r3_bf16, ps[5]));
+        CK(cudaDeviceSynchronize());
+    });
     const char* names[9] = {"entry", "state-req", "wait", "conv", "cluster1", "qk-shared", "token", "norm", "end"};
+    const int order[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8};
     printf("probe (one launch alone, us after the first entry, median / last warp):");
-    for (int m = 0; m < 9; ++m) {
-        std::vector<double> v;
-        for (size_t w = 0; w < nw / 10; ++w)
-            if (hp[w * 10 + m]) v.push_back((hp[w * 10 + m] - t0) * 1e-3);
-        if (v.empty()) continue;
-        std::sort(v.begin(), v.end());
-        printf(" %s %.2f/%.2f", names[m], v[v.size() / 2], v.back());
-    }
-    printf("\n");
+    probe_print(hp, names, order, 9);
 #endif
     return 0;
 }

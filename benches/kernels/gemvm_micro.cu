@@ -17,40 +17,18 @@
 //                             GemvParams::pf)
 //
 // -DGEMVM_NO_FIXUP: split tiles are not finished (wrong outputs), a bound on what finishing
-// them costs. MB_GRID=n: n resident blocks per SM at most (default GEMVM_MINB, as the host). Built with
-// -DGEMVM_PROBE, each tensor-core case is also launched once alone with per-warp timestamps at
-// the kernel's phases (entry, ring issued, PDL wait, prologue, first step, loop end, end),
-// printed as median / max microseconds after the first warp's entry.
+// them costs. MB_GRID=n: n resident blocks per SM at most (default GEMVM_MINB, as the host).
+// Built with -DFLASHRT_PROBE (benches/kernels/micro.cuh), each tensor-core case is also launched
+// once alone with per-warp timestamps at the kernel's phases (entry, ring issued, PDL wait,
+// prologue, first step, loop end, end), printed as median / max microseconds after the first
+// warp's entry.
 //
 // Figures: benches/RESULTS.md.
-#ifdef GEMVM_PROBE
-__device__ unsigned long long* g_probe;
-#define GEMVM_MARK(i)                                                                              \
-    do {                                                                                           \
-        if ((threadIdx.x & 31) == 0 && g_probe) {                                                  \
-            unsigned long long t_;                                                                 \
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                 \
-            const size_t o_ = ((size_t)blockIdx.x * GEMVM_WARPS + (threadIdx.x >> 5)) * 10;       \
-            g_probe[o_ + (i)] = t_;                                                                \
-        }                                                                                          \
-    } while (0)
-#endif
+#include "micro.cuh"
 #include "gemv.cu"
 #include "gemv_mma.cu"
-#include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <vector>
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e = (x);                                                                       \
-        if (e != cudaSuccess) {                                                                    \
-            printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));                       \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 __global__ void readall(const uint4* p, size_t n, unsigned* out) {
     unsigned a = 0;
@@ -62,28 +40,20 @@ __global__ void readall(const uint4* p, size_t n, unsigned* out) {
 }
 __global__ void fill8(unsigned char* p, size_t n, unsigned seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
+        const unsigned h = micro_hash(i, seed);
         p[i] = (unsigned char)(h & 0x77);
     }
 }
 // bf16 weights, uniform in about +-0.03.
 __global__ void fill16(__nv_bfloat16* p, size_t n, unsigned seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        h ^= h >> 13;
+        const unsigned h = micro_hash(i, seed);
         p[i] = __float2bfloat16(((int)(h & 1023) - 512) * 6e-5f);
     }
 }
 __global__ void fillf(float* p, size_t n, unsigned seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        p[i] = 0.001f * (1 + (h & 255));
+        p[i] = 0.001f * (1 + (micro_hash(i, seed) & 255));
     }
 }
 __global__ void fillx(__nv_bfloat16* p, size_t n) {
@@ -278,39 +248,20 @@ int main() {
                     const double us = ms * 1e3 / iters;
                     printf("   %-6s R=%d grid=%5d smem=%6zu  %8.2f us %5.2f TB/s\n", core ? "cores" : "mma", R, grid,
                            smem, us, bytes / us / 1e6);
-#ifdef GEMVM_PROBE
+#ifdef FLASHRT_PROBE
                     if (!core) {
-                        const size_t nw8 = (size_t)grid * GEMVM_WARPS * 10;
-                        unsigned long long* pb;
-                        CK(cudaMalloc(&pb, nw8 * 8));
-                        CK(cudaMemset(pb, 0, nw8 * 8));
-                        CK(cudaMemcpyToSymbol(g_probe, &pb, sizeof pb));
-                        cudaEventRecord(e0);
-                        CK(cudaLaunchKernelEx(&cfg, f, ps[1 % copies]));
-                        cudaEventRecord(e1);
-                        CK(cudaDeviceSynchronize());
-                        float mp;
-                        cudaEventElapsedTime(&mp, e0, e1);
-                        unsigned long long* nul = nullptr;
-                        CK(cudaMemcpyToSymbol(g_probe, &nul, sizeof nul));
-                        std::vector<unsigned long long> hp(nw8);
-                        CK(cudaMemcpy(hp.data(), pb, nw8 * 8, cudaMemcpyDeviceToHost));
-                        cudaFree(pb);
-                        unsigned long long t0 = ~0ull;
-                        for (size_t wv = 0; wv < nw8 / 10; ++wv) t0 = std::min(t0, hp[wv * 10]);
+                        float mp = 0;
+                        const auto hp = probe_run((size_t)grid * GEMVM_WARPS, [&] {
+                            cudaEventRecord(e0);
+                            CK(cudaLaunchKernelEx(&cfg, f, ps[1 % copies]));
+                            cudaEventRecord(e1);
+                            CK(cudaDeviceSynchronize());
+                            cudaEventElapsedTime(&mp, e0, e1);
+                        });
                         printf("     probe (alone, event %.2f us):", mp * 1e3);
                         const char* names[9] = {"entry", "ring", "pdl", "loads", "sync1", "prologue", "first", "loop", "end"};
                         const int order[9] = {0, 1, 2, 7, 8, 3, 4, 5, 6};
-                        for (int mi = 0; mi < 9; ++mi) {
-                            const int m = order[mi];
-                            std::vector<double> v;
-                            for (size_t wv = 0; wv < nw8 / 10; ++wv)
-                                if (hp[wv * 10 + m]) v.push_back((hp[wv * 10 + m] - t0) * 1e-3);
-                            if (v.empty()) continue;
-                            std::sort(v.begin(), v.end());
-                            printf(" %s %.2f/%.2f", names[mi], v[v.size() / 2], v.back());
-                        }
-                        printf("\n");
+                        probe_print(hp, names, order, 9);
                     }
 #endif
                 }
