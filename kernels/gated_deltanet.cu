@@ -99,9 +99,14 @@ struct GdnParams {
 // lane = column (lane & 7) x row slice (lane >> 3), rows i = slice + 4 m): q, k (dk floats, as
 // loaded) in shared memory, v of the thread's column, the token's a and b. Updates S in place
 // and returns out[j] = S_new^T q for the column (every lane of the column's 4 slices).
-template <int RPT>
-static __device__ __forceinline__ float gdn_token(float (&S)[RPT], const float* sq, const float* sk, int dk, float v,
-                                                  float av, float bv, float neg_a, float dt_bias, float qscale) {
+// FULL: dk == RPT * GDN_SLICES, so no row is predicated off and the compiler can issue the
+// shared-memory loads ahead of the multiply-adds (with a run-time bound it serialises each load
+// and its use: ~1.5 us a token at dk = 128). Both forms do the same operations in the same order
+// (the products pinned with intrinsics, so contraction cannot differ between them).
+template <int RPT, bool FULL>
+static __device__ __forceinline__ float gdn_token_impl(float (&S)[RPT], const float* sq, const float* sk, int dk,
+                                                       float v, float av, float bv, float neg_a, float dt_bias,
+                                                       float qscale) {
     constexpr int DK_MAX = RPT * GDN_SLICES;
     const int lane = threadIdx.x & 31, slice = lane >> 3;
     // Norms and k.q: every warp computes them redundantly (no extra barrier).
@@ -109,11 +114,11 @@ static __device__ __forceinline__ float gdn_token(float (&S)[RPT], const float* 
 #pragma unroll
     for (int m = 0; m < (DK_MAX + 31) / 32; ++m) {
         const int i = lane + 32 * m;
-        if (i < dk) {
+        if ((FULL && DK_MAX % 32 == 0) || i < dk) {
             const float qi = sq[i], ki = sk[i];
-            qq += qi * qi;
-            kk += ki * ki;
-            kq += ki * qi;
+            qq = __fmaf_rn(qi, qi, qq);
+            kk = __fmaf_rn(ki, ki, kk);
+            kq = __fmaf_rn(ki, qi, kq);
         }
     }
     qq = flashrt::warp_sum(qq);
@@ -121,15 +126,19 @@ static __device__ __forceinline__ float gdn_token(float (&S)[RPT], const float* 
     kq = flashrt::warp_sum(kq);
     const float inv_q = 1.0f / sqrtf(qq + 1e-6f) * qscale;
     const float inv_k = 1.0f / sqrtf(kk + 1e-6f);
+    FLASHRT_MARK(9);
 
     // Old-state contractions S^T k and S^T q over this thread's rows, then over slices.
+    float kr[RPT];
     float sk_acc = 0.0f, sq_acc = 0.0f;
 #pragma unroll
     for (int m = 0; m < RPT; ++m) {
         const int i = slice + GDN_SLICES * m;
-        if (i < dk) {
-            sk_acc += S[m] * sk[i];
-            sq_acc += S[m] * sq[i];
+        kr[m] = 0.0f;
+        if (FULL || i < dk) {
+            kr[m] = sk[i];
+            sk_acc = __fmaf_rn(S[m], kr[m], sk_acc);
+            sq_acc = __fmaf_rn(S[m], sq[i], sq_acc);
         }
     }
     sk_acc += __shfl_xor_sync(0xffffffffu, sk_acc, 8);
@@ -145,9 +154,16 @@ static __device__ __forceinline__ float gdn_token(float (&S)[RPT], const float* 
 #pragma unroll
     for (int m = 0; m < RPT; ++m) {
         const int i = slice + GDN_SLICES * m;
-        if (i < dk) S[m] = e * S[m] + sk[i] * dk_scaled;
+        if (FULL || i < dk) S[m] = __fmaf_rn(S[m], e, __fmul_rn(kr[m], dk_scaled));
     }
     return o;
+}
+
+template <int RPT>
+static __device__ __forceinline__ float gdn_token(float (&S)[RPT], const float* sq, const float* sk, int dk, float v,
+                                                  float av, float bv, float neg_a, float dt_bias, float qscale) {
+    return dk == RPT * GDN_SLICES ? gdn_token_impl<RPT, true>(S, sq, sk, dk, v, av, bv, neg_a, dt_bias, qscale)
+                                  : gdn_token_impl<RPT, false>(S, sq, sk, dk, v, av, bv, neg_a, dt_bias, qscale);
 }
 
 template <typename T, int RPT> static __device__ __forceinline__ void gdn_impl(const GdnParams& p) {
@@ -243,24 +259,29 @@ FLASHRT_GDN_ENTRY(64, 16)
 FLASHRT_GDN_ENTRY(128, 32)
 FLASHRT_GDN_ENTRY(256, 64)
 
-// ---- gdn_decode_r{1,2,3,4}: small phases, conv + recurrence + gated RMSNorm in one launch ----
+// ---- gdn_decode_r{R}_c{NB}: small phases, conv + recurrence + gated RMSNorm in one launch ----
 // Decode and verify (<= GDND_ROWS rows, dk <= 128, dv <= 128 a multiple of 32, conv taps <= 4,
 // 16-bit targets, sm_90): the causal conv before the recurrence and the gated RMSNorm after it
-// (ops `CausalConv1d`, `GatedDeltaNet`, `GatedRmsNorm` of one layer) in one launch. grid = Hv,
-// one block per value head with the token kernel's thread layout (dv / 8 warps, 4 row slices
-// per column, the state slice in registers), in clusters of the R = Hv / Hk value heads that
-// share a key head. Every conv channel has one owner, so its state rolls without a race: each
-// block convolves its head's v channels and a 1 / R share of the key head's q and k channels,
-// and the cluster's blocks read each other's q, k through distributed shared memory. The
-// recurrent state and every weight are loaded before the wait for the predecessor (nothing
-// earlier in a step writes them). Each value is computed as the separate kernels compute it:
-// the conv output rounded to T (and stored, as the conv op stores it), the token kernel's
-// recurrence, its output rounded to T (stored), then the gated norm of the head's dv outputs
-// (the sum of squares in another order than the norm kernel's: f32 rounding).
+// (ops `CausalConv1d`, `GatedDeltaNet`, `GatedRmsNorm` of one layer) in one launch. A value
+// head's state is split by columns over NB blocks (grid = Hv * NB; NB = 1, 2 or 4: 128, 64 or
+// 32 columns a block, 16, 8 or 4 warps) with the token kernel's thread layout (8 columns x 4
+// row slices a warp, the state slice in registers); the blocks of the R = Hv / Hk value heads
+// that share a key head form one thread-block cluster (R * NB blocks). More, smaller blocks
+// spread a layer's state loads and its serial token step over more SMs: a launch's critical
+// path is one block's loads and token steps, not the device's bandwidth.
+// Every conv channel has one owner in the cluster, so its state rolls without a race: block
+// (h, c) convolves the v channels of its columns and a 1 / (R NB) share of the key head's q and
+// k channels, and writes the q, k outputs into every cluster block's shared memory
+// (distributed shared memory stores before the first cluster barrier). The recurrent state and
+// every weight are loaded before the wait for the predecessor (nothing earlier in a step writes
+// them). Each value is computed as the separate kernels compute it: the conv output rounded to
+// T (and stored, as the conv op stores it), the token kernel's recurrence, its output rounded to
+// T (stored), then the gated norm of the head's dv outputs: each 32-column group's sum of squares
+// (a warp sum) sent to the head's NB blocks before the second cluster barrier, and added in
+// group order, whatever NB is (the sum in another order than the norm kernel's: f32 rounding).
 #define GDND_ROWS 8
 #define GDND_DK 128
 #define GDND_DV 128
-#define GDND_THREADS (GDND_DV / GDN_COLS_PER_WARP * 32)
 
 struct GdnDecodeParams {
     GdnParams g;            // qkv: the conv's input (pre-conv); out: the recurrence's output
@@ -298,47 +319,66 @@ static __device__ __forceinline__ unsigned gdnd_rank() {
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
     return r;
 }
+// The cluster barrier in two halves: a block's distributed shared memory may be written only once
+// every block of the cluster runs, so each block arrives at entry and waits before its first
+// remote store.
+static __device__ __forceinline__ void gdnd_cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+static __device__ __forceinline__ void gdnd_cluster_wait() {
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+}
 static __device__ __forceinline__ void gdnd_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// f32 at `local` (this block's shared memory address) in the shared memory of cluster block `rank`.
-static __device__ __forceinline__ float gdnd_remote(const float* local, unsigned rank) {
+// Stores v at `local` (an address in this block's shared memory) in the shared memory of
+// cluster block `rank` (visible there after the next cluster barrier).
+static __device__ __forceinline__ void gdnd_put(float* local, unsigned rank, float v) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(local);
     unsigned ra;
-    float v;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
-    return v;
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
 }
 #endif
 
-template <typename T, int R> static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q) {
+// Threads of a block of gdn_decode_*_c{NB}: one warp per 8 of its GDND_DV / NB columns.
+#define GDND_THREADS(NB) (GDND_DV / (NB) / GDN_COLS_PER_WARP * 32)
+
+template <typename T, int R, int NB> static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int RPT = GDND_DK / GDN_SLICES;
+    constexpr int COLS = GDND_DV / NB; // value columns of this block
+    constexpr int THREADS = GDND_THREADS(NB);
+    constexpr int GROUPS = GDND_DV / 32; // 32-column groups of a head (the norm's partial sums)
     __shared__ float cqk[GDND_ROWS][2 * GDND_DK]; // q then k, after the conv (T-rounded)
-    __shared__ float cv[GDND_ROWS][GDND_DV];
-    __shared__ float zs[GDND_ROWS][GDND_DV], so[GDND_DV];
+    __shared__ float cv[GDND_ROWS][COLS];
+    __shared__ float zs[GDND_ROWS][COLS], so[GDND_ROWS][COLS];
     __shared__ float sab[GDND_ROWS][2];
-    __shared__ float red[GDND_THREADS / 32];
+    __shared__ float red[GDND_ROWS][GROUPS];
     const GdnParams& p = q.g;
     FLASHRT_MARK(0);
-    const int h = blockIdx.x, kh = h / R;
+    gdnd_cluster_arrive();
+    const int h = blockIdx.x / NB, cb = blockIdx.x % NB, kh = h / R;
+    const int c0 = cb * COLS; // this block's first column
     // This block's first row: 0, or its row of a batched step (the cluster shares blockIdx.y).
     const int row0 = q.slots ? (int)blockIdx.y : 0;
-    const unsigned rank = gdnd_rank(); // == h % R
+    const unsigned rank = gdnd_rank(); // == blockIdx.x % (R * NB)
+    const unsigned head0 = rank - (unsigned)cb; // the rank of this head's first block
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int dk = p.key_dim, dv = p.value_dim;
     const int slice = lane >> 3;
-    const int j = warp * GDN_COLS_PER_WARP + (lane & 7);
+    const int j = c0 + warp * GDN_COLS_PER_WARP + (lane & 7); // the recurrence's column
     const bool col_ok = j < dv;
     const int C = 2 * p.key_heads * dk + p.value_heads * dv;
     const int K = q.conv_k, K1 = K - 1;
-    // This thread's conv channel: a v channel of the head, or one of the block's share of the
-    // key head's 2 dk q, k channels (index qi).
-    const int t = threadIdx.x, share = (2 * dk + R - 1) / R;
-    const int qi = t < dv ? -1 : (int)rank * share + (t - dv);
-    const bool conv_ok = t < dv || (t - dv < share && qi < 2 * dk);
-    const int ch = t < dv ? 2 * p.key_heads * dk + h * dv + t
+    // This thread's conv channel: the v channel of column c0 + t (t < COLS), or one of the
+    // block's share of the key head's 2 dk q, k channels (index qi).
+    const int t = threadIdx.x, share = (2 * dk + R * NB - 1) / (R * NB);
+    const int jn = c0 + t; // the norm's column (t < COLS)
+    const bool vrole = t < COLS;
+    const int qi = vrole ? -1 : (int)rank * share + (t - COLS);
+    const bool conv_ok = vrole ? jn < dv : (t - COLS < share && qi < 2 * dk);
+    const int ch = vrole ? 2 * p.key_heads * dk + h * dv + jn
                  : qi < dk ? kh * dk + qi
                            : p.key_heads * dk + kh * dk + (qi - dk);
 
@@ -351,14 +391,24 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
         S[m] = (col_ok && i < dk) ? st[(size_t)i * dv + j] : 0.0f;
     }
     // The taps left-padded with zeros to 4 (conv_vec's order: exact zeros first).
-    float cw[4], cb = 0.0f;
+    float cw[4], cbias = 0.0f;
 #pragma unroll
     for (int u = 0; u < 4; ++u) cw[u] = (conv_ok && u >= 4 - K) ? q.conv_w[(size_t)ch * K + u - (4 - K)] : 0.0f;
-    if (conv_ok && q.conv_b) cb = q.conv_b[ch];
-    const float nw = t < dv ? q.norm_w[q.shared_weight ? t : (size_t)h * dv + t] : 0.0f;
+    if (conv_ok && q.conv_b) cbias = q.conv_b[ch];
+    const bool norm_ok = vrole && jn < dv;
+    const float nw = norm_ok ? q.norm_w[q.shared_weight ? jn : (size_t)h * dv + jn] : 0.0f;
     const float qscale = rsqrtf((float)dk);
     const float neg_a = -expf(p.a_log[h]);
     const float dt_bias = p.dt_bias[h];
+    // The conv's window of the last 4 times (win[3] = the newest), starting with its state's
+    // rows (only this layer's launch of the previous step wrote them).
+    T* cst = flashrt::in_slot(static_cast<T*>(q.conv_state), q.slots, row0);
+    float win[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int s = K1 + m - 4; // state row of time m - 4 (none before the oldest)
+        win[m] = conv_ok && s >= 0 ? flashrt::to_f32(cst[(size_t)s * C + ch]) : 0.0f;
+    }
 
     FLASHRT_MARK(1);
     flashrt::pdl_enter();
@@ -368,17 +418,17 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
     const int len = q.slots ? 1 : min(live, GDND_ROWS);
     // Activation rows from row0 on (r below counts from there).
     const T* x = static_cast<const T*>(p.qkv) + (size_t)row0 * p.ld_qkv;
-    T* cst = flashrt::in_slot(static_cast<T*>(q.conv_state), q.slots, row0);
     // The norm's gate and the recurrence's a, b for every row, requested first and held in
     // registers until the conv's loads are in flight too (one trip to L2 for all of them: the
     // compiler keeps loads after the conv's stores in program order, as the pointers may alias).
-    constexpr int ZPER = (GDND_ROWS * GDND_DV + GDND_THREADS - 1) / GDND_THREADS;
+    constexpr int ZPER = (GDND_ROWS * COLS + THREADS - 1) / THREADS;
     float zr[ZPER], ar = 0.0f, br = 0.0f;
 #pragma unroll
     for (int u = 0; u < ZPER; ++u) {
-        const int i = t + u * GDND_THREADS;
-        zr[u] = i < len * dv ? flashrt::to_f32(static_cast<const T*>(q.z)[(size_t)(row0 + i / dv) * q.ld_z + (size_t)h * dv + i % dv])
-                             : 0.0f;
+        const int i = t + u * THREADS, r = i / COLS, c = i % COLS;
+        zr[u] = r < len && c0 + c < dv
+                    ? flashrt::to_f32(static_cast<const T*>(q.z)[(size_t)(row0 + r) * q.ld_z + (size_t)h * dv + c0 + c])
+                    : 0.0f;
     }
     if (t < len) {
         ar = flashrt::to_f32(static_cast<const T*>(p.a)[(size_t)(row0 + t) * p.ld_a + h]);
@@ -386,14 +436,8 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
     }
 
     // ---- the causal conv of this thread's channel over the rows, its state rolled
+    gdnd_cluster_wait(); // every block of the cluster runs (entry's arrival)
     if (conv_ok) {
-        // A window of the last 4 times (win[3] = the newest), starting with the state's rows.
-        float win[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const int s = K1 + m - 4; // state row of time m - 4 (none before the oldest)
-            win[m] = s >= 0 ? flashrt::to_f32(cst[(size_t)s * C + ch]) : 0.0f;
-        }
         T* co = static_cast<T*>(q.conv_out) + (size_t)row0 * q.ld_conv_out;
 #pragma unroll 1
         for (int r = 0; r < len; ++r) {
@@ -401,13 +445,18 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
             for (int m = 0; m < 3; ++m) win[m] = win[m + 1];
             win[3] = flashrt::to_f32(x[(size_t)r * p.ld_qkv + ch]);
             // out[r] = act(bias + sum_j w[j] u[r - K1 + j]), taps in order, as conv_vec.
-            float acc = cb;
+            float acc = cbias;
 #pragma unroll
             for (int u0 = 0; u0 < 4; ++u0) acc += cw[u0] * win[u0];
             const T o = flashrt::from_f32<T>(flashrt::apply_act(q.act, acc));
             co[(size_t)r * q.ld_conv_out + ch] = o;
-            if (t < dv) cv[r][t] = flashrt::to_f32(o);
-            else cqk[r][qi] = flashrt::to_f32(o);
+            if (vrole) {
+                cv[r][t] = flashrt::to_f32(o);
+            } else {
+                // Every block of the cluster needs the key head's q and k.
+#pragma unroll 1
+                for (unsigned b = 0; b < (unsigned)(R * NB); ++b) gdnd_put(&cqk[r][qi], b, flashrt::to_f32(o));
+            }
             if (q.ckpt_conv) {
                 // The state after row r: its last K1 inputs, win[4 - K1 .. 3], oldest first.
                 T* ck = reinterpret_cast<T*>(static_cast<char*>(q.ckpt_conv) + (size_t)r * q.ckpt_row_bytes);
@@ -432,24 +481,14 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
     }
 #pragma unroll
     for (int u = 0; u < ZPER; ++u) {
-        const int i = t + u * GDND_THREADS;
-        if (i < len * dv) zs[i / dv][i % dv] = zr[u];
+        const int i = t + u * THREADS;
+        if (i < len * COLS) zs[i / COLS][i % COLS] = zr[u];
     }
     if (t < len) sab[t][0] = ar, sab[t][1] = br;
     FLASHRT_MARK(3);
-    // The other blocks' q, k shares through distributed shared memory; the second barrier
-    // keeps every block's shared memory alive until the others have read it.
+    // Every block's q, k shares (and this block's v, z, a, b) in place.
     gdnd_cluster_sync();
     FLASHRT_MARK(4);
-    if (R > 1) {
-        for (int i = t; i < len * 2 * dk; i += blockDim.x) {
-            const int r = i / (2 * dk), c = i % (2 * dk);
-            const unsigned owner = (unsigned)(c / share);
-            if (owner != rank) cqk[r][c] = gdnd_remote(&cqk[r][c], owner);
-        }
-        gdnd_cluster_sync();
-    }
-    FLASHRT_MARK(5);
 
     T* mix = static_cast<T*>(p.out) + (size_t)row0 * p.ld_out;
     T* gated = static_cast<T*>(q.gated) + (size_t)row0 * q.ld_gated;
@@ -457,7 +496,8 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
         const float* sq = cqk[r];
         const float* sk = cqk[r] + dk;
         // ---- the recurrence (gdn_impl's token step)
-        const float v = col_ok ? cv[r][j] : 0.0f;
+        const float v = col_ok ? cv[r][j - c0] : 0.0f;
+        FLASHRT_MARK(5);
         const float o = gdn_token<RPT>(S, sq, sk, dk, v, sab[r][0], sab[r][1], neg_a, dt_bias, qscale);
         FLASHRT_MARK(6);
         if (q.ckpt_state) {
@@ -473,38 +513,50 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
         if (col_ok && slice == 0) {
             const T ot = flashrt::from_f32<T>(o);
             mix[(size_t)r * p.ld_out + (size_t)h * dv + j] = ot;
-            so[j] = flashrt::to_f32(ot);
-        }
-        __syncthreads();
-        // ---- the gated RMSNorm of the head's dv outputs (thread t = column t)
-        float hv = 0.0f, gv = 0.0f;
-        if (t < dv) {
-            const float xv = so[t];
-            const float sz = flashrt::apply_act(flashrt::ACT_SILU, zs[r][t]);
-            if (q.gate_then_norm) {
-                hv = xv * sz;
-                gv = nw;
-            } else {
-                hv = xv;
-                gv = nw * sz;
-            }
-        }
-        const float ss = flashrt::warp_sum(hv * hv);
-        if (lane == 0) red[warp] = ss;
-        __syncthreads();
-        if (t < dv) {
-            float tot = 0.0f;
-            for (int w = 0; w < dv / 32; ++w) tot += red[w];
-            const float inv = 1.0f / sqrtf(tot / (float)dv + q.eps);
-            gated[(size_t)r * q.ld_gated + (size_t)h * dv + t] = flashrt::from_f32<T>(hv * inv * gv);
+            so[r][j - c0] = flashrt::to_f32(ot);
         }
     }
-    FLASHRT_MARK(7);
-
 #pragma unroll
     for (int m = 0; m < RPT; ++m) {
         const int i = slice + GDN_SLICES * m;
         if (col_ok && i < dk) st[(size_t)i * dv + j] = S[m];
+    }
+    __syncthreads();
+    // ---- the gated RMSNorm of the head's dv outputs (thread t = column c0 + t): each 32-column
+    // group's sum of squares to the head's NB blocks, then every group's in order
+    float hv[GDND_ROWS], gv[GDND_ROWS];
+#pragma unroll
+    for (int r = 0; r < GDND_ROWS; ++r) {
+        hv[r] = 0.0f, gv[r] = 0.0f;
+        if (r < len && norm_ok) {
+            const float xv = so[r][t];
+            const float sz = flashrt::apply_act(flashrt::ACT_SILU, zs[r][t]);
+            if (q.gate_then_norm) {
+                hv[r] = xv * sz;
+                gv[r] = nw;
+            } else {
+                hv[r] = xv;
+                gv[r] = nw * sz;
+            }
+        }
+        if (r < len && t < COLS) {
+            const float ss = flashrt::warp_sum(hv[r] * hv[r]);
+            if (lane == 0 && c0 + t < dv)
+                for (unsigned b = 0; b < (unsigned)NB; ++b) gdnd_put(&red[r][(c0 + t) / 32], head0 + b, ss);
+        }
+    }
+    FLASHRT_MARK(7);
+    gdnd_cluster_sync();
+    if (norm_ok) {
+#pragma unroll
+        for (int r = 0; r < GDND_ROWS; ++r) {
+            if (r < len) {
+                float tot = 0.0f;
+                for (int w = 0; w < dv / 32; ++w) tot += red[r][w];
+                const float inv = 1.0f / sqrtf(tot / (float)dv + q.eps);
+                gated[(size_t)r * q.ld_gated + (size_t)h * dv + jn] = flashrt::from_f32<T>(hv[r] * inv * gv[r]);
+            }
+        }
     }
     FLASHRT_MARK(8);
 #else
@@ -513,24 +565,32 @@ template <typename T, int R> static __device__ __forceinline__ void gdn_decode_i
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-#define GDND_CLUSTER(r) __cluster_dims__(r, 1, 1)
+#define GDND_CLUSTER(n) __cluster_dims__(n, 1, 1)
 #else
-#define GDND_CLUSTER(r)
+#define GDND_CLUSTER(n)
 #endif
-#define FLASHRT_GDND_ENTRY(R)                                                                          \
-    extern "C" __global__ void GDND_CLUSTER(R) __launch_bounds__(GDND_THREADS)                        \
-        gdn_decode_r##R##_bf16(const GdnDecodeParams p) {                                              \
-        gdn_decode_impl<__nv_bfloat16, R>(p);                                                          \
+#define FLASHRT_GDND_ENTRY(R, NB)                                                                      \
+    extern "C" __global__ void GDND_CLUSTER(R * NB) __launch_bounds__(GDND_THREADS(NB))               \
+        gdn_decode_r##R##_c##NB##_bf16(const GdnDecodeParams p) {                                      \
+        gdn_decode_impl<__nv_bfloat16, R, NB>(p);                                                      \
     }                                                                                                  \
-    extern "C" __global__ void GDND_CLUSTER(R) __launch_bounds__(GDND_THREADS)                        \
-        gdn_decode_r##R##_f16(const GdnDecodeParams p) {                                               \
-        gdn_decode_impl<__half, R>(p);                                                                 \
+    extern "C" __global__ void GDND_CLUSTER(R * NB) __launch_bounds__(GDND_THREADS(NB))               \
+        gdn_decode_r##R##_c##NB##_f16(const GdnDecodeParams p) {                                       \
+        gdn_decode_impl<__half, R, NB>(p);                                                             \
     }
 
-FLASHRT_GDND_ENTRY(1)
-FLASHRT_GDND_ENTRY(2)
-FLASHRT_GDND_ENTRY(3)
-FLASHRT_GDND_ENTRY(4)
+FLASHRT_GDND_ENTRY(1, 1)
+FLASHRT_GDND_ENTRY(2, 1)
+FLASHRT_GDND_ENTRY(3, 1)
+FLASHRT_GDND_ENTRY(4, 1)
+FLASHRT_GDND_ENTRY(1, 2)
+FLASHRT_GDND_ENTRY(2, 2)
+FLASHRT_GDND_ENTRY(3, 2)
+FLASHRT_GDND_ENTRY(4, 2)
+FLASHRT_GDND_ENTRY(1, 4)
+FLASHRT_GDND_ENTRY(2, 4)
+FLASHRT_GDND_ENTRY(3, 4)
+FLASHRT_GDND_ENTRY(4, 4)
 
 // ---- chunked prefill kernel ----------------------------------------------------------------
 

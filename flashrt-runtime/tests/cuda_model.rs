@@ -1307,28 +1307,60 @@ fn short_suffixes_run_as_verify_passes_on_gpu() {
 #[test]
 fn gemv_tiles_compute_what_one_block_per_tile_computes() {
     let name = "gemv_tiles_compute_what_one_block_per_tile_computes";
-    let (Some(off), Some(on)) = (
-        cuda_with(
-            name,
-            CudaOptions {
-                gemv_tiles: false,
-                ..CudaOptions::default()
-            },
-        ),
-        cuda_with(
-            name,
-            CudaOptions {
-                gemv_tiles: true,
-                ..CudaOptions::default()
-            },
-        ),
-    ) else {
-        return;
+    let off = CudaOptions {
+        gemv_tiles: false,
+        ..CudaOptions::default()
     };
-    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 256);
-    let models = [model_on(off, &ir, None), model_on(on, &ir, None)];
+    let on = CudaOptions {
+        gemv_tiles: true,
+        ..CudaOptions::default()
+    };
+    if same_bits_with(name, QWEN_LIKE, &[off, on]) {
+        println!("gemv_tiles on and off: verify passes of 2..5 rows bit-identical");
+    }
+}
+
+/// `CudaOptions::gdn_col_blocks` (a value head's state columns over 1, 2 or 4 blocks of the
+/// fused Gated DeltaNet decode kernel, the gated norm's partial sums shared through the
+/// cluster) changes which block computes a column, never the arithmetic: decode steps and
+/// verify passes of 2..5 rows give the same logits and state bit for bit, at 1, 2 and 3 value
+/// heads per key head (clusters of up to 12 blocks).
+#[test]
+fn gdn_column_blocks_compute_what_one_block_per_head_computes() {
+    let name = "gdn_column_blocks_compute_what_one_block_per_head_computes";
+    let with = |nb| CudaOptions {
+        gdn_col_blocks: nb,
+        ..CudaOptions::default()
+    };
+    for heads in [2, 4, 6] {
+        let json = QWEN_LIKE.replace(
+            "\"linear_num_value_heads\": 4",
+            &format!("\"linear_num_value_heads\": {heads}"),
+        );
+        if !same_bits_with(name, &json, &[with(1), with(2), with(4)]) {
+            return;
+        }
+        println!(
+            "{} value heads per key head: 1, 2 and 4 blocks a head bit-identical",
+            heads / 2
+        );
+    }
+}
+
+/// Runs the same appends (a 40-token prompt, then chunks of 2, 5, 3, 4 and single tokens: verify
+/// passes and decode steps) on `json` under each of `options`, and asserts every logit and state
+/// byte equal to the first's. False (skipped, said so) without a GPU.
+fn same_bits_with(name: &str, json: &str, options: &[CudaOptions]) -> bool {
+    let mut gpus = Vec::new();
+    for o in options {
+        match cuda_with(name, *o) {
+            Some(g) => gpus.push(g),
+            None => return false,
+        }
+    }
+    let ir = ir_of(json, DType::Bf16, &[8, 32], 256);
+    let models: Vec<Model> = gpus.into_iter().map(|g| model_on(g, &ir, None)).collect();
     let vocab = models[0].vocab();
-    // Verify passes for 2..5 rows on both.
     for m in &models {
         verify_first(m);
     }
@@ -1337,27 +1369,30 @@ fn gemv_tiles_compute_what_one_block_per_tile_computes() {
         prompt(40, vocab, 61),
         prompt(2, vocab, 62),
         prompt(5, vocab, 63),
+        prompt(1, vocab, 66),
         prompt(3, vocab, 64),
         prompt(4, vocab, 65),
+        prompt(1, vocab, 67),
     ];
     for (i, c) in chunks.iter().enumerate() {
         for x in s.iter_mut() {
             x.append(c).unwrap();
         }
-        assert!(
-            s[0].logits() == s[1].logits(),
-            "chunk {i} ({} rows): logits differ with gemv_tiles",
-            c.len()
-        );
+        for (k, x) in s.iter().enumerate().skip(1) {
+            assert!(
+                s[0].logits() == x.logits(),
+                "chunk {i} ({} rows): logits differ under options {k}",
+                c.len()
+            );
+        }
     }
-    for b in models[0].compiled().layout.state_buffers() {
-        assert!(
-            s[0].read_region(&b.name).unwrap() == s[1].read_region(&b.name).unwrap(),
-            "state `{}` differs with gemv_tiles",
-            b.name
-        );
+    let first = state_of(&s[0]);
+    for (k, x) in s.iter().enumerate().skip(1) {
+        for ((name, a), (_, b)) in first.iter().zip(state_of(x)) {
+            assert!(*a == b, "state `{name}` differs under options {k}");
+        }
     }
-    println!("gemv_tiles on and off: verify passes of 2..5 rows bit-identical");
+    true
 }
 
 /// Every state region of `s`, by name.

@@ -154,10 +154,18 @@ const PER_HALF_DTYPE: &[&str] = &[
     "moe_down_mm",
     "moe_up_wg",
     "moe_down_wg",
-    "gdn_decode_r1",
-    "gdn_decode_r2",
-    "gdn_decode_r3",
-    "gdn_decode_r4",
+    "gdn_decode_r1_c1",
+    "gdn_decode_r2_c1",
+    "gdn_decode_r3_c1",
+    "gdn_decode_r4_c1",
+    "gdn_decode_r1_c2",
+    "gdn_decode_r2_c2",
+    "gdn_decode_r3_c2",
+    "gdn_decode_r4_c2",
+    "gdn_decode_r1_c4",
+    "gdn_decode_r2_c4",
+    "gdn_decode_r3_c4",
+    "gdn_decode_r4_c4",
 ];
 
 /// Kernels with a single entry point.

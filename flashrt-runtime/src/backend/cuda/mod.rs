@@ -220,6 +220,10 @@ pub struct CudaOptions {
     /// shape alone, so every phase computes a row alike. Default 4 from
     /// `FLASHRT_GEMV8M_MAX_SPLITS` (`0`: every shape the kernel can run).
     pub gemv8m_max_splits: u32,
+    /// Blocks per value head of the fused Gated DeltaNet decode kernel (1, 2 or 4: 128, 64 or
+    /// 32 state columns a block; kernels/gated_deltanet.cu `gdn_decode_r*_c*`). Outputs do not
+    /// depend on it. Default from `FLASHRT_GDN_COL_BLOCKS`.
+    pub gdn_col_blocks: u32,
 }
 
 impl Default for CudaOptions {
@@ -251,6 +255,7 @@ impl Default for CudaOptions {
                 num("FLASHRT_GEMV8M_PREFETCH", 0),
             ),
             gemv8m_max_splits: num("FLASHRT_GEMV8M_MAX_SPLITS", 4),
+            gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
         }
     }
 }
@@ -630,6 +635,7 @@ fn builder<'a>(
         gemv_tiles: model.options.gemv_tiles,
         gemvm_prefetch: model.options.gemvm_prefetch,
         gemv8m_max_splits: model.options.gemv8m_max_splits,
+        gdn_col_blocks: model.options.gdn_col_blocks,
         gemvm_part: dptr(&exec.gemvm_part),
         gemvm_cnt: dptr(&exec.gemvm_cnt),
         fp8: exec.fp8,

@@ -54,7 +54,6 @@ struct GdnDecodeParams {
 const GDND_ROWS: usize = 8;
 const GDND_DK: usize = 128;
 const GDND_DV: usize = 128;
-const GDND_THREADS: u32 = (GDND_DV / 8 * 32) as u32;
 const GDND_TAPS: usize = 4;
 
 impl Builder<'_> {
@@ -104,7 +103,16 @@ impl Builder<'_> {
         };
         let (hk, hv, dk, dv) = (*key_heads, *value_heads, *key_dim, *value_dim);
         let r = if hk > 0 && hv % hk == 0 { hv / hk } else { 0 };
-        let share = (2 * dk).div_ceil(r.max(1));
+        // Blocks per value head (a head's state columns split over them), and each block's
+        // columns, threads (one warp per 8 columns) and share of the key head's q, k channels.
+        let nb = match self.gdn_col_blocks {
+            2 => 2,
+            4 => 4,
+            _ => 1,
+        };
+        let cols = GDND_DV / nb;
+        let threads = cols / 8 * 32;
+        let share = (2 * dk).div_ceil((r * nb).max(1));
         // What the fused kernel adds to the three ops' own checks (below): its size bounds,
         // and each op reading the previous one's output.
         let fits = qkv == cout
@@ -113,7 +121,7 @@ impl Builder<'_> {
             && (1..=GDND_DK).contains(&dk)
             && (32..=GDND_DV).contains(&dv)
             && dv.is_multiple_of(32)
-            && dv + share <= GDND_THREADS as usize
+            && cols + share <= threads
             && *group == dv
             && (1..=GDND_TAPS).contains(kernel)
             && self.buf(cx.buf).dtype == t;
@@ -164,11 +172,23 @@ impl Builder<'_> {
         }
         // A batched step: one cluster row per session row (grid y).
         let gy = if self.batch.is_some() { rows as u32 } else { 1 };
+        let func = self.kernels.typed(&format!("gdn_decode_r{r}_c{nb}"), t)?;
+        if r * nb > 8 {
+            // Clusters of more than 8 blocks (up to 16 on sm_90) need the opt-in.
+            func.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                1,
+            )
+            .map_err(|e| Error::Backend {
+                op: label.to_string(),
+                msg: format!("cannot allow a cluster of {} blocks: {e:?}", r * nb),
+            })?;
+        }
         cmds.push(self.kernel(
             &format!("{label} + gated_deltanet + gated_rms_norm"),
-            self.kernels.typed(&format!("gdn_decode_r{r}"), t)?,
-            (hv as u32, gy, 1),
-            GDND_THREADS,
+            func,
+            ((hv * nb) as u32, gy, 1),
+            threads as u32,
             &p,
         ));
         Ok(Some(3))

@@ -396,6 +396,9 @@ pub struct Builder<'a> {
     /// FP8 matmuls take the tensor-core kernel only where at most this many warps share a
     /// tile on average (`CudaOptions::gemv8m_max_splits`; 0: wherever it can run).
     pub gemv8m_max_splits: u32,
+    /// Blocks per value head of the fused Gated DeltaNet decode launch
+    /// (`CudaOptions::gdn_col_blocks`: 1, 2 or 4).
+    pub gdn_col_blocks: u32,
     /// The session's FP8 scratch ([`fp8_scratch_needs`]).
     pub fp8: Fp8Scratch,
     /// Build the decode plan as a batched step of `rows` sessions (`arenas.state` is then 0, so
