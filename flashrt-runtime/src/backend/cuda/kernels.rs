@@ -359,10 +359,17 @@ mod tests {
                 ));
             }
         }
-        // Per-dtype entry points are stamped out by macros (`attention_d##D`): their stem.
+        // Per-dtype entry points are stamped out by macros that paste numbers into the name
+        // (`attention_d##D`, `gdn_decode_r##R##_c##NB`): every part between the numbers.
         for name in PER_DTYPE.iter().chain(PER_HALF_DTYPE) {
-            let stem = name.trim_end_matches(|c: char| c.is_ascii_digit());
-            if !cuda.iter().any(|(_, text)| text.contains(stem)) {
+            let parts: Vec<&str> = name
+                .split(|c: char| c.is_ascii_digit())
+                .filter(|p| !p.is_empty())
+                .collect();
+            if !cuda
+                .iter()
+                .any(|(_, text)| parts.iter().all(|p| text.contains(p)))
+            {
                 missing.push(format!("kernel `{name}` appears in no kernels/*.cu"));
             }
         }
