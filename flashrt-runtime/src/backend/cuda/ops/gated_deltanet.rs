@@ -60,7 +60,8 @@ impl Builder<'_> {
     /// Small phases (at most 8 rows, 16-bit targets, sm_90): a Gated DeltaNet layer's
     /// [`Op::CausalConv1d`], [`Op::GatedDeltaNet`] and [`Op::GatedRmsNorm`] (as the lowering
     /// writes them, each reading the previous one's output) as one launch of
-    /// `gdn_decode_r{R}` (kernels/gated_deltanet.cu), R = value heads per key head. Returns
+    /// `gdn_decode_r{R}_c{NB}` (kernels/gated_deltanet.cu), R = value heads per key head, NB =
+    /// blocks per value head ([`Builder::gdn_col_blocks`]; grid Hv * NB, clusters of R * NB). Returns
     /// the ops consumed, `None` where `ops` does not start with such a sequence the kernel
     /// takes (they then run one by one). With `keep_rows` (a verify pass, [`RowStateArea`])
     /// the kernel also writes the recurrent and conv states after every row to the model's
