@@ -272,9 +272,9 @@ FLASHRT_GDN_ENTRY(256, 64)
 // Every conv channel has one owner in the cluster, so its state rolls without a race: block
 // (h, c) convolves the v channels of its columns and a 1 / (R NB) share of the key head's q and
 // k channels, and writes the q, k outputs into every cluster block's shared memory
-// (distributed shared memory stores before the first cluster barrier). The recurrent state and
-// every weight are loaded before the wait for the predecessor (nothing earlier in a step writes
-// them). Each value is computed as the separate kernels compute it: the conv output rounded to
+// (distributed shared memory stores before the first cluster barrier). The recurrent and conv
+// states and every weight are loaded before the wait for the predecessor (nothing earlier in a
+// step writes them). Each value is computed as the separate kernels compute it: the conv output rounded to
 // T (and stored, as the conv op stores it), the token kernel's recurrence, its output rounded to
 // T (stored), then the gated norm of the head's dv outputs: each 32-column group's sum of squares
 // (a warp sum) sent to the head's NB blocks before the second cluster barrier, and added in

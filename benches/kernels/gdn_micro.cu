@@ -59,20 +59,16 @@ static void run(const Shape sh, int nb, GdndFn fn, int sms) {
     CK(cudaMemcpy(len, &one, 4, cudaMemcpyHostToDevice));
     unsigned seed = 1;
     std::vector<void*> owned;
-    auto bf = [&](size_t n, float scale) {
-        __nv_bfloat16* p;
-        CK(cudaMalloc(&p, n * 2));
+    // n values of T filled from the next seed, freed at the end.
+    auto dev = [&](auto* tag, size_t n, float scale) {
+        decltype(tag) p;
+        CK(cudaMalloc(&p, n * sizeof(*tag)));
         fill<<<256, 256>>>(p, n, seed++, scale);
         owned.push_back(p);
         return p;
     };
-    auto f32 = [&](size_t n, float scale) {
-        float* p;
-        CK(cudaMalloc(&p, n * 4));
-        fill<<<256, 256>>>(p, n, seed++, scale);
-        owned.push_back(p);
-        return p;
-    };
+    auto bf = [&](size_t n, float scale) { return dev((__nv_bfloat16*)nullptr, n, scale); };
+    auto f32 = [&](size_t n, float scale) { return dev((float*)nullptr, n, scale); };
     for (int l = 0; l < L; ++l) {
         GdnDecodeParams q = {};
         GdnParams& g = q.g;

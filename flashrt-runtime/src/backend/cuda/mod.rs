@@ -224,7 +224,7 @@ pub struct CudaOptions {
     /// 32 state columns a block; kernels/gated_deltanet.cu `gdn_decode_r*_c*`). Outputs do not
     /// depend on it. 2 on the H200: 27B decode 13.96 -> 13.53 ms, 35B-A3B 3.61 -> 3.43 ms against
     /// 1; 4 (clusters of 12 at the 27B shape) is slower there (benches/RESULTS.md, 2026-12-04
-    /// 20:10 UTC). Default 2 from `FLASHRT_GDN_COL_BLOCKS`.
+    /// 20:10 UTC). Any other value runs 1. Default 2 from `FLASHRT_GDN_COL_BLOCKS`.
     pub gdn_col_blocks: u32,
 }
 
