@@ -49,6 +49,9 @@ pub struct SuffixResult {
     pub cached_tokens: Vec<usize>,
     /// The steps the chunk planner runs the suffix as (`plan[rows]`).
     pub steps: Vec<String>,
+    /// The server's `timings` of each run (where the time went inside it: queue, admission
+    /// with the prefix restore, prefill, first token).
+    pub server: Vec<Value>,
 }
 
 #[derive(Serialize)]
@@ -71,6 +74,8 @@ pub struct PrefixResult {
     pub suffixes: Vec<SuffixResult>,
     /// An exact repeat of the stored prompt (nothing to prefill).
     pub repeat_ttft_ms: Vec<f64>,
+    /// The server's `timings` of each repeat.
+    pub repeat_server: Vec<Value>,
     pub decode: Vec<DecodeResult>,
 }
 
@@ -197,6 +202,8 @@ struct Streamed {
     /// The tokens by choice index (`n` > 1 streams its choices interleaved).
     by_choice: Vec<Vec<u32>>,
     speculative: Value,
+    /// The server's `timings` (the last chunk's).
+    timings: Value,
 }
 
 fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String> {
@@ -250,6 +257,7 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String>
         tokens: Vec::new(),
         by_choice: Vec::new(),
         speculative: Value::Null,
+        timings: Value::Null,
     };
     let mut pending = Vec::<u8>::new();
     let mut on_bytes = |bytes: &[u8], got: &mut Streamed| -> bool {
@@ -271,6 +279,9 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String>
                 }
                 if !v["speculative"].is_null() {
                     got.speculative = v["speculative"].clone();
+                }
+                if !v["timings"].is_null() {
+                    got.timings = v["timings"].clone();
                 }
                 for c in v["choices"].as_array().into_iter().flatten() {
                     let ids: Vec<u32> = c["token_ids"]
@@ -517,6 +528,34 @@ fn newcomer(
     Ok(r)
 }
 
+/// The medians of the server's `timings` over runs: how long a request waited in the queue,
+/// its admission (validation, prefix lookup, the stored prefix's restore), its prefill, and
+/// its first token from its arrival in the queue (the rest of the client's TTFT is HTTP,
+/// parsing and loopback).
+fn server_phases(ts: &[Value]) -> String {
+    let m = |k: &str| median(&ts.iter().filter_map(|t| t[k].as_f64()).collect::<Vec<_>>());
+    if ts.iter().all(Value::is_null) {
+        return "no server timings".into();
+    }
+    format!(
+        "server: parse {:.2}, queued {:.2}, admit {:.2}, prefill {:.2}, first token {:.2} ms after arrival",
+        m("parse_ms"),
+        m("queued_ms"),
+        m("admit_ms"),
+        m("prefill_ms"),
+        m("first_token_ms")
+    )
+}
+
+/// The median of the server's first-token times (from arrival in its queue).
+fn server_first_token(ts: &[Value]) -> f64 {
+    median(
+        &ts.iter()
+            .filter_map(|t| t["first_token_ms"].as_f64())
+            .collect::<Vec<_>>(),
+    )
+}
+
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
@@ -570,31 +609,47 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
                     .iter()
                     .map(|(phase, rows)| format!("{}[{rows}]", phase.label()))
                     .collect(),
+                server: Vec::new(),
             };
             for run in 0..=opts.runs {
                 let mut prompt = prefix.clone();
                 prompt.extend(fresh(n));
-                let Streamed { times, cached, .. } = stream_completion(addr, &greedy(&prompt, 1))?;
+                let Streamed {
+                    times,
+                    cached,
+                    timings,
+                    ..
+                } = stream_completion(addr, &greedy(&prompt, 1))?;
                 let first = *times.first().ok_or("a completion streamed no token")?;
                 if run > 0 {
                     r.ttft_ms.push(first * 1e3);
                     r.cached_tokens.push(cached);
+                    r.server.push(timings);
                 }
             }
             eprintln!(
-                "[bench --serve] prefix {p} + {n}: TTFT {:.2} ms (median of {}), cached {:?}, steps {}",
+                "[bench --serve] prefix {p} + {n}: TTFT {:.2} ms (median of {}), cached {:?}, steps {}; {}",
                 median(&r.ttft_ms),
                 opts.runs,
                 r.cached_tokens,
-                r.steps.join(" + ")
+                r.steps.join(" + "),
+                server_phases(&r.server)
             );
             suffixes.push(r);
         }
         let mut repeat = Vec::new();
+        let mut repeat_server = Vec::new();
         for _ in 0..opts.runs {
-            let times = stream_completion(addr, &greedy(&prefix, 1))?.times;
-            repeat.push(times.first().copied().unwrap_or(0.0) * 1e3);
+            let got = stream_completion(addr, &greedy(&prefix, 1))?;
+            repeat.push(got.times.first().copied().unwrap_or(0.0) * 1e3);
+            repeat_server.push(got.timings);
         }
+        eprintln!(
+            "[bench --serve] prefix {p}, exact repeat: TTFT {:.2} ms (median of {}); {}",
+            median(&repeat),
+            opts.runs,
+            server_phases(&repeat_server)
+        );
         let mut decode = Vec::new();
         let n = opts.decode_tokens.min(max_seq.saturating_sub(p + 2));
         let mut runs = vec![
@@ -641,6 +696,7 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
             prefix: p,
             suffixes,
             repeat_ttft_ms: repeat,
+            repeat_server,
             decode,
         });
     }
@@ -667,20 +723,27 @@ pub fn render(r: &ServeReport) -> String {
     let mut o = String::from("served path (HTTP, streaming /v1/completions, loopback)\n");
     for p in &r.prefixes {
         o += &format!(
-            "  stored prefix {} tokens: time to first streamed token\n  {:>8} {:>12} {:>28}\n",
-            p.prefix, "suffix", "median", "runs (ms), cached tokens"
+            "  stored prefix {} tokens: time to first streamed token\n  {:>8} {:>12} {:>28} {:>14}\n",
+            p.prefix, "suffix", "median", "runs (ms), cached tokens", "in the server"
         );
         for s in &p.suffixes {
             let runs: Vec<String> = s.ttft_ms.iter().map(|t| format!("{t:.2}")).collect();
             let cached = s.cached_tokens.first().copied().unwrap_or(0);
             o += &format!(
-                "  {:>8} {:>9.2} ms {:>28}\n",
+                "  {:>8} {:>9.2} ms {:>28} {:>11.2} ms\n",
                 s.suffix,
                 median(&s.ttft_ms),
-                format!("{} | {cached}", runs.join(" "))
+                format!("{} | {cached}", runs.join(" ")),
+                server_first_token(&s.server)
             );
         }
-        o += &format!("  {:>8} {:>9.2} ms\n", "repeat", median(&p.repeat_ttft_ms));
+        o += &format!(
+            "  {:>8} {:>9.2} ms {:>28} {:>11.2} ms\n",
+            "repeat",
+            median(&p.repeat_ttft_ms),
+            "",
+            server_first_token(&p.repeat_server)
+        );
         for d in &p.decode {
             o += &format!(
                 "  streamed decode, {}: {:.2} ms per token (median gap; mean {:.2} ms, {} tokens){}\n",

@@ -1018,6 +1018,198 @@ fn n_choices_equal_separately_seeded_completions() {
     server.shutdown().unwrap();
 }
 
+/// A list of prompts (OpenAI's batch form of `prompt`): one completion per prompt, queued
+/// together, choice `i` of prompt `p` at index `p * n + i`, each equal to that prompt's own
+/// completion (and to what the library samples), streamed or not; the usage sums the prompts;
+/// a bad prompt anywhere refuses the whole request, naming it.
+#[test]
+fn prompt_lists_answer_each_prompt_as_alone() {
+    let m = lfm2();
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let c = Client::new(server.addr(), None);
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| tokens(300 + i, 9 + 4 * i as usize, v))
+        .collect();
+    let body = |n: usize| {
+        json!({"prompt": prompts, "max_tokens": 6, "temperature": 0.8, "seed": 11, "n": n,
+               "ignore_eos": true})
+    };
+    // What each prompt gets alone, choice i seeded 11 + i.
+    let mut alone: Vec<Vec<u32>> = Vec::new();
+    for p in &prompts {
+        for i in 0..2 {
+            alone.push(local(&m, p, SamplerState::seeded(11 + i, 0.8, 0, 1.0), 6));
+        }
+    }
+    let r = c.ok("/v1/completions", &body(2));
+    let choices = r["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (k, ch) in choices.iter().enumerate() {
+        assert_eq!(ch["index"], k);
+        assert_eq!(
+            ids(&ch["token_ids"]),
+            alone[k],
+            "prompt {} choice {}",
+            k / 2,
+            k % 2
+        );
+        assert_eq!(ch["finish_reason"], "length");
+    }
+    let plen: usize = prompts.iter().map(Vec::len).sum();
+    assert_eq!(r["usage"]["prompt_tokens"], plen);
+    assert_eq!(r["usage"]["completion_tokens"], 36);
+    assert_eq!(r["timings"].as_array().map(Vec::len), Some(3));
+
+    // Streamed, one choice per prompt: every chunk names its prompt's index, each ends once.
+    let mut sbody = body(1);
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let ev = c.post("/v1/completions", &sbody).events();
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let mut per = vec![Vec::new(); 3];
+    let mut finished = vec![0; 3];
+    for ch in &chunks[..chunks.len() - 1] {
+        let choice = &ch["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        per[i].extend(ids(&choice["token_ids"]));
+        if !choice["finish_reason"].is_null() {
+            finished[i] += 1;
+        }
+    }
+    let alone_one: Vec<Vec<u32>> = alone.iter().step_by(2).cloned().collect();
+    assert_eq!(per, alone_one);
+    assert_eq!(finished, [1, 1, 1]);
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 18);
+    assert_eq!(usage["usage"]["prompt_tokens"], plen);
+
+    // A list of one prompt is that prompt.
+    let one = c.ok(
+        "/v1/completions",
+        &json!({"prompt": [prompts[1]], "max_tokens": 6, "temperature": 0.8, "seed": 11,
+                "ignore_eos": true}),
+    );
+    assert_eq!(ids(&one["choices"][0]["token_ids"]), alone[2]);
+
+    // One bad prompt refuses the request, naming it; nothing is left running.
+    let mut bad = prompts.clone();
+    bad[2][3] = v as u32;
+    let r = c.post("/v1/completions", &json!({"prompt": bad, "max_tokens": 2}));
+    assert_4xx(&r, 400, "invalid_tokens");
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("prompt[2]:")
+    );
+    assert_4xx(
+        &c.post(
+            "/v1/completions",
+            &json!({"prompt": [prompts[0], []], "max_tokens": 2}),
+        ),
+        400,
+        "invalid_tokens",
+    );
+    assert_4xx(
+        &c.post(
+            "/v1/completions",
+            &json!({"prompt": [1, [2]], "max_tokens": 2}),
+        ),
+        400,
+        "invalid_prompt",
+    );
+    assert_4xx(
+        &c.post(
+            "/v1/completions",
+            &json!({"prompt": vec![prompts[0].clone(); 17], "n": 4, "max_tokens": 2}),
+        ),
+        400,
+        "invalid_request",
+    );
+    // Without a tokenizer, text prompts in a list are refused as a single one is.
+    assert_4xx(
+        &c.post(
+            "/v1/completions",
+            &json!({"prompt": ["a", "b"], "max_tokens": 2}),
+        ),
+        400,
+        "no_tokenizer",
+    );
+    // And the server goes on serving the same answers.
+    let again = c.ok("/v1/completions", &body(2));
+    let got: Vec<Vec<u32>> = again["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|ch| ids(&ch["token_ids"]))
+        .collect();
+    assert_eq!(got, alone);
+    server.shutdown().unwrap();
+}
+
+/// Every completion says where its time went inside the server (`timings`): phases that add
+/// up, a restored prefix's admission, the body's parse.
+#[test]
+fn completions_report_their_timings() {
+    let m = lfm2();
+    let v = m.vocab();
+    let server = start(&m, config(None, None));
+    let c = Client::new(server.addr(), None);
+    let prompt = tokens(401, 40, v);
+    let body = json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": true});
+    for stream in [false, true] {
+        let mut b = body.clone();
+        b["stream"] = json!(stream);
+        let t = if stream {
+            let ev = c.post("/v1/completions", &b).events();
+            let last: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+            last["timings"].clone()
+        } else {
+            c.ok("/v1/completions", &b)["timings"].clone()
+        };
+        let f = |k: &str| {
+            t[k].as_f64()
+                .unwrap_or_else(|| panic!("timings.{k} missing: {t}"))
+        };
+        for k in [
+            "parse_ms",
+            "queued_ms",
+            "admit_ms",
+            "prefill_ms",
+            "first_token_ms",
+            "generate_ms",
+            "total_ms",
+        ] {
+            assert!(f(k) >= 0.0, "{k}: {t}");
+        }
+        // Arrival to first token covers the queue, admission and prefill; the total covers
+        // the first token and the generation after it.
+        assert!(
+            f("first_token_ms") + 1e-3 >= f("queued_ms") + f("admit_ms") + f("prefill_ms") - 3e-3,
+            "{t}"
+        );
+        assert!(
+            (f("total_ms") - f("first_token_ms") - f("generate_ms")).abs() < 3e-3,
+            "{t}"
+        );
+        assert!(
+            f("generate_ms") > 0.0,
+            "two more tokens were generated: {t}"
+        );
+        // The second request finds the prompt stored: nothing to prefill.
+        if stream {
+            assert!(f("prefill_ms") < 1.0, "{t}");
+        }
+    }
+    server.shutdown().unwrap();
+}
+
 /// `fork` with `n`: that many branches of one session; branch 0 continues exactly as the
 /// parent does, branch `i` samples with seed `seed + i` (what the library's `reseed` gives),
 /// so sampled branches draw apart.

@@ -12,9 +12,11 @@
 //! worker job, and fails closed (401) outside such a scope. So no handler can forget to say
 //! whose request it is, and the worker checks ownership of every session and capsule.
 
+mod batch;
 mod capsules;
 mod health;
 mod openai;
+mod prompt;
 mod sessions;
 mod sse;
 

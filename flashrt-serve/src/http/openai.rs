@@ -1,6 +1,8 @@
 //! The OpenAI-compatible surface: `/v1/models`, `/v1/completions`, `/v1/chat/completions`
 //! (JSON or SSE), with automatic prefix reuse through the worker.
 
+use super::batch::{complete_batch, completion_prompts, stream_batch};
+use super::prompt::Prompt;
 use super::*;
 use flashrt_runtime::sampling::{MAX_TOP_LOGPROBS, TokenLogprobs};
 
@@ -17,7 +19,7 @@ pub(super) async fn models(State(st): St) -> Response {
 struct CompletionBody {
     /// Must name this server's model when given (404 `model_not_found` otherwise).
     model: Option<String>,
-    prompt: Option<Value>,
+    prompt: Option<Prompt>,
     /// Chat messages as sent (the template sees them unchanged).
     messages: Option<Vec<Value>>,
     /// OpenAI function definitions, rendered by the chat template.
@@ -125,12 +127,13 @@ impl CompletionBody {
     }
 }
 
+/// A chat message's `content` as token ids (a server without a tokenizer), or text.
 fn prompt_ids(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
     let bad = || {
         ApiError::bad(
             "invalid_prompt",
-            "`prompt` must be token ids (an array of integers) or, with a tokenizer, a string; \
-             one prompt per request",
+            "a message's content must be token ids (an array of integers) or, with a \
+             tokenizer, a string",
         )
     };
     match p {
@@ -464,6 +467,7 @@ pub(super) async fn chat_completions(State(st): St, body: Body) -> Response {
 }
 
 pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
+    let t0 = std::time::Instant::now();
     let r = async {
         let b: CompletionBody = parse(&st, body).await?;
         // Each endpoint's own parameters only.
@@ -491,39 +495,47 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                 ),
             ));
         }
-        let prompt = if chat {
-            chat_ids(&st, &b)?
-        } else {
-            prompt_ids(
-                &st,
-                b.prompt
-                    .as_ref()
-                    .ok_or_else(|| ApiError::bad("invalid_request", "`prompt` is required"))?,
-            )?
-        };
         let req = completion_req(&st, &b, chat)?;
-        Ok::<_, ApiError>((prompt, req, b.stream))
+        let prompts = if chat {
+            vec![chat_ids(&st, &b)?]
+        } else {
+            let p = b
+                .prompt
+                .ok_or_else(|| ApiError::bad("invalid_request", "`prompt` is required"))?;
+            completion_prompts(&st, p, req.n)?
+        };
+        Ok::<_, ApiError>((prompts, req, b.stream))
     }
     .await;
-    let (prompt, req, stream) = match r {
+    let (mut prompts, req, stream) = match r {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
+    // Reading and parsing the body (and tokenizing or templating the prompt): the part of
+    // the request's time before the worker's queue, added to its `timings`.
+    let parse_ms = (t0.elapsed().as_secs_f64() * 1e6).round() / 1e3;
     let n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let id = format!("{}-{n:x}", if chat { "chatcmpl" } else { "cmpl" });
     let created = flashrt_runtime::capsule_file::now_ms() / 1000;
     if !stream {
-        return match call(
-            &st,
-            Cmd::Complete {
-                prompt,
-                req,
-                stream: None,
-            },
-        )
-        .await
-        {
-            Ok(Out::Json(v)) => {
+        let answer = if prompts.len() == 1 {
+            call(
+                &st,
+                Cmd::Complete {
+                    prompt: prompts.pop().expect("one prompt"),
+                    req,
+                    stream: None,
+                },
+            )
+            .await
+        } else {
+            complete_batch(&st, prompts, req).await
+        };
+        return match answer {
+            Ok(Out::Json(mut v)) => {
+                if v["timings"].is_object() {
+                    v["timings"]["parse_ms"] = json!(parse_ms);
+                }
                 let body = completion_json(&st, &id, created, chat, &v);
                 let mut r = ok(body);
                 let t = TokenCount::default();
@@ -538,19 +550,27 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
             Err(e) => e.into_response(),
         };
     }
-    let (tx, rx) = mpsc::unbounded_channel();
-    if let Err(e) = call(
-        &st,
-        Cmd::Complete {
-            prompt,
-            req,
-            stream: Some(tx),
-        },
-    )
-    .await
-    {
-        return e.into_response();
-    }
+    let rx = if prompts.len() == 1 {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Err(e) = call(
+            &st,
+            Cmd::Complete {
+                prompt: prompts.pop().expect("one prompt"),
+                req,
+                stream: Some(tx),
+            },
+        )
+        .await
+        {
+            return e.into_response();
+        }
+        rx
+    } else {
+        match stream_batch(&st, prompts, req).await {
+            Ok(rx) => rx,
+            Err(e) => return e.into_response(),
+        }
+    };
     let st2 = st.clone();
     let mut first = true;
     let mut offset = 0usize;
@@ -637,6 +657,12 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
                     if !v["speculative"].is_null() {
                         last["speculative"] = v["speculative"].clone();
                     }
+                    if !v["timings"].is_null() {
+                        last["timings"] = v["timings"].clone();
+                        if v["timings"].is_object() {
+                            last["timings"]["parse_ms"] = json!(parse_ms);
+                        }
+                    }
                     vec![last.to_string(), "[DONE]".to_string()]
                 }
                 Event::Error(e) => vec![e.body().to_string(), "[DONE]".to_string()],
@@ -648,7 +674,7 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
 }
 
 /// Generated tokens of a worker summary: one choice's, or all choices' (`n` > 1).
-fn completion_tokens(v: &Value) -> u64 {
+pub(super) fn completion_tokens(v: &Value) -> u64 {
     v["completion_tokens"]
         .as_u64()
         .unwrap_or_else(|| v["tokens"].as_array().map_or(0, |a| a.len() as u64))
@@ -680,6 +706,10 @@ fn completion_json(st: &AppState, id: &str, created: u64, chat: bool, v: &Value)
     // flashrt: what speculative rounds did for this request, when it could speculate.
     if !v["speculative"].is_null() {
         body["speculative"] = v["speculative"].clone();
+    }
+    // flashrt: where the request's time went inside the server (see the HTTP docs).
+    if !v["timings"].is_null() {
+        body["timings"] = v["timings"].clone();
     }
     body
 }

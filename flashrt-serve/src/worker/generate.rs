@@ -50,6 +50,8 @@ pub(super) struct GenState {
     text: Option<TextStream>,
     /// When the previous token was handed to the client (first: when the request arrived).
     last: Instant,
+    /// When the first token was handed to the client.
+    first: Option<Instant>,
     spec_max: usize,
     speculate: bool,
     spec: flashrt_runtime::SpecStats,
@@ -70,6 +72,11 @@ impl GenState {
     /// The token [`GenState::feed_due`] gave was fed.
     pub(super) fn fed(&mut self) {
         self.unfed = None;
+    }
+
+    /// When this generation's first token was handed to the client (`None` before).
+    pub(super) fn first(&self) -> Option<Instant> {
+        self.first
     }
 }
 
@@ -97,6 +104,7 @@ impl Worker {
                 .as_ref()
                 .map(|t| TextStream::new(&t.tokenizer, &req.stop_strings)),
             last: enqueued,
+            first: None,
             spec_max,
             speculate,
             spec: flashrt_runtime::SpecStats::default(),
@@ -252,6 +260,7 @@ impl Worker {
         let gone = stream.is_some_and(|tx| tx.send(Event::Token(Some(t), piece.text, lp)).is_err());
         let now = Instant::now();
         if g.out.len() == 1 {
+            g.first = Some(now);
             self.metrics.ttft.observe(now - g.last);
             tracing::debug!(
                 "first token {:.2} ms after arrival",

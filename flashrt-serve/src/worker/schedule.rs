@@ -51,8 +51,14 @@ pub(super) struct Active {
     /// `None` while prefilling.
     g: Option<GenState>,
     enqueued: Instant,
+    /// When the worker took the job from its queue (admission began).
+    taken: Instant,
     /// When the prompt's cached part was restored (admission done).
     admitted: Instant,
+    /// When the whole prompt was in (the last prefill slice ran), and when the first token
+    /// was handed to the client: the request's `timings`.
+    prompt_in: Option<Instant>,
+    first_token: Option<Instant>,
     prompt_len: usize,
     cached: usize,
     /// Store the prompt boundary after the first token (automatic prefix cache).
@@ -61,6 +67,28 @@ pub(super) struct Active {
     choices: Option<Choices>,
     /// A sessions-API `generate` of this session (back in the map when it ends).
     session_id: Option<String>,
+}
+
+impl Active {
+    /// Where a completion's time went, in milliseconds from its arrival at the worker's queue
+    /// to `end` (its last token): waiting in the queue, admission (validation, prefix lookup,
+    /// restore of the stored prefix), prefilling the rest of the prompt (with other streams'
+    /// rounds interleaved when several generate), to the first token, and generating.
+    fn timings(&self, end: Instant) -> Value {
+        let ms = |a: Instant, b: Instant| {
+            (b.saturating_duration_since(a).as_secs_f64() * 1e6).round() / 1e3
+        };
+        let prompt_in = self.prompt_in.unwrap_or(end);
+        let first = self.first_token.unwrap_or(end);
+        json!({
+            "queued_ms": ms(self.enqueued, self.taken),
+            "admit_ms": ms(self.taken, self.admitted),
+            "prefill_ms": ms(self.admitted, prompt_in),
+            "first_token_ms": ms(self.enqueued, first),
+            "generate_ms": ms(first, end),
+            "total_ms": ms(self.enqueued, end),
+        })
+    }
 }
 
 /// `n` > 1: the prompt boundary and the choices that ended.
@@ -146,6 +174,7 @@ impl Worker {
             unreachable!("start_completion takes completions only")
         };
         let mut rep = Replier(Some(reply));
+        let taken = Instant::now();
         let mut s = match self.pool.pop() {
             Some(s) => s,
             None => match self.fresh_session() {
@@ -169,7 +198,10 @@ impl Worker {
                     prefill: prompt[cached..].to_vec(),
                     g: None,
                     enqueued,
+                    taken,
                     admitted: Instant::now(),
+                    prompt_in: None,
+                    first_token: None,
                     prompt_len: prompt.len(),
                     cached,
                     sampler,
@@ -247,6 +279,7 @@ impl Worker {
             rep.send(Ok(Out::Stream));
         }
         let g = self.gen_start(&s, &req, enqueued);
+        let now = Instant::now();
         self.sched.busy.insert(session.clone(), tenant.name.clone());
         self.sched.active.push_back(Active {
             cache_prompt: false,
@@ -259,7 +292,10 @@ impl Worker {
             prefill: Vec::new(),
             g: Some(g),
             enqueued,
-            admitted: Instant::now(),
+            taken: now,
+            admitted: now,
+            prompt_in: Some(now),
+            first_token: None,
             prompt_len: 0,
             cached: 0,
             choices: None,
@@ -332,6 +368,7 @@ impl Worker {
             ms(a.admitted - a.enqueued),
             ms(a.admitted.elapsed())
         );
+        a.prompt_in = Some(Instant::now());
         a.s.set_sampler(a.sampler.clone());
         if a.stream.is_some() {
             a.rep.send(Ok(Out::Stream));
@@ -511,7 +548,9 @@ impl Worker {
             return self.advance_side_by_side(a, cache);
         }
         let g = a.g.as_mut().expect("generating");
-        if !self.gen_step(&mut a.s, g, &a.req, a.stream.as_ref(), cache.as_ref())? {
+        let ended = self.gen_step(&mut a.s, g, &a.req, a.stream.as_ref(), cache.as_ref())?;
+        a.first_token = a.first_token.or(g.first());
+        if !ended {
             return Ok(false);
         }
         let Some(c) = a.choices.as_mut() else {
@@ -547,6 +586,7 @@ impl Worker {
             stream,
             sampler,
             choices,
+            first_token,
             ..
         } = a;
         let c = choices.as_mut().expect("choices side by side");
@@ -554,7 +594,9 @@ impl Worker {
         let mut gone = false;
         if !c.zero_done {
             switch_choice(c, 0, stream.as_ref());
-            if self.gen_step(s, g, req, stream.as_ref(), cache.as_ref())? {
+            let ended = self.gen_step(s, g, req, stream.as_ref(), cache.as_ref())?;
+            *first_token = first_token.or(g.first());
+            if ended {
                 let out = self.gen_end(g, stream.as_ref());
                 gone |= out.finish == "cancelled";
                 record_choice(c, 0, out, req, sampler, stream.as_ref());
@@ -568,7 +610,9 @@ impl Worker {
             let index = c.branches[i].index;
             switch_choice(c, index, stream.as_ref());
             let b = &mut c.branches[i];
-            if self.gen_step(&mut b.s, &mut b.g, req, stream.as_ref(), None)? {
+            let ended = self.gen_step(&mut b.s, &mut b.g, req, stream.as_ref(), None)?;
+            *first_token = first_token.or(b.g.first());
+            if ended {
                 let out = self.gen_end(&mut b.g, stream.as_ref());
                 b.done = true;
                 gone |= out.finish == "cancelled";
@@ -584,7 +628,8 @@ impl Worker {
         if let Some(id) = a.session_id.take() {
             return self.answer_session(id, a);
         }
-        let summary = match a.choices.take() {
+        let timings = a.timings(Instant::now());
+        let mut summary = match a.choices.take() {
             Some(mut c) => {
                 // Side by side, choices end in any order; the answer lists them by index.
                 c.done.sort_by_key(|v| v["index"].as_u64());
@@ -622,6 +667,7 @@ impl Worker {
                 })
             }
         };
+        summary["timings"] = timings;
         if let Some(tx) = &a.stream {
             let _ = tx.send(Event::Done(summary.clone()));
         }
@@ -652,6 +698,7 @@ impl Worker {
             "pos": pos,
             "logprobs": logprobs_json(&a.req, &g.logprobs),
             "speculative": spec_json(&g.spec),
+            "timings": a.timings(Instant::now()),
         });
         if let Some(tx) = &a.stream {
             let _ = tx.send(Event::Done(summary.clone()));
