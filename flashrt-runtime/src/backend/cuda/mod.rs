@@ -226,6 +226,16 @@ pub struct CudaOptions {
     /// 1; 4 (clusters of 12 at the 27B shape) is slower there (benches/RESULTS.md, 2026-12-04
     /// 20:10 UTC). Any other value runs 1. Default 2 from `FLASHRT_GDN_COL_BLOCKS`.
     pub gdn_col_blocks: u32,
+    /// Keep device memory freed by stream-ordered frees in the device's memory pool for the
+    /// next allocation (release threshold: unlimited) instead of the driver's default of
+    /// handing it back to the system at every synchronisation. A server allocates and frees
+    /// capsule-sized buffers all the time (a 16k-token capsule of the 27B shape is 1.2 GiB):
+    /// with the default, each snapshot after an eviction maps fresh pages on the worker
+    /// thread and each synchronisation after a free unmaps them. [`Backend::memory_available`]
+    /// trims the pool first, so free memory reads as before. Default on; `FLASHRT_POOL_KEEP=0`
+    /// restores the driver's default (not yet measured on the H200: an A/B for the next
+    /// device session, benches/RESULTS.md).
+    pub pool_keep: bool,
 }
 
 impl Default for CudaOptions {
@@ -258,6 +268,7 @@ impl Default for CudaOptions {
             ),
             gemv8m_max_splits: num("FLASHRT_GEMV8M_MAX_SPLITS", 4),
             gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
+            pool_keep: on("FLASHRT_POOL_KEEP"),
         }
     }
 }
@@ -288,6 +299,53 @@ fn libraries_present() -> std::result::Result<(), &'static str> {
     Ok(())
 }
 
+/// The device's default memory pool (the one stream-ordered allocations draw from).
+fn default_pool(
+    ctx: &CudaContext,
+) -> std::result::Result<cudarc::driver::sys::CUmemoryPool, String> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread().map_err(|e| e.to_string())?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer; the device handle is the context's own.
+    let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(format!("cuDeviceGetDefaultMemPool: {r:?}"));
+    }
+    Ok(pool)
+}
+
+/// Let the default pool keep up to `bytes` of freed memory across synchronisations.
+fn set_pool_release_threshold(ctx: &CudaContext, bytes: u64) -> std::result::Result<(), String> {
+    use cudarc::driver::sys;
+    let pool = default_pool(ctx)?;
+    let mut v: u64 = bytes;
+    // SAFETY: the release threshold attribute takes a pointer to a cuuint64_t, which `v` is,
+    // live for the call.
+    let r = unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut v as *mut u64).cast(),
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(format!("cuMemPoolSetAttribute(release threshold): {r:?}"));
+    }
+    Ok(())
+}
+
+/// Hand the default pool's unused memory back to the system.
+fn trim_pool(ctx: &CudaContext) -> std::result::Result<(), String> {
+    use cudarc::driver::sys;
+    let pool = default_pool(ctx)?;
+    // SAFETY: a pool handle from the driver; trimming frees only memory no allocation uses.
+    let r = unsafe { sys::cuMemPoolTrimTo(pool, 0) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(format!("cuMemPoolTrimTo: {r:?}"));
+    }
+    Ok(())
+}
+
 impl CudaBackend {
     /// Whether a CUDA device can be used: libcuda and libcublasLt load, the driver
     /// initialises and reports at least one device. Never panics.
@@ -312,6 +370,11 @@ impl CudaBackend {
         // may still use it (sessions synchronise their streams before dropping arenas; saved
         // states make their home stream wait for every restore that reads them).
         unsafe { ctx.disable_event_tracking() };
+        if options.pool_keep
+            && let Err(e) = set_pool_release_threshold(&ctx, u64::MAX)
+        {
+            tracing::debug!("keeping freed device memory in the pool: {e}");
+        }
         let dev = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         let (major, minor) = ctx.compute_capability().unwrap_or((0, 0));
         // Said in the name where it applies (compute capability 9.x), so every report names
@@ -365,6 +428,13 @@ impl Backend for CudaBackend {
 
     fn memory_available(&self) -> Option<usize> {
         self.ctx.bind_to_thread().ok()?;
+        // What the pool holds unused is available: hand it back first, so free memory reads
+        // the same whether or not the pool keeps freed memory (`CudaOptions::pool_keep`).
+        if self.options.pool_keep
+            && let Err(e) = trim_pool(&self.ctx)
+        {
+            tracing::debug!("trimming the device memory pool: {e}");
+        }
         cudarc::driver::result::mem_get_info()
             .ok()
             .map(|(free, _)| free)
