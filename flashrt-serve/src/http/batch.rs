@@ -15,14 +15,15 @@ pub(super) fn completion_prompts(
     st: &AppState,
     p: Prompt,
     n: usize,
+    owner: &str,
 ) -> Result<Vec<Vec<u32>>, ApiError> {
     let one = |p: Prompt| -> Result<Vec<u32>, ApiError> {
         match p {
             // As transformers' `tokenizer(prompt)`: with what the post-processor adds.
             Prompt::Text(s) => match &st.text {
                 Some(t) => t
-                    .tokenizer
-                    .encode_with(&s, true)
+                    .prefixes
+                    .encode_with_special(&t.tokenizer, owner, &s)
                     .map_err(|e| ApiError::bad("tokenizer", e)),
                 None => to_ids(st, Tokens::Text(s)),
             },

@@ -127,25 +127,11 @@ impl CompletionBody {
     }
 }
 
-/// A chat message's `content` as token ids (a server without a tokenizer), or text.
-fn prompt_ids(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
-    let bad = || {
-        ApiError::bad(
-            "invalid_prompt",
-            "a message's content must be token ids (an array of integers) or, with a \
-             tokenizer, a string",
-        )
-    };
+/// A chat message's `content` as token ids, on a server without a tokenizer (text answers
+/// `no_tokenizer`).
+fn message_ids(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
     match p {
-        Value::String(s) => match &st.text {
-            // As transformers' `tokenizer(prompt)`: with what the post-processor adds.
-            Some(t) => t
-                .tokenizer
-                .encode_with(s, true)
-                .map_err(|e| ApiError::bad("tokenizer", e)),
-            None => to_ids(st, Tokens::Text(s.clone())),
-        },
-        Value::Array(a) if a.len() == 1 && !a[0].is_number() => prompt_ids(st, &a[0]),
+        Value::String(s) => to_ids(st, Tokens::Text(s.clone())),
         Value::Array(a) => a
             .iter()
             .map(|x| {
@@ -159,14 +145,18 @@ fn prompt_ids(st: &AppState, p: &Value) -> Result<Vec<u32>, ApiError> {
                     })
             })
             .collect(),
-        _ => Err(bad()),
+        _ => Err(ApiError::bad(
+            "invalid_prompt",
+            "a message's content must be token ids (an array of integers) or, with a \
+             tokenizer, a string",
+        )),
     }
 }
 
 /// The prompt of a chat request: the model's chat template over the messages (and tools)
 /// exactly as sent, then tokenized; without a tokenizer, each message's content must be
 /// token ids, concatenated.
-fn chat_ids(st: &AppState, b: &CompletionBody) -> Result<Vec<u32>, ApiError> {
+fn chat_ids(st: &AppState, b: &CompletionBody, owner: &str) -> Result<Vec<u32>, ApiError> {
     let msgs = b
         .messages
         .as_deref()
@@ -216,8 +206,9 @@ fn chat_ids(st: &AppState, b: &CompletionBody) -> Result<Vec<u32>, ApiError> {
             let prompt = template
                 .render(&Value::Array(msgs.to_vec()), &opts)
                 .map_err(|e| ApiError::bad("chat_template", e))?;
-            text.tokenizer
-                .encode(&prompt)
+            // A conversation sent again with a new turn: its earlier turns' ids are reused.
+            text.prefixes
+                .encode(&text.tokenizer, owner, &prompt)
                 .map_err(|e| ApiError::bad("tokenizer", e))
         }
         None => {
@@ -229,7 +220,7 @@ fn chat_ids(st: &AppState, b: &CompletionBody) -> Result<Vec<u32>, ApiError> {
                         "this server has no tokenizer: give each message's content as token ids",
                     ));
                 }
-                ids.extend(prompt_ids(st, &m["content"])?);
+                ids.extend(message_ids(st, &m["content"])?);
             }
             Ok(ids)
         }
@@ -496,15 +487,35 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
             ));
         }
         let req = completion_req(&st, &b, chat)?;
-        let prompts = if chat {
-            vec![chat_ids(&st, &b)?]
-        } else {
+        let stream = b.stream;
+        // Templating and tokenizing a long prompt takes milliseconds (~30 ms for 20k tokens
+        // of text on a build machine's core): off the HTTP thread, whose event loop streams
+        // every other client's tokens meanwhile.
+        let text = st.text.is_some() && (chat || b.prompt.as_ref().is_some_and(Prompt::has_text));
+        let n = req.n;
+        let st2 = st.clone();
+        let owner = current_tenant()?.name;
+        let prepare = move || -> Result<Vec<Vec<u32>>, ApiError> {
+            if chat {
+                return Ok(vec![chat_ids(&st2, &b, &owner)?]);
+            }
             let p = b
                 .prompt
                 .ok_or_else(|| ApiError::bad("invalid_request", "`prompt` is required"))?;
-            completion_prompts(&st, p, req.n)?
+            completion_prompts(&st2, p, n, &owner)
         };
-        Ok::<_, ApiError>((prompts, req, b.stream))
+        let prompts = if text {
+            tokio::task::spawn_blocking(prepare).await.map_err(|_| {
+                ApiError::new(
+                    500,
+                    "internal",
+                    "internal error while tokenizing the prompt",
+                )
+            })??
+        } else {
+            prepare()?
+        };
+        Ok::<_, ApiError>((prompts, req, stream))
     }
     .await;
     let (mut prompts, req, stream) = match r {

@@ -22,6 +22,17 @@ pub(super) enum Prompt {
     Invalid(&'static str, String),
 }
 
+impl Prompt {
+    /// Whether the prompt (or a prompt of the batch) is text, for the tokenizer.
+    pub(super) fn has_text(&self) -> bool {
+        match self {
+            Prompt::Text(_) => true,
+            Prompt::Batch(ps) => ps.iter().any(Prompt::has_text),
+            Prompt::Ids(_) | Prompt::Invalid(..) => false,
+        }
+    }
+}
+
 const SHAPE: &str = "`prompt` must be a string, token ids (an array of integers), or a list of \
                      strings or of token-id arrays (a batch)";
 

@@ -8,10 +8,12 @@
 //! * [`Text`] bundles what a checkpoint folder holds ([`Text::from_dir`]), and
 //!   [`GenerationDefaults`] reads `generation_config.json` (sampling defaults, every EOS id).
 
+mod prefix;
 mod stream;
 mod template;
 mod tokenizer;
 
+pub use prefix::PrefixTokens;
 pub use stream::{Piece, TextStream, cut_at_stop};
 pub use template::{ChatTemplate, RenderOptions, strftime};
 pub use tokenizer::Tokenizer;
@@ -28,6 +30,9 @@ pub struct Text {
     /// `eos_token` of `tokenizer_config.json` (the end of an assistant turn for many chat
     /// models), when there is one.
     pub eos_token: Option<String>,
+    /// The last prompts' ids, so a conversation sent again with a new turn is tokenized from
+    /// its last shared added token on ([`PrefixTokens`]).
+    pub prefixes: PrefixTokens,
 }
 
 impl std::fmt::Debug for Text {
@@ -69,6 +74,7 @@ impl Text {
                 _ => None,
             });
         Ok(Text {
+            prefixes: PrefixTokens::new(&tok),
             tokenizer: tok,
             template,
             origin: tokenizer.to_path_buf(),

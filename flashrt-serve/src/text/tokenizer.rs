@@ -67,6 +67,11 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The `tokenizers` tokenizer (offsets, added tokens).
+    pub(super) fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// Tokens in the vocabulary, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
