@@ -126,7 +126,9 @@ impl Chat<'_> {
                 kwargs: self.args.sample.template_kwargs(),
             },
         )?;
-        text.tokenizer.encode(&prompt)
+        // The conversation so far was tokenized last turn: only what follows the last added
+        // token the two renderings share is encoded again.
+        text.prefixes.encode(&text.tokenizer, "", &prompt)
     }
 
     /// Bring the session to a state whose history is a prefix of `ids`; returns how many
