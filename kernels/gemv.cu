@@ -388,6 +388,261 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
     }
 }
 
+// ---- gemv16s: the same blocks, the products on the tensor cores ----------------------------
+//
+// `gemv16s_*` computes what `gemv_*` computes over 16-bit weights, with the blocks, tiles and
+// loads of `gemv_tile` — a block per F (8, or 4 / 2 at one row) weight rows, thread t loading
+// 16-byte chunks t, t + 256, ... of every row straight past L1, so a warp's load instruction
+// streams 512 contiguous bytes of one row, the pattern that reads at ~4.2 TB/s on the H200 —
+// but the multiply-adds run as `mma.sync.m16n8k16` (f32 accumulation) instead of R x 8 FMAs
+// per chunk and row: the weight rows are the MMA's n = 8 columns, the R <= 8 input rows its
+// first R of m = 16 rows, so one row and eight cost the same instructions. (On the CUDA cores
+// R rows cost R times the FMAs: a verify or batched step of 5 to 8 rows is compute-bound.)
+//
+// Why a shared-memory hop: a lane holds 8 consecutive columns of every row of the tile, but an
+// MMA operand wants each lane to hold columns of one row. Each warp stores its 8 rows x 32
+// chunks (4 KiB) to its own shared-memory buffer (chunk c of row r at chunk c ^ r of the row's
+// 512 bytes: a store instruction writes one row, 32 distinct chunks, and an ldmatrix phase reads
+// one chunk of 8 rows, 8 distinct 16-byte bank groups: no conflicts either way) and reads them
+// back as B fragments with ldmatrix.x4 (two k16 steps each). The inputs' A fragments are the
+// rows' pairs of columns at the same k: at R <= 2 loaded from global memory (L1) as 4-byte
+// pairs by the lanes of rows < R; at R > 2 staged through a second buffer like the weights
+// (a chunk per lane and row, normalised when a norm is fused) and read by ldmatrix.
+//
+// Each output is then the sum, over the warps in order, of the warp's MMA accumulation over its
+// windows of 256 columns in order, k16 step after k16 step: the same operations whatever R is
+// and whichever F (an MMA's columns and rows do not mix), so decode, verify and batched steps
+// round alike, as with `gemv_*` — but not alike `gemv_*` (a different summation order), so a
+// model runs one or the other in every phase (`CudaOptions::gemv16_smem`). The next window's
+// weights are requested before the current window's products, so each thread has its 8
+// chunks (128 bytes) in flight while its warp computes.
+//
+// Traffic: n * k * 2 bytes of weights; per block R * k input elements from L1/L2; shared
+// memory 4 KiB per warp (8 KiB at R > 2, dynamic: `GEMVS_SMEM(R)` bytes a block).
+#define GEMVS_XS(R) ((R) > 2)
+#define GEMVS_SMEM(R) (GEMV_WARPS * (GEMVS_XS(R) ? 2 : 1) * 8 * 32 * 16)
+
+static __device__ __forceinline__ void gemvs_sts(uint32_t addr, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
+}
+
+// Byte offset of chunk c of row r in a warp's 8 x 32-chunk buffer (see above).
+static __device__ __forceinline__ uint32_t gemvs_off(int r, int c) { return (uint32_t)((r * 32 + (c ^ r)) * 16); }
+
+// d += A B for m16n8k16 with A's rows 8..15 zero: a0 / a2 hold row g's columns 2t, 2t + 1 and
+// 2t + 8, 2t + 9; b0 / b1 column g's rows at the same k.
+static __device__ __forceinline__ void gemvs_mma(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1,
+                                                 const __nv_bfloat16*) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+static __device__ __forceinline__ void gemvs_mma(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1,
+                                                 const __half*) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+// Columns kc, kc + 1 of an input row as an A-fragment register: as stored, or normalised and
+// rounded to the element type as `gemv_norm_chunk` (the separate `rms_norm` op) gives them.
+template <typename T, bool NORM>
+static __device__ __forceinline__ uint32_t gemvs_pair(const GemvParams& p, const T* xr, int kc, float inv) {
+    uint32_t v = *reinterpret_cast<const uint32_t*>(xr + kc);
+    if constexpr (NORM) {
+        float s0 = 1.0f, s1 = 1.0f;
+        if (p.norm_w) {
+            const float2 w = __ldg(reinterpret_cast<const float2*>(p.norm_w + kc));
+            s0 = w.x, s1 = w.y;
+            if (p.one_plus) s0 += 1.0f, s1 += 1.0f;
+        }
+        const T* e = reinterpret_cast<const T*>(&v);
+        const T y0 = flashrt::from_f32<T>(flashrt::to_f32(e[0]) * inv * s0);
+        const T y1 = flashrt::from_f32<T>(flashrt::to_f32(e[1]) * inv * s1);
+        v = (uint32_t)*reinterpret_cast<const unsigned short*>(&y0) |
+            ((uint32_t)*reinterpret_cast<const unsigned short*>(&y1) << 16);
+    }
+    return v;
+}
+
+// One tile of F outputs of every row, as gemv_tile's (`sw`: this warp's shared buffers).
+// Ends after a block barrier; threads return early only after it.
+template <typename T, int R, int F, bool NORM>
+static __device__ __forceinline__ void gemvs_tile(const GemvParams& p, int tile, const T* x, int row0,
+                                                  const float (&inv)[R], float (&red)[GEMV_WARPS][R][F],
+                                                  uint32_t sw) {
+    constexpr int WARPS = GEMV_WARPS, HALF = F / 2;
+    constexpr bool XS = GEMVS_XS(R);
+    int b = tile, mi = 0;
+    while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
+        b -= p.m[mi].blocks;
+        ++mi;
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int k = p.k, chunks = k >> 3;
+    const char* wr[F];
+    bool ok[F];
+    int j0;
+    if (p.glu) {
+        j0 = b * HALF;
+#pragma unroll
+        for (int i = 0; i < F; ++i) {
+            const int j = j0 + (i % HALF);
+            ok[i] = j < p.m[0].n;
+            wr[i] = static_cast<const char*>(p.m[i / HALF].w) + (size_t)(ok[i] ? j : 0) * k * sizeof(T);
+        }
+    } else {
+        j0 = b * F;
+#pragma unroll
+        for (int i = 0; i < F; ++i) {
+            ok[i] = j0 + i < p.m[mi].n;
+            wr[i] = static_cast<const char*>(p.m[mi].w) + (size_t)(ok[i] ? j0 + i : 0) * k * sizeof(T);
+        }
+    }
+    const uint32_t sx = sw + 8 * 32 * 16;
+    // ldmatrix: lane l addresses row l & 7 of matrix l >> 3 (chunk 4q + (l >> 3)).
+    const int lm = lane >> 3, lr = lane & 7;
+    const T* xg = x + (size_t)(g < R ? g : 0) * p.ld_x;
+    // This lane's row's norm scale (a select chain: a register array indexed at run time would
+    // go to local memory).
+    float ginv = NORM ? inv[0] : 1.0f;
+#pragma unroll
+    for (int r = 1; r < R; ++r)
+        if (NORM && g == r) ginv = inv[r];
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint4 wv[F];
+    int cb = warp * 32;
+    auto wload = [&](int base) {
+        const int c = base + lane;
+#pragma unroll
+        for (int i = 0; i < F; ++i)
+            wv[i] = ok[i] && c < chunks ? load_stream(wr[i] + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+    };
+    if (cb < chunks) wload(cb);
+    for (; cb < chunks; cb += WARPS * 32) {
+        const int c = cb + lane;
+        uint4 xv[XS ? R : 1];
+        if constexpr (XS) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                if (c < chunks) {
+                    float xf[8];
+                    xv[r] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c);
+                    if (NORM) {
+                        flashrt::unpack16<T>(xv[r], xf);
+                        gemv_norm_chunk<T>(p, inv[r], c, xf);
+                        xv[r] = flashrt::pack16<T>(xf);
+                    }
+                } else {
+                    xv[r] = make_uint4(0, 0, 0, 0);
+                }
+            }
+        }
+        // The previous window's ldmatrix reads are done before its buffers are overwritten.
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < F; ++i) gemvs_sts(sw + gemvs_off(i, lane), wv[i]);
+        if constexpr (XS) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) gemvs_sts(sx + gemvs_off(r, lane), xv[r]);
+        }
+        __syncwarp();
+        // The next window's weights stream while this one's products run.
+        if (cb + WARPS * 32 < chunks) wload(cb + WARPS * 32);
+        // Quarters of the window (8 chunks each): the inputs' pairs of a quarter are requested
+        // together before its products, so a warp waits for them once a quarter, not at every
+        // step (more at once spill at 64 registers).
+        // Chunks past k are zeros in both operands (the last window's products add zeros).
+#pragma unroll
+        for (int part = 0; part < 4; ++part) {
+            uint32_t xa[XS ? 1 : 8];
+            if constexpr (!XS) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const int ch = cb + 8 * part + e;
+                    xa[e] = g < R && ch < chunks ? gemvs_pair<T, NORM>(p, xg, ch * 8 + 2 * t4, ginv) : 0u;
+                }
+            }
+#pragma unroll
+            for (int qq = 0; qq < 2; ++qq) {
+                const int q = 2 * part + qq;
+                uint32_t bw[4], ax[4];
+                flashrt::ldsm_x4(bw, sw + gemvs_off(lr, 4 * q + lm));
+                if constexpr (XS) {
+                    flashrt::ldsm_x4(ax, sx + gemvs_off(lr, 4 * q + lm));
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) ax[e] = xa[4 * qq + e];
+                }
+                // k16 step 2q: chunks 4q (a0, b0) and 4q + 1 (a2, b1); step 2q + 1: 4q + 2, 4q + 3.
+                gemvs_mma(acc, ax[0], ax[1], bw[0], bw[1], static_cast<const T*>(nullptr));
+                gemvs_mma(acc, ax[2], ax[3], bw[2], bw[3], static_cast<const T*>(nullptr));
+            }
+        }
+    }
+    // acc[0], acc[1]: input row g, tile rows 2 t4, 2 t4 + 1.
+    if (g < R) {
+        if (2 * t4 < F) red[warp][g][2 * t4] = acc[0];
+        if (2 * t4 + 1 < F) red[warp][g][2 * t4 + 1] = acc[1];
+    }
+    __syncthreads();
+    gemv_finish<T, R, F, F>(p, red, mi, j0, row0);
+}
+
+template <typename T, int R, int F, bool NORM>
+static __device__ __forceinline__ void gemvs_impl(const GemvParams& p) {
+    __shared__ float red[GEMV_WARPS][R][F];
+    extern __shared__ __align__(16) unsigned char gemvs_smem[];
+    const T* x = static_cast<const T*>(p.x);
+    const int row0 = p.last_row ? flashrt::load_len(p.len) - 1 : 0;
+    x += (size_t)row0 * p.ld_x;
+    float inv[R];
+    if (NORM) gemv_norm_inv<T, R>(p, x, inv);
+    if (NORM && blockIdx.x == 0) gemv_norm_store<T, R>(p, x, inv);
+    const uint32_t sw = flashrt::smem_u32(gemvs_smem) + (threadIdx.x >> 5) * (GEMVS_XS(R) ? 2 : 1) * 8 * 32 * 16;
+    gemvs_tile<T, R, F, NORM>(p, blockIdx.x, x, row0, inv, red, sw);
+}
+
+// `gemv16s_r<R>` / `gemv16s_norm_r<R>`: 8 outputs a block; `_r1f4` / `_r1f2`: 4 or 2 (one
+// row, small matrices: fuller waves; the same sums).
+#define FLASHRT_GEMVS_ENTRY_T(NAME, R, F, NORM, MINB)                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##_bf16(const GemvParams p) { \
+        flashrt::pdl_enter();                                                                             \
+        gemvs_impl<__nv_bfloat16, R, F, NORM>(p);                                                         \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##_f16(const GemvParams p) {  \
+        flashrt::pdl_enter();                                                                             \
+        gemvs_impl<__half, R, F, NORM>(p);                                                                \
+    }
+// Blocks per SM the register budget allows: 3 (80 registers: the next window's weights, a
+// quarter window's input pairs and the row pointers; at 64 they spill more) up to two rows, 2
+// past two. `-DGEMVS_MINB_SMALL=2` or `=4` builds the other budgets (microbenchmarks).
+#ifndef GEMVS_MINB_SMALL
+#define GEMVS_MINB_SMALL 3
+#endif
+#define GEMVS_MINB(R) ((R) > 2 ? 2 : GEMVS_MINB_SMALL)
+#define FLASHRT_GEMVS_ENTRY(R)                                                                            \
+    FLASHRT_GEMVS_ENTRY_T(gemv16s_r##R, R, 8, false, GEMVS_MINB(R))                                       \
+    FLASHRT_GEMVS_ENTRY_T(gemv16s_norm_r##R, R, 8, true, GEMVS_MINB(R))
+
+FLASHRT_GEMVS_ENTRY_T(gemv16s_r1f4, 1, 4, false, GEMVS_MINB_SMALL)
+FLASHRT_GEMVS_ENTRY_T(gemv16s_norm_r1f4, 1, 4, true, GEMVS_MINB_SMALL)
+FLASHRT_GEMVS_ENTRY_T(gemv16s_r1f2, 1, 2, false, GEMVS_MINB_SMALL)
+FLASHRT_GEMVS_ENTRY_T(gemv16s_norm_r1f2, 1, 2, true, GEMVS_MINB_SMALL)
+FLASHRT_GEMVS_ENTRY(1)
+FLASHRT_GEMVS_ENTRY(2)
+FLASHRT_GEMVS_ENTRY(3)
+FLASHRT_GEMVS_ENTRY(4)
+FLASHRT_GEMVS_ENTRY(5)
+FLASHRT_GEMVS_ENTRY(6)
+FLASHRT_GEMVS_ENTRY(7)
+FLASHRT_GEMVS_ENTRY(8)
+
 // Features per block: 8 for one or two rows, 4 for more (their partial sums need more
 // registers). The thread-to-chunk mapping and the reduction order do not depend on it.
 #define GEMV_FEATS_OF(R) ((R) <= 2 ? 8 : 4)

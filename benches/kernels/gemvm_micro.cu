@@ -7,7 +7,9 @@
 //
 // Checks printed per shape: the tensor-core kernel's row 0 is bit-identical at every row count
 // (`rows-invariant`), and its outputs agree with the CUDA-core kernel's (16-bit weights; max
-// difference relative to the largest output).
+// difference relative to the largest output). 16-bit weights also run `gemv16s_*` (mode
+// `smem`: kernels/gemv.cu, the CUDA-core kernel's blocks with the products on the tensor
+// cores), with the same two checks.
 //
 //   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \
 //       -o gemvm_micro benches/kernels/gemvm_micro.cu
@@ -130,7 +132,7 @@ int main() {
             CK(cudaMalloc(&go, 8 * s.n * 4));
             CK(cudaMalloc(&no, 8 * s.k * 2));
             std::vector<unsigned short> row0_r1;
-            std::vector<unsigned short> mma_out[9], core_out[9];
+            std::vector<unsigned short> mma_out[9], core_out[9], smem_out[9];
             // The read ceiling for these bytes.
             const int iters = 40;
             cudaEventRecord(e0);
@@ -145,13 +147,27 @@ int main() {
             printf("%s %-34s read %7.2f us %5.2f TB/s\n", fp8 ? "fp8 " : "bf16", s.name, msr * 1e3 / iters,
                    nm * wbytes / (msr * 1e3 / iters) / 1e6);
             for (int R : rows_list)
-                for (int core = 0; core < 2; ++core) {
+                for (int mode = 0; mode < 3; ++mode) {
+                    // mode 0: gemv16m / gemv8m (stream-K), 1: CUDA cores, 2: gemv16s.
+                    const int core = mode == 1;
+                    if (mode == 2 && fp8) continue;
                     Kern f = nullptr;
-                    int threads = core ? 256 : GEMVM_WARPS * 32, grid;
+                    int threads = mode ? 256 : GEMVM_WARPS * 32, grid;
                     size_t smem = 0;
                     const int tiles = s.glu ? (s.n + 7) / 8 : (s.n + 15) / 16;
                     int blocks;
-                    if (core) {
+                    if (mode == 2) {
+                        // gemv16s_r<R>: 8 outputs a block at every R.
+                        const int per = s.glu ? 4 : 8;
+                        blocks = (s.n + per - 1) / per;
+                        grid = s.glu ? blocks : blocks * nm;
+#define SMEM(NR)                                                                                   \
+    if (R == NR) f = s.norm ? gemv16s_norm_r##NR##_bf16 : gemv16s_r##NR##_bf16;
+                        SMEM(1) SMEM(2) SMEM(4) SMEM(8)
+                        smem = GEMVS_SMEM(R);
+                        CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                (int)smem));
+                    } else if (core) {
                         // gemv_r<R> / gemv8_r<R>: 8 features per block at R <= 2 (FP8: R == 1), else 4.
                         const int feats = fp8 ? (R == 1 ? 8 : 4) : (R <= 2 ? 8 : 4);
                         const int per = s.glu ? feats / 2 : feats;
@@ -197,6 +213,9 @@ int main() {
                         p.ld_glu = s.n;
                         p.norm = s.norm;
                         p.norm_w = nw;
+                        // (1 + w) with w = 0: the normalised rows themselves, so the fused-norm
+                        // shapes' checks compare non-zero outputs.
+                        p.one_plus = 1;
                         p.norm_out = no;
                         p.ld_norm_out = s.k;
                         p.eps = 1e-6f;
@@ -244,12 +263,12 @@ int main() {
                     CK(cudaDeviceSynchronize());
                     std::vector<unsigned short> h((size_t)R * s.n);
                     CK(cudaMemcpy(h.data(), s.glu ? go : o0, h.size() * 2, cudaMemcpyDeviceToHost));
-                    (core ? core_out : mma_out)[R] = h;
+                    (mode == 2 ? smem_out : core ? core_out : mma_out)[R] = h;
                     const double us = ms * 1e3 / iters;
-                    printf("   %-6s R=%d grid=%5d smem=%6zu  %8.2f us %5.2f TB/s\n", core ? "cores" : "mma", R, grid,
-                           smem, us, bytes / us / 1e6);
+                    printf("   %-6s R=%d grid=%5d smem=%6zu  %8.2f us %5.2f TB/s\n",
+                           mode == 2 ? "smem" : core ? "cores" : "mma", R, grid, smem, us, bytes / us / 1e6);
 #ifdef FLASHRT_PROBE
-                    if (!core) {
+                    if (mode == 0) {
                         float mp = 0;
                         const auto hp = probe_run((size_t)grid * GEMVM_WARPS, [&] {
                             cudaEventRecord(e0);
@@ -277,6 +296,18 @@ int main() {
                     diff = std::max(diff, (double)fabsf(bf(core_out[8][i]) - bf(mma_out[8][i])));
                 }
             printf("   rows-invariant %s, |mma - cores| max %.3g of max |out| %.3g\n", inv ? "yes" : "NO", diff, big);
+            if (!fp8) {
+                bool sinv = true;
+                for (int R : rows_list)
+                    sinv = sinv && !smem_out[R].empty() &&
+                           memcmp(smem_out[R].data(), smem_out[1].data(), (size_t)s.n * 2) == 0;
+                double sdiff = 0;
+                if (!smem_out[8].empty() && !core_out[8].empty())
+                    for (size_t i = 0; i < smem_out[8].size(); ++i)
+                        sdiff = std::max(sdiff, (double)fabsf(bf(core_out[8][i]) - bf(smem_out[8][i])));
+                printf("   smem rows-invariant %s, |smem - cores| max %.3g of max |out| %.3g\n", sinv ? "yes" : "NO",
+                       sdiff, big);
+            }
             for (auto p : w) cudaFree(p);
             for (auto p : scl) cudaFree(p);
             cudaFree(x);

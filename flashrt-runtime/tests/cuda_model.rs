@@ -1421,10 +1421,12 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
     let mtp = qwen_like_mtp();
     // And with small phases' 16-bit matmuls on the tensor cores (`gemv16m`, opt-in).
     let mma: Arc<dyn Backend> = cuda_gemv16m("batched decode").expect("a CUDA device");
+    // And in the CUDA-core kernel's blocks (`gemv16s`, opt-in).
+    let smem: Arc<dyn Backend> = cuda_gemv16s("batched decode").expect("a CUDA device");
     let gpu: Arc<dyn Backend> = gpu;
     // (what, config, dtype, batched on the device, backend)
     type Case<'a> = (&'a str, &'a str, DType, bool, &'a Arc<dyn Backend>);
-    let cases: [Case; 4] = [
+    let cases: [Case; 5] = [
         ("qwen-like bf16", QWEN_LIKE, DType::Bf16, true, &gpu),
         ("qwen-like + MTP bf16", &mtp, DType::Bf16, true, &gpu),
         (
@@ -1440,6 +1442,13 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
             DType::Bf16,
             true,
             &mma,
+        ),
+        (
+            "qwen-like + MTP bf16, gemv16s",
+            &mtp,
+            DType::Bf16,
+            true,
+            &smem,
         ),
     ];
     for (what, json, dtype, batched, backend) in cases {

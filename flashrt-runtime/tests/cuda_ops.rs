@@ -85,10 +85,12 @@ fn rms_norm() {
 #[test]
 fn linear() {
     let Some(gpu) = cuda("linear") else { return };
-    // And with small phases' 16-bit matmuls on the tensor cores (`gemv16m`, opt-in).
+    // And with small phases' 16-bit matmuls on the tensor cores (`gemv16m`, `gemv16s`: opt-in).
     let mma = cuda_gemv16m("linear");
+    let smem = cuda_gemv16s("linear");
     for (gpu, dtype) in std::iter::once(gpu)
         .chain(mma)
+        .chain(smem)
         .flat_map(|g| DTYPES.map(|d| (g.clone(), d)))
     {
         for (bucket, k, n, bias, accumulate) in [
@@ -354,8 +356,10 @@ fn gemv_groups_and_glu() {
         return;
     };
     let mma = cuda_gemv16m("gemv_groups_and_glu");
+    let smem = cuda_gemv16s("gemv_groups_and_glu");
     for (gpu, dtype) in std::iter::once(gpu)
         .chain(mma)
+        .chain(smem)
         .flat_map(|g| DTYPES.map(|d| (g.clone(), d)))
     {
         for bucket in [3, 5] {

@@ -67,6 +67,18 @@ pub fn cuda_gemv16m(test: &str) -> Option<Arc<CudaBackend>> {
     )
 }
 
+/// The CUDA backend with small phases' 16-bit matmuls on the tensor cores in the CUDA-core
+/// kernel's blocks (`gemv16s`, opt-in), or `None` as [`cuda_with`].
+pub fn cuda_gemv16s(test: &str) -> Option<Arc<CudaBackend>> {
+    cuda_with(
+        &format!("{test} (gemv16s)"),
+        CudaOptions {
+            gemv16_smem: true,
+            ..CudaOptions::default()
+        },
+    )
+}
+
 pub fn cpu() -> Arc<dyn Backend> {
     Arc::new(CpuBackend::with_threads(4))
 }

@@ -417,6 +417,7 @@ impl WeightSink for CudaSink {
                 fp8_gemm: cc.is_some_and(|(major, _)| major == 9) && sink.options.fp8_gemm,
                 gemv_mma: cc.is_some_and(|(major, _)| major == 9) && sink.options.gemv_mma,
                 gemv16_mma: cc.is_some_and(|(major, _)| major == 9) && sink.options.gemv16_mma,
+                gemv16_smem: cc.is_some_and(|(major, _)| major == 9) && sink.options.gemv16_smem,
                 row_layout,
                 exec: Mutex::new(None),
                 sessions: AtomicU64::new(1),

@@ -183,6 +183,14 @@ pub struct CudaOptions {
     /// decode, verify and batched steps. `FLASHRT_GEMV16_MMA=1` (or the CLI's
     /// `--decode-matmuls tensor-cores`) turns it on.
     pub gemv16_mma: bool,
+    /// Run small phases' matmuls over bf16/f16 weights with `gemv16s_*` (kernels/gemv.cu):
+    /// the CUDA-core kernel's blocks and weight loads, the products on the tensor cores
+    /// through a per-warp shared-memory transpose, so one to eight rows cost the same
+    /// instructions without the stream-K kernel's fix-up at the end of every launch (compute
+    /// capability 9.x). Every phase of a model uses it when on, so rows round alike across
+    /// decode, verify and batched steps. Not yet measured on the H200: off by default;
+    /// `FLASHRT_GEMV16_SMEM=1` turns it on (and takes precedence over `gemv16_mma`).
+    pub gemv16_smem: bool,
     /// Sample non-greedy tokens on the device (kernels/sample.cu) from the row the step left
     /// in the I/O arena (default): only the id crosses to the host. `false` samples on the
     /// host from the copied row; both choose the same token. Default from
@@ -259,6 +267,7 @@ impl Default for CudaOptions {
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
             gemv_mma: on("FLASHRT_GEMV_MMA"),
             gemv16_mma: std::env::var("FLASHRT_GEMV16_MMA").is_ok_and(|v| v == "1"),
+            gemv16_smem: std::env::var("FLASHRT_GEMV16_SMEM").is_ok_and(|v| v == "1"),
             device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
             gemv_tiles: std::env::var("FLASHRT_GEMV_TILES").is_ok_and(|v| v == "1"),
             row_states: on("FLASHRT_ROW_STATES"),
@@ -379,7 +388,9 @@ impl CudaBackend {
         let (major, minor) = ctx.compute_capability().unwrap_or((0, 0));
         // Said in the name where it applies (compute capability 9.x), so every report names
         // the decode kernels it measured.
-        let units = if options.gemv16_mma && major == 9 {
+        let units = if options.gemv16_smem && major == 9 {
+            ", tensor-core decode matmuls (gemv16s)"
+        } else if options.gemv16_mma && major == 9 {
             ", tensor-core decode matmuls"
         } else {
             ""
@@ -592,6 +603,7 @@ struct ModelInner {
     fp8_gemm: bool,
     gemv_mma: bool,
     gemv16_mma: bool,
+    gemv16_smem: bool,
     /// Verify passes keep each row's states (`CudaOptions::row_states` with the fused Gated
     /// DeltaNet kernel): the regions and the bytes of one row of the area.
     row_layout: Option<(Vec<(BufferId, u64)>, u64)>,
@@ -704,6 +716,7 @@ fn builder<'a>(
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,
         gemv16_mma: model.gemv16_mma,
+        gemv16_smem: model.gemv16_smem,
         gemv_tiles: model.options.gemv_tiles,
         gemvm_prefetch: model.options.gemvm_prefetch,
         gemv8m_max_splits: model.options.gemv8m_max_splits,

@@ -20,6 +20,12 @@ const GEMVM_PAD: usize = 8;
 /// Fewest steps a warp of a tensor-core launch takes (small launches use fewer blocks).
 const GEMVM_MIN_STEPS: usize = 4;
 
+/// kernels/gemv.cu `GEMVS_SMEM(R)`: the dynamic shared memory of a `gemv16s_*` block (a 4 KiB
+/// transpose buffer per warp, two past two rows).
+fn gemvs_smem(rows: usize) -> u32 {
+    (GEMV_WARPS * if rows > 2 { 2 } else { 1 } * 8 * 32 * 16) as u32
+}
+
 /// Bytes of the tensor-core gemv's split-tile buffer for `sms` SMs: two 128-float partial
 /// slots and one counter per warp of the largest grid (kernels/gemv_mma.cu); zeroed once, the
 /// kernel leaves the counters at zero.
@@ -301,9 +307,15 @@ impl Builder<'_> {
                     && (self.gemv8m_max_splits == 0 || splits <= self.gemv8m_max_splits as f64)
             }
             GemvWeights::Plain => {
-                self.gemv16_mma && mma_shape && (norm.is_none() || staged_max <= GEMVM_MAX_SMEM)
+                !self.gemv16_smem
+                    && self.gemv16_mma
+                    && mma_shape
+                    && (norm.is_none() || staged_max <= GEMVM_MAX_SMEM)
             }
         };
+        // `gemv16s_*`: the CUDA-core kernel's blocks with the products on the tensor cores
+        // (any shape the CUDA-core kernel takes; 8 outputs a block at any row count).
+        let smem_mma = !mma && self.gemv16_smem && first.weights == GemvWeights::Plain;
         let stage = mma && staged <= GEMVM_MAX_SMEM;
         let mma_smem = if stage { staged } else { 0 };
         // Features per block: the rows' default, or for one row fewer when the default leaves
@@ -314,6 +326,14 @@ impl Builder<'_> {
                 GemvWeights::Fp8 { .. } => "gemv8m",
             };
             (name, 16, "")
+        } else if smem_mma {
+            let (feats, suffix) = self.gemvs_shape(
+                shape_rows,
+                &widths[..if glu.is_some() { 1 } else { widths.len() }],
+                glu.is_some(),
+                norm.is_some(),
+            )?;
+            ("gemv16s", feats, suffix)
         } else {
             let (feats, suffix) = self.gemv_shape(
                 shape_rows,
@@ -413,7 +433,11 @@ impl Builder<'_> {
         // (kernels/gemv.cu, `gemv_impl`). A tile computes the same whichever block runs it.
         let grid_blocks = if mma {
             mma_grid as u32
-        } else if self.gemv_tiles && shape_rows > 1 && first.weights == GemvWeights::Plain {
+        } else if self.gemv_tiles
+            && !smem_mma
+            && shape_rows > 1
+            && first.weights == GemvWeights::Plain
+        {
             let resident = func
                 .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
                 .unwrap_or(1)
@@ -426,6 +450,8 @@ impl Builder<'_> {
         let grid = (grid_blocks, 1, 1);
         cmds.push(if mma && mma_smem > 0 {
             self.kernel_smem(&label, func, grid, threads, mma_smem as u32, &p)?
+        } else if smem_mma {
+            self.kernel_smem(&label, func, grid, threads, gemvs_smem(shape_rows), &p)?
         } else {
             self.kernel(&label, func, grid, threads, &p)
         });
@@ -460,6 +486,48 @@ impl Builder<'_> {
             let blocks: usize = widths.iter().map(|w| w.div_ceil(per_block)).sum();
             let resident = func
                 .occupancy_max_active_blocks_per_multiprocessor(32 * GEMV_WARPS as u32, 0, None)
+                .unwrap_or(1)
+                .max(1) as usize
+                * self.sms.max(1);
+            let waves = blocks as f64 / resident as f64;
+            let fill = waves / waves.ceil();
+            if fill >= 0.85 {
+                return Ok((feats, suffix));
+            }
+            if fill > best.0 {
+                best = (fill, feats, suffix);
+            }
+        }
+        Ok((best.1, best.2))
+    }
+
+    /// [`Builder::gemv_shape`] for `gemv16s_*`: 8 outputs a block at any row count (an MMA's 8
+    /// columns; the partial sums do not grow with the rows), and at one row the largest of 8 /
+    /// 4 / 2 whose blocks fill the resident slots in waves at least 85 % full (every choice
+    /// sums each output alike).
+    fn gemvs_shape(
+        &self,
+        rows: usize,
+        widths: &[usize],
+        glu: bool,
+        norm: bool,
+    ) -> Result<(usize, &'static str)> {
+        if rows != 1 {
+            return Ok((8, ""));
+        }
+        let t = self.target();
+        let mut best = (0.0, 8, "");
+        for (feats, suffix) in [(8, ""), (4, "f4"), (2, "f2")] {
+            let name = format!("gemv16s_{}r1{suffix}", if norm { "norm_" } else { "" });
+            let func = self.kernels.typed(&name, t)?;
+            let per_block = if glu { feats / 2 } else { feats };
+            let blocks: usize = widths.iter().map(|w| w.div_ceil(per_block)).sum();
+            let resident = func
+                .occupancy_max_active_blocks_per_multiprocessor(
+                    32 * GEMV_WARPS as u32,
+                    gemvs_smem(1) as usize,
+                    None,
+                )
                 .unwrap_or(1)
                 .max(1) as usize
                 * self.sms.max(1);

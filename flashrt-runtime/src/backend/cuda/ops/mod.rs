@@ -383,6 +383,9 @@ pub struct Builder<'a> {
     /// Small phases' matmuls over 16-bit weights on the tensor cores (kernels/gemv_mma.cu
     /// `gemv16m_*`, compute capability 9.x; [`Builder::gemv`]).
     pub gemv16_mma: bool,
+    /// Small phases' matmuls over 16-bit weights on the tensor cores in the CUDA-core kernel's
+    /// blocks (kernels/gemv.cu `gemv16s_*`; [`Builder::gemv`]; before `gemv16_mma`).
+    pub gemv16_smem: bool,
     /// The tensor-core gemv's split-tile partials and counters (the model's, zero between
     /// launches; [`gemv::gemvm_sync_bytes`]).
     pub gemvm_part: u64,
