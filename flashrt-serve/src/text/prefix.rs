@@ -33,12 +33,15 @@ const ENTRIES: usize = 32;
 /// Texts shorter than this are encoded whole (it costs well under a millisecond).
 const MIN_BYTES: usize = 2048;
 
+/// A split point: (start byte, end byte, index in the ids) of a splittable added token.
+type Mark = (usize, usize, usize);
+
 struct Entry {
     owner: String,
     text: String,
     ids: Vec<u32>,
-    /// Split points: (start byte, end byte, index in `ids`) of each splittable added token.
-    marks: Vec<(usize, usize, usize)>,
+    /// Split points, in order.
+    marks: Vec<Mark>,
 }
 
 /// The last prompts' ids per owner, to encode a prompt that extends one of them from the last
@@ -129,11 +132,7 @@ impl PrefixTokens {
     }
 
     /// `text`'s ids and its split points.
-    fn encode_marked(
-        &self,
-        tok: &Tokenizer,
-        text: &str,
-    ) -> Result<(Vec<u32>, Vec<(usize, usize, usize)>), String> {
+    fn encode_marked(&self, tok: &Tokenizer, text: &str) -> Result<(Vec<u32>, Vec<Mark>), String> {
         let enc = tok.inner().encode(text, false).map_err(|e| e.to_string())?;
         let ids = enc.get_ids().to_vec();
         let marks = ids
