@@ -204,6 +204,25 @@ impl ModelArgs {
                         m.display()
                     ));
                 }
+                // A TOML model states these itself; ignoring the flags would run another model
+                // than the one asked for.
+                let flags: Vec<&str> = [
+                    ("--max-seq", self.max_seq.is_some()),
+                    ("--buckets", self.buckets.is_some()),
+                    ("--dtype", self.dtype.is_some()),
+                ]
+                .into_iter()
+                .filter_map(|(f, set)| set.then_some(f))
+                .collect();
+                if !flags.is_empty() {
+                    return Err(format!(
+                        "{} set{} what a checkpoint's config.json leaves open; {} states it in its \
+                         [model] table (max_seq, prefill_buckets, dtype): edit a copy of the TOML",
+                        flags.join(", "),
+                        if flags.len() == 1 { "s" } else { "" },
+                        m.display()
+                    ));
+                }
                 match (ckpt, self.random_weights) {
                     (Some(d), false) => Ok(ModelSource::TomlCheckpoint {
                         toml: m.clone(),
@@ -559,5 +578,20 @@ mod tests {
             .source()
             .unwrap_err();
         assert!(e.contains("has its own weights"), "{e}");
+        // A TOML model states its own positions, buckets and dtype: the flags are refused,
+        // not ignored.
+        let e = parse(&[
+            toml,
+            "--random-weights",
+            "--max-seq",
+            "9000",
+            "--dtype",
+            "f16",
+        ])
+        .unwrap()
+        .model
+        .source()
+        .unwrap_err();
+        assert!(e.starts_with("--max-seq, --dtype set what"), "{e}");
     }
 }

@@ -9,14 +9,16 @@
 //! timing) and encodes a new prompt as the ids of a remembered one up to a *split point*, plus
 //! the encoding of the text from there.
 //!
-//! The result equals encoding the whole text, because a split point is the start of an added
-//! token (`<|im_start|>`, ...) that is matched on the raw text (not `normalized`), strips no
-//! whitespace (`lstrip` / `rstrip`), may sit inside a word (not `single_word`), and lies, with
-//! at least the longest added token's length after it, inside the prefix both texts share.
-//! The tokenizer splits the raw text at added tokens first, leftmost-longest; every match
-//! starting before the split point then lies in the shared bytes, so both texts split
-//! identically up to it and the token at it is matched in both, and the pieces between added
-//! tokens are normalised, pre-tokenized and BPE-merged independently of one another. So
+//! The result equals encoding the whole text, because a split point is the start `s` of an
+//! added token (`<|im_start|>`, ...) that is matched on the raw text (not `normalized`),
+//! strips no whitespace (`lstrip` / `rstrip`), may sit inside a word (not `single_word`), lies
+//! inside the prefix both texts share (up to `common`), and where no added token could match
+//! differently in the two texts: none starting at a position `p <= s` has the shared bytes
+//! `[p, common)` as a proper prefix (it could run past the shared bytes in one text and not in
+//! the other). The tokenizer splits the raw text at added tokens first, leftmost-longest; every
+//! match starting before `s` and the one at `s` are then the same in both texts, so both split
+//! identically up to `s`, and the pieces between added tokens are normalised, pre-tokenized and
+//! BPE-merged independently of one another. So
 //! ids(text) = ids(text[..s]) ++ ids(text[s..]), and ids(text[..s]) is the remembered
 //! encoding's prefix up to the token at `s`. Tokenizers for which that does not hold (a
 //! truncation or padding setting, a pre-tokenizer that treats the input's first piece
@@ -49,8 +51,9 @@ struct Entry {
 pub struct PrefixTokens {
     /// Added tokens a split may come before; empty: the cache is off.
     splittable: HashSet<u32>,
-    /// Bytes of the longest added token.
+    /// Bytes of the longest added token, and every added token's content.
     longest: usize,
+    contents: Vec<String>,
     /// The post-processor adds no tokens (Qwen's adds none): a prompt encoded with what it
     /// adds is encoded as without, and may reuse a remembered one too.
     adds_nothing: bool,
@@ -84,6 +87,7 @@ impl PrefixTokens {
         let mut cache = PrefixTokens {
             splittable: HashSet::new(),
             longest,
+            contents: added.values().map(|t| t.content.clone()).collect(),
             adds_nothing: tok.encode_with("a", true).ok() == tok.encode("a").ok(),
             entries: Mutex::new(VecDeque::new()),
             reused: AtomicU64::new(0),
@@ -150,14 +154,30 @@ impl PrefixTokens {
         Ok((ids, marks))
     }
 
+    /// Whether the mark at `s` (ending at `e`) splits `text` as it splits any text sharing its
+    /// first `common` bytes: the mark is shared whole, and no added token starting at or
+    /// before `s` could match past the shared bytes (see the module docs).
+    fn splits_alike(&self, text: &[u8], common: usize, s: usize, e: usize) -> bool {
+        if e > common {
+            return false;
+        }
+        // (A token starting at `s` itself matches alike: the encoding from `s` sees it too.)
+        (s.saturating_sub(self.longest)..s).all(|p| {
+            let shared = &text[p..common];
+            !self
+                .contents
+                .iter()
+                .any(|c| c.len() > shared.len() && c.as_bytes().starts_with(shared))
+        })
+    }
+
     /// The ids of `text` (what [`Tokenizer::encode`] gives), reusing `owner`'s remembered
     /// prompt that shares the longest beginning with it; `text` is remembered in turn.
     pub fn encode(&self, tok: &Tokenizer, owner: &str, text: &str) -> Result<Vec<u32>, String> {
         if !self.enabled() || text.len() < MIN_BYTES {
             return tok.encode(text);
         }
-        // The remembered prompt of this owner sharing the most bytes, and its last split
-        // point with the longest added token's length of shared bytes after it.
+        // The remembered prompt of this owner with the latest split point valid for `text`.
         let reuse = {
             let entries = self.entries.lock().map_err(|_| "prefix cache poisoned")?;
             let best = entries
@@ -165,10 +185,12 @@ impl PrefixTokens {
                 .filter(|e| e.owner == owner)
                 .filter_map(|e| {
                     let common = common_len(&e.text, text);
-                    let j = e
-                        .marks
-                        .partition_point(|&(s, _, _)| s + self.longest <= common);
-                    (j > 0).then(|| (e, j - 1))
+                    let below = e.marks.partition_point(|&(s, _, _)| s < common);
+                    let j = (0..below).rev().find(|&j| {
+                        let (s, end, _) = e.marks[j];
+                        self.splits_alike(e.text.as_bytes(), common, s, end)
+                    })?;
+                    Some((e, j))
                 })
                 .max_by_key(|(e, j)| e.marks[*j].0);
             best.map(|(e, j)| {
@@ -340,6 +362,40 @@ mod tests {
             return;
         }
         grows_and_forks(&Tokenizer::load(&path).unwrap());
+    }
+
+    /// An added token that starts before a split point and runs past the shared bytes
+    /// (`ab<|im_start|>user` over a remembered `...ab<|im_start|>us...`) matches in the new
+    /// text and not in the remembered one: the split point before it is refused, and the
+    /// encoding still equals the whole text's.
+    #[test]
+    fn a_longer_added_token_over_the_split_point_is_respected() {
+        let path =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/text/tokenizer.json");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        json["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+                "id": 512, "content": "ab<|im_start|>user", "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true
+            }));
+        let tok = Tokenizer::from_bytes(json.to_string().as_bytes()).unwrap();
+        let cache = PrefixTokens::new(&tok);
+        assert!(cache.enabled());
+        let body = "hello world, ".repeat(400);
+        let before = format!("<|im_start|>user\n{body}<|im_end|>\nab<|im_start|>usX tail");
+        let after = format!("<|im_start|>user\n{body}<|im_end|>\nab<|im_start|>user\nmore");
+        let whole = tok.encode(&after).unwrap();
+        assert!(
+            whole.contains(&512),
+            "the long token matches in the new text"
+        );
+        cache.encode(&tok, "", &before).unwrap();
+        assert_eq!(cache.encode(&tok, "", &after).unwrap(), whole);
+        // It still reused the ids before the earlier split point (the first `<|im_end|>`).
+        assert!(cache.reused().0 >= 1);
     }
 
     #[test]
