@@ -31,6 +31,11 @@ OUT="${1:-${OUT:-benches/results/latest-gemv16s}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN="$ROOT/.gpu/bin"
 FLASHRT="$ROOT/.gpu/flashrt"
+# Carried packed (`tar -cJf .gpupack/p.tar.xz .gpu/bin .gpu/flashrt .gpu/extra/gemvm_micro*`,
+# ~45 MB; the device call carries `.gpupack`): unpacked here when .gpu is missing.
+if [ ! -x "$FLASHRT" ] && [ -f "$ROOT/.gpupack/p.tar.xz" ]; then
+  tar -xJf "$ROOT/.gpupack/p.tar.xz" -C "$ROOT"
+fi
 mkdir -p "$OUT"
 export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/device.txt" 2>&1
