@@ -233,6 +233,62 @@ fn stream_text(r: &Resp, chat: bool) -> String {
         .collect()
 }
 
+/// A conversation sent again with one more turn (what a chat client does): the server
+/// tokenizes it from the previous turn's ids (`/metrics` counts it), and the ids are exactly the
+/// template's rendering encoded whole — the answer equals the runtime's greedy tokens on them.
+#[test]
+fn a_conversation_sent_again_reuses_its_tokenization_exactly() {
+    let m = model("qwen35-public", 4096);
+    let cfg = flashrt_serve::ServeConfig {
+        eos: vec![text().eos_token_id().unwrap()],
+        ..config(None, None)
+    };
+    let server = flashrt_serve::Server::start(m.clone(), Some(text()), cfg).unwrap();
+    let c = Client::new(server.addr(), None);
+    let t = text();
+    let template = t.template.as_ref().unwrap();
+    let line = "The arm reached the shelf, paused, and picked up the red cup. ";
+    let mut messages = vec![json!({"role": "system", "content": "You control a robot arm."})];
+    for turn in 0..3 {
+        messages.push(json!({"role": "user", "content": line.repeat(20 + turn)}));
+        let body = json!({"messages": messages, "max_tokens": 4, "temperature": 0,
+                          "ignore_eos": true});
+        let r = c.ok("/v1/chat/completions", &body);
+        let prompt = template
+            .render(
+                &Value::Array(messages.clone()),
+                &flashrt_serve::text::RenderOptions {
+                    tools: None,
+                    add_generation_prompt: true,
+                    kwargs: Default::default(),
+                },
+            )
+            .unwrap();
+        let ids = t.tokenizer.encode(&prompt).unwrap();
+        assert_eq!(r["usage"]["prompt_tokens"], ids.len(), "turn {turn}");
+        let mut s = m.session().unwrap();
+        s.append(&ids).unwrap();
+        assert_eq!(
+            ids_of(&r["choices"][0]["message"]["token_ids"]),
+            s.decode_greedy(4).unwrap(),
+            "turn {turn}"
+        );
+        let answer = r["choices"][0]["message"]["content"].clone();
+        messages.push(json!({"role": "assistant", "content": answer}));
+    }
+    let metrics = String::from_utf8(c.get("/metrics").body).unwrap();
+    let reused = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("flashrt_prompt_tokenizations_reused_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(
+        reused >= 2,
+        "turns 2 and 3 reuse turn 1 and 2's ids: {reused}"
+    );
+    server.shutdown().unwrap();
+}
+
 #[test]
 fn chat_completions_use_the_models_template_and_stream_what_they_return() {
     let (server, m) = server();

@@ -32,7 +32,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Prompts remembered (each with its ids), all owners together.
 const ENTRIES: usize = 32;
 
-/// Texts shorter than this are encoded whole (it costs well under a millisecond).
+/// Texts shorter than this are encoded whole (it costs well under a millisecond); from a
+/// quarter of it on they are remembered, as the start of a conversation that grows.
 const MIN_BYTES: usize = 2048;
 
 /// A split point: (start byte, end byte, index in the ids) of a splittable added token.
@@ -174,11 +175,13 @@ impl PrefixTokens {
     /// The ids of `text` (what [`Tokenizer::encode`] gives), reusing `owner`'s remembered
     /// prompt that shares the longest beginning with it; `text` is remembered in turn.
     pub fn encode(&self, tok: &Tokenizer, owner: &str, text: &str) -> Result<Vec<u32>, String> {
-        if !self.enabled() || text.len() < MIN_BYTES {
+        if !self.enabled() || text.len() < MIN_BYTES / 4 {
             return tok.encode(text);
         }
         // The remembered prompt of this owner with the latest split point valid for `text`.
-        let reuse = {
+        let reuse = if text.len() < MIN_BYTES {
+            None
+        } else {
             let entries = self.entries.lock().map_err(|_| "prefix cache poisoned")?;
             let best = entries
                 .iter()
