@@ -16,7 +16,8 @@
 #        server: parse, queue, admission = prefix lookup + restore, prefill, first token) at
 #        2k and 16k, with the device memory pool keeping freed memory (FLASHRT_POOL_KEEP=1, the
 #        new default) and without (=0): issue 13's "stored prefix + 1 / + 32" and exact-repeat
-#        bars.
+#        bars; and chat turns through /v1/chat/completions on a stored 2k / 16k conversation
+#        (`--serve-chat tests/fixtures/text`: templating and tokenizing included).
 #
 # Built here first (git-ignored .gpu/, packed as in run-pending-h200.sh):
 #   cargo build --release --features cuda && strip --strip-debug target/release/flashrt -o .gpu/flashrt
@@ -51,7 +52,7 @@ bench27() { # name, env..., then extra args after --
     --backend cuda "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
   echo "== $name (${envs[*]})"
   grep -E 'per step|restored TTFT [0-9]|^ +[0-9]+ +[1248] ' "$OUT/$name.log" | head -12
-  grep -E '^\[bench --serve\] prefix' "$OUT/$name.log" | head -12
+  grep -E '^\[bench --serve\] (prefix|chat)' "$OUT/$name.log" | head -14
 }
 if [ "${PART:-1}" = 1 ]; then
   if [ -x "$ROOT/.gpu/extra/gemvm_micro" ]; then
@@ -74,7 +75,8 @@ if [ "${PART:-1}" = 1 ]; then
 else
   for v in 1 0; do
     bench27 "serve-pool-keep-$v" FLASHRT_POOL_KEEP=$v -- --lengths 2048,16384 --iters 1 \
-      --decode-steps 16 --batch 1 --serve --serve-suffixes 1,32 --serve-runs 3
+      --decode-steps 16 --batch 1 --serve --serve-suffixes 1,32 --serve-runs 3 \
+      --serve-chat "$ROOT/tests/fixtures/text"
   done
 fi
 exit $status

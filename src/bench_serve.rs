@@ -38,6 +38,25 @@ pub struct ServeBenchOptions {
     /// One completion with `n` = this many choices at temperature 0.8 with a seed, against
     /// the same number of single completions seeded `seed + i` (0: skip).
     pub choices: usize,
+    /// Chat turns through `/v1/chat/completions` with this folder's `tokenizer.json` and chat
+    /// template, on a server of their own (`None`: skip).
+    pub chat: Option<std::path::PathBuf>,
+}
+
+/// A conversation of about `prefix` tokens stored, then one more turn, through
+/// `/v1/chat/completions`: what a chat or agent client sees, templating and tokenizing
+/// included (the server's `parse_ms`).
+#[derive(Serialize)]
+pub struct ChatResult {
+    pub prefix: usize,
+    /// The stored conversation's prompt tokens.
+    pub stored_tokens: usize,
+    /// Per run: prompt tokens, the cached part, time to the first streamed token, and the
+    /// server's timings.
+    pub prompt_tokens: Vec<usize>,
+    pub cached_tokens: Vec<usize>,
+    pub ttft_ms: Vec<f64>,
+    pub server: Vec<Value>,
 }
 
 #[derive(Serialize)]
@@ -88,6 +107,8 @@ pub struct ServeReport {
     pub concurrent: Option<ConcurrentResult>,
     /// OpenAI `n` (`choices` > 0).
     pub choices: Option<ChoicesResult>,
+    /// Chat turns (`chat` set).
+    pub chat: Vec<ChatResult>,
 }
 
 /// One completion with `n` choices against `n` separately seeded single completions.
@@ -204,9 +225,15 @@ struct Streamed {
     speculative: Value,
     /// The server's `timings` (the last chunk's).
     timings: Value,
+    /// `usage.prompt_tokens`.
+    prompt: usize,
 }
 
 fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String> {
+    stream_to(addr, "/v1/completions", body)
+}
+
+fn stream_to(addr: SocketAddr, path: &str, body: &Value) -> Result<Streamed, String> {
     let mut body = body.clone();
     body["stream"] = json!(true);
     body["stream_options"] = json!({"include_usage": true});
@@ -216,7 +243,7 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String>
     sock.set_nodelay(true).ok();
     sock.set_read_timeout(Some(Duration::from_secs(600))).ok();
     let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
         payload.len()
     );
     let t0 = Instant::now();
@@ -258,6 +285,7 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String>
         by_choice: Vec::new(),
         speculative: Value::Null,
         timings: Value::Null,
+        prompt: 0,
     };
     let mut pending = Vec::<u8>::new();
     let mut on_bytes = |bytes: &[u8], got: &mut Streamed| -> bool {
@@ -277,6 +305,9 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String>
                 if let Some(c) = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
                     got.cached = c as usize;
                 }
+                if let Some(p) = v["usage"]["prompt_tokens"].as_u64() {
+                    got.prompt = p as usize;
+                }
                 if !v["speculative"].is_null() {
                     got.speculative = v["speculative"].clone();
                 }
@@ -284,8 +315,10 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Result<Streamed, String>
                     got.timings = v["timings"].clone();
                 }
                 for c in v["choices"].as_array().into_iter().flatten() {
+                    // Completions' chunks carry `token_ids`, chat chunks `delta.token_ids`.
                     let ids: Vec<u32> = c["token_ids"]
                         .as_array()
+                        .or_else(|| c["delta"]["token_ids"].as_array())
                         .map(|a| {
                             a.iter()
                                 .filter_map(|x| x.as_u64())
@@ -562,6 +595,151 @@ fn median(v: &[f64]) -> f64 {
     if s.is_empty() { 0.0 } else { s[s.len() / 2] }
 }
 
+/// Words of the synthetic conversations (ASCII: any byte-level vocabulary encodes them).
+const WORDS: &[&str] = &[
+    "the",
+    "robot",
+    "arm",
+    "moved",
+    "to",
+    "shelf",
+    "picked",
+    "up",
+    "red",
+    "cup",
+    "and",
+    "placed",
+    "it",
+    "on",
+    "table",
+    "then",
+    "checked",
+    "camera",
+    "frame",
+    "for",
+    "obstacles",
+    "before",
+    "next",
+    "grasp",
+    "gripper",
+    "opened",
+    "slowly",
+    "left",
+    "right",
+    "base",
+];
+
+/// `n` words, deterministic in `seed`.
+fn sentence(seed: &mut u64, n: usize) -> String {
+    let mut s = String::new();
+    for i in 0..n {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str(WORDS[(*seed >> 33) as usize % WORDS.len()]);
+    }
+    s.push('.');
+    s
+}
+
+/// For each prefix length: a conversation of about that many tokens stored through
+/// `/v1/chat/completions` (one token generated), then `runs` more turns on it (after a
+/// warm-up), each the stored conversation, a short answer and a new user message: time to the
+/// first streamed token, the prompt and cached tokens, and the server's timings (its
+/// `parse_ms` holds the templating and tokenizing). On a server of its own with `dir`'s
+/// tokenizer and chat template.
+fn chat_turns(
+    model: &Model,
+    opts: &ServeBenchOptions,
+    dir: &std::path::Path,
+) -> Result<Vec<ChatResult>, String> {
+    use flashrt_serve::text::{RenderOptions, Text};
+    let load = || Text::load(&dir.join("tokenizer.json"), Some(dir));
+    let text = load()?;
+    let template = text
+        .template
+        .as_ref()
+        .ok_or_else(|| format!("{}: no chat template", dir.display()))?;
+    if text.tokenizer.vocab_size() > model.vocab() {
+        return Err(format!(
+            "{}: {} tokens, more than the model's vocabulary of {}",
+            dir.display(),
+            text.tokenizer.vocab_size(),
+            model.vocab()
+        ));
+    }
+    let cfg = flashrt_serve::ServeConfig {
+        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+        ..flashrt_serve::ServeConfig::default()
+    };
+    let server = flashrt_serve::Server::start(model.clone(), Some(load()?), cfg)?;
+    let addr = server.addr();
+    let count = |msgs: &[Value]| -> Result<usize, String> {
+        let opts = RenderOptions {
+            tools: None,
+            add_generation_prompt: true,
+            kwargs: Default::default(),
+        };
+        let p = template.render(&Value::Array(msgs.to_vec()), &opts)?;
+        Ok(text.tokenizer.encode(&p)?.len())
+    };
+    let body = |m: &[Value]| json!({"messages": m, "max_tokens": 1, "temperature": 0});
+    let mut seed = 77u64;
+    let mut out = Vec::new();
+    for &p in &opts.prefixes {
+        if p + 512 >= model.max_seq() {
+            eprintln!("[bench --serve] chat at {p} tokens does not fit max_seq: skipped");
+            continue;
+        }
+        let mut msgs = vec![json!({"role": "system", "content": "You control a robot arm."})];
+        while count(&msgs)? < p {
+            let role = if msgs.len() % 2 == 1 {
+                "user"
+            } else {
+                "assistant"
+            };
+            msgs.push(json!({"role": role, "content": sentence(&mut seed, 150)}));
+        }
+        let stored = stream_to(addr, "/v1/chat/completions", &body(&msgs))?;
+        let mut r = ChatResult {
+            prefix: p,
+            stored_tokens: stored.prompt,
+            prompt_tokens: Vec::new(),
+            cached_tokens: Vec::new(),
+            ttft_ms: Vec::new(),
+            server: Vec::new(),
+        };
+        for run in 0..=opts.runs {
+            let mut m = msgs.clone();
+            m.push(json!({"role": "assistant", "content": "Done."}));
+            m.push(json!({"role": "user", "content": sentence(&mut seed, 20)}));
+            let got = stream_to(addr, "/v1/chat/completions", &body(&m))?;
+            if run > 0 {
+                r.ttft_ms
+                    .push(got.times.first().copied().unwrap_or(0.0) * 1e3);
+                r.prompt_tokens.push(got.prompt);
+                r.cached_tokens.push(got.cached);
+                r.server.push(got.timings);
+            }
+        }
+        eprintln!(
+            "[bench --serve] chat: a {}-token conversation plus a turn ({:?} prompt tokens, {:?} cached): TTFT {:.2} ms (median of {}); {}",
+            r.stored_tokens,
+            r.prompt_tokens,
+            r.cached_tokens,
+            median(&r.ttft_ms),
+            opts.runs,
+            server_phases(&r.server)
+        );
+        out.push(r);
+    }
+    server.shutdown()?;
+    Ok(out)
+}
+
 /// Run the served-path measurements against a server started here on `model`.
 pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, String> {
     let max_seq = model.max_seq();
@@ -710,11 +888,16 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
         (n, Some(prompt)) => Some(choices(addr, n, prompt, opts.decode_tokens.max(2))?),
     };
     server.shutdown()?;
+    let chat = match &opts.chat {
+        Some(dir) => chat_turns(model, opts, dir)?,
+        None => Vec::new(),
+    };
     Ok(ServeReport {
         chunk_costs: costs.to_string(),
         prefixes,
         concurrent,
         choices,
+        chat,
     })
 }
 
@@ -780,6 +963,26 @@ pub fn render(r: &ServeReport) -> String {
     if let Some(c) = &r.choices {
         o += &format!("  {}\n", c.summary());
     }
+    for c in &r.chat {
+        let parse = median(
+            &c.server
+                .iter()
+                .filter_map(|t| t["parse_ms"].as_f64())
+                .collect::<Vec<_>>(),
+        );
+        o += &format!(
+            "  chat (/v1/chat/completions): a {}-token conversation plus a turn of {} tokens: TTFT {:.2} ms (median of {}), of which templating + tokenizing {:.2} ms, {:.2} ms to the first token in the server\n",
+            c.stored_tokens,
+            c.prompt_tokens
+                .first()
+                .zip(c.cached_tokens.first())
+                .map_or(0, |(p, k)| p - k),
+            median(&c.ttft_ms),
+            c.ttft_ms.len(),
+            parse,
+            server_first_token(&c.server)
+        );
+    }
     o
 }
 
@@ -804,8 +1007,17 @@ mod tests {
             clients: 3,
             newcomer: 100,
             choices: 3,
+            chat: Some(
+                std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/text"),
+            ),
         };
         let r = run(&model, &opts).unwrap();
+        // Chat turns: each restores the stored conversation and prefills only its new turn.
+        let c = &r.chat[0];
+        assert_eq!(c.ttft_ms.len(), 2);
+        assert_eq!(c.cached_tokens, vec![c.stored_tokens; 2]);
+        assert!(c.prompt_tokens.iter().all(|&p| p > c.stored_tokens + 5));
+        assert!(c.server.iter().all(|t| t["parse_ms"].as_f64().is_some()));
         let p = &r.prefixes[0];
         assert_eq!(p.suffixes.len(), 2);
         for s in &p.suffixes {

@@ -157,6 +157,11 @@ pub struct BenchArgs {
     /// whether each choice equals its single completion (`--serve`)
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub serve_choices: usize,
+    /// Then chat turns through /v1/chat/completions with DIR's tokenizer.json and chat
+    /// template (e.g. tests/fixtures/text): a conversation of each `--lengths` tokens stored,
+    /// then one more turn: time to first token, templating and tokenizing included (`--serve`)
+    #[arg(long, value_name = "DIR")]
+    pub serve_chat: Option<PathBuf>,
     /// Then open N sessions at once, each prefilled to the longest `--lengths`, and report the
     /// device memory each costs next to its state arena (CUDA)
     #[arg(long, value_name = "N")]
@@ -430,6 +435,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
             clients: a.serve_clients,
             newcomer: a.serve_newcomer,
             choices: a.serve_choices,
+            chat: a.serve_chat.clone(),
         };
         let r = crate::bench_serve::run(&loaded.model, &sopts)?;
         print!("\n{}", crate::bench_serve::render(&r));

@@ -73,7 +73,8 @@ impl std::fmt::Debug for PrefixTokens {
 }
 
 impl PrefixTokens {
-    /// The cache for `tok`, off when its encodings do not split at added tokens.
+    /// The cache for `tok`, off when its encodings do not split at added tokens (or with
+    /// `FLASHRT_PROMPT_REUSE=0`, to measure without it).
     pub fn new(tok: &Tokenizer) -> PrefixTokens {
         let inner = tok.inner();
         let added = inner.get_added_tokens_decoder();
@@ -94,7 +95,10 @@ impl PrefixTokens {
             reused: AtomicU64::new(0),
             reused_bytes: AtomicU64::new(0),
         };
-        if inner.get_truncation().is_some() || inner.get_padding().is_some() {
+        if inner.get_truncation().is_some()
+            || inner.get_padding().is_some()
+            || std::env::var("FLASHRT_PROMPT_REUSE").is_ok_and(|v| v == "0")
+        {
             return cache;
         }
         // A probe: text around every splittable token, encoded whole and split before it.
