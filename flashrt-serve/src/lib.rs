@@ -196,6 +196,16 @@ pub struct Server {
 impl Server {
     /// Open the store (loading its directory), start the worker and the HTTP listener.
     pub fn start(model: Model, text: Option<Text>, cfg: ServeConfig) -> Result<Server, String> {
+        if let Some(t) = &text {
+            tracing::debug!(
+                "prompt tokenization reuse (a prompt extending one its tenant sent before): {}",
+                if t.prefixes.enabled() {
+                    "on"
+                } else {
+                    "off (FLASHRT_PROMPT_REUSE=0, or this tokenizer does not split at its added tokens)"
+                }
+            );
+        }
         let tenants = tenants::Tenants::new(cfg.token.clone(), cfg.tokens_file.as_deref())?;
         let store = CapsuleStore::open(model.clone(), cfg.store.clone())
             .map_err(|e| format!("opening the capsule store: {e}"))?;
