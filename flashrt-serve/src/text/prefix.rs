@@ -32,6 +32,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Prompts remembered (each with its ids), all owners together.
 const ENTRIES: usize = 32;
 
+/// Texts longer than this are encoded whole and not remembered: the cache holds at most
+/// `ENTRIES` of them (with their ids, about 3x the text), so clients cannot make it large.
+const MAX_BYTES: usize = 2 << 20;
+
 /// Texts shorter than this are encoded whole (it costs well under a millisecond); from a
 /// quarter of it on they are remembered, as the start of a conversation that grows.
 const MIN_BYTES: usize = 2048;
@@ -179,7 +183,7 @@ impl PrefixTokens {
     /// The ids of `text` (what [`Tokenizer::encode`] gives), reusing `owner`'s remembered
     /// prompt that shares the longest beginning with it; `text` is remembered in turn.
     pub fn encode(&self, tok: &Tokenizer, owner: &str, text: &str) -> Result<Vec<u32>, String> {
-        if !self.enabled() || text.len() < MIN_BYTES / 4 {
+        if !self.enabled() || text.len() < MIN_BYTES / 4 || text.len() > MAX_BYTES {
             return tok.encode(text);
         }
         // The remembered prompt of this owner with the latest split point valid for `text`.
