@@ -70,9 +70,14 @@ fn sessions_capsules_forks_rollbacks_files_and_a_restart() {
         .as_str()
         .unwrap()
         .to_string();
-    c.ok(
+    let appended = c.ok(
         &format!("/v1/sessions/{b3}/append"),
         &json!({"tokens": tokens(9, 5, v)}),
+    );
+    // The worker's time for the prefill, as a restore reports its own.
+    assert!(
+        appended["prefill_us"].as_f64().is_some_and(|us| us > 0.0),
+        "{appended}"
     );
     let g3 = ids(&c.ok(
         &format!("/v1/sessions/{b3}/generate"),

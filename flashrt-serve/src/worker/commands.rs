@@ -53,11 +53,15 @@ impl Worker {
                 }
                 self.validate_tokens(&tokens, pos)?;
                 let mut s = self.take(&session, t)?;
+                let t0 = Instant::now();
                 let r = self.prefill(&mut s, &tokens);
+                let took = t0.elapsed();
                 let pos = s.pos();
                 self.put_back(session.clone(), s, t);
                 r?;
-                Ok(Out::Json(json!({"session": session, "pos": pos})))
+                // As `restore_us` for a restore: the worker's time for the prefill.
+                Ok(Out::Json(json!({"session": session, "pos": pos,
+                                    "prefill_us": took.as_secs_f64() * 1e6})))
             }
             // Taken by the scheduler before `handle` (see `run_job`).
             Cmd::Generate { .. } => Err(ApiError::new(
