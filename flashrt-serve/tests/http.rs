@@ -9,6 +9,42 @@ use common::*;
 use flashrt_runtime::{SamplerState, capsule_file};
 use serde_json::{Value, json};
 
+/// A streamed completion with `n` choices in all, as its chunks tell it: each choice's tokens,
+/// how many chunks ended each choice (with their finish reasons), and every chunk before
+/// `[DONE]` (the last carries the usage).
+struct Choices {
+    tokens: Vec<Vec<u32>>,
+    finished: Vec<usize>,
+    reasons: Vec<Value>,
+    chunks: Vec<Value>,
+}
+
+fn stream_choices(c: &Client, body: &Value, n: usize) -> Choices {
+    let ev = c.post("/v1/completions", body).events();
+    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let mut got = Choices {
+        tokens: vec![Vec::new(); n],
+        finished: vec![0; n],
+        reasons: Vec::new(),
+        chunks: Vec::new(),
+    };
+    for ch in &chunks[..chunks.len() - 1] {
+        let choice = &ch["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        got.tokens[i].extend(ids(&choice["token_ids"]));
+        if !choice["finish_reason"].is_null() {
+            got.reasons.push(choice["finish_reason"].clone());
+            got.finished[i] += 1;
+        }
+    }
+    got.chunks = chunks;
+    got
+}
+
 /// What the library itself samples from `prompt` with `sampler`: the reference every server
 /// answer must match token for token.
 fn local(m: &flashrt_runtime::Model, prompt: &[u32], sampler: SamplerState, n: usize) -> Vec<u32> {
@@ -941,23 +977,13 @@ fn n_choices_equal_separately_seeded_completions() {
     sbody["n"] = json!(3);
     sbody["stream"] = json!(true);
     sbody["stream_options"] = json!({"include_usage": true});
-    let ev = c.post("/v1/completions", &sbody).events();
-    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = ev[..ev.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
-    let mut per = vec![Vec::new(); 3];
-    let mut finished = vec![0; 3];
-    for ch in &chunks[..chunks.len() - 1] {
-        let choice = &ch["choices"][0];
-        let i = choice["index"].as_u64().unwrap() as usize;
-        per[i].extend(ids(&choice["token_ids"]));
-        if !choice["finish_reason"].is_null() {
-            assert_eq!(choice["finish_reason"], "length");
-            finished[i] += 1;
-        }
-    }
+    let Choices {
+        tokens: per,
+        finished,
+        reasons,
+        chunks,
+    } = stream_choices(&c, &sbody, 3);
+    assert!(reasons.iter().all(|r| r == "length"), "{reasons:?}");
     assert_eq!(per, all[..3].to_vec());
     assert_eq!(finished, [1, 1, 1]);
     // Side by side (the generating set has room for a session per choice): the choices'
@@ -1070,22 +1096,12 @@ fn prompt_lists_answer_each_prompt_as_alone() {
     let mut sbody = body(1);
     sbody["stream"] = json!(true);
     sbody["stream_options"] = json!({"include_usage": true});
-    let ev = c.post("/v1/completions", &sbody).events();
-    assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = ev[..ev.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
-    let mut per = vec![Vec::new(); 3];
-    let mut finished = vec![0; 3];
-    for ch in &chunks[..chunks.len() - 1] {
-        let choice = &ch["choices"][0];
-        let i = choice["index"].as_u64().unwrap() as usize;
-        per[i].extend(ids(&choice["token_ids"]));
-        if !choice["finish_reason"].is_null() {
-            finished[i] += 1;
-        }
-    }
+    let Choices {
+        tokens: per,
+        finished,
+        chunks,
+        ..
+    } = stream_choices(&c, &sbody, 3);
     let alone_one: Vec<Vec<u32>> = alone.iter().step_by(2).cloned().collect();
     assert_eq!(per, alone_one);
     assert_eq!(finished, [1, 1, 1]);

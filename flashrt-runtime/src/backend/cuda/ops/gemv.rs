@@ -476,35 +476,12 @@ impl Builder<'_> {
         if rows != 1 {
             return Ok((gemv_feats(rows, fp8), ""));
         }
-        let t = self.target();
-        let prefix = weights.kernel().0;
-        let mut best = (0.0, 8, "");
-        for (feats, suffix) in [(8, ""), (4, "f4"), (2, "f2")] {
-            let name = format!("{prefix}_{}r1{suffix}", if norm { "norm_" } else { "" });
-            let func = self.kernels.typed(&name, t)?;
-            let per_block = if glu { feats / 2 } else { feats };
-            let blocks: usize = widths.iter().map(|w| w.div_ceil(per_block)).sum();
-            let resident = func
-                .occupancy_max_active_blocks_per_multiprocessor(32 * GEMV_WARPS as u32, 0, None)
-                .unwrap_or(1)
-                .max(1) as usize
-                * self.sms.max(1);
-            let waves = blocks as f64 / resident as f64;
-            let fill = waves / waves.ceil();
-            if fill >= 0.85 {
-                return Ok((feats, suffix));
-            }
-            if fill > best.0 {
-                best = (fill, feats, suffix);
-            }
-        }
-        Ok((best.1, best.2))
+        self.gemv_r1_shape(weights.kernel().0, 0, widths, glu, norm)
     }
 
     /// [`Builder::gemv_shape`] for `gemv16s_*`: 8 outputs a block at any row count (an MMA's 8
-    /// columns; the partial sums do not grow with the rows), and at one row the largest of 8 /
-    /// 4 / 2 whose blocks fill the resident slots in waves at least 85 % full (every choice
-    /// sums each output alike).
+    /// columns; the partial sums do not grow with the rows), and at one row the same choice of
+    /// 8 / 4 / 2 (every choice sums each output alike).
     fn gemvs_shape(
         &self,
         rows: usize,
@@ -515,17 +492,32 @@ impl Builder<'_> {
         if rows != 1 {
             return Ok((8, ""));
         }
+        self.gemv_r1_shape("gemv16s", gemvs_smem(1), widths, glu, norm)
+    }
+
+    /// One row: the largest of 8 / 4 / 2 outputs a block (`{prefix}_[norm_]r1[f4|f2]`, with
+    /// `smem` bytes of dynamic shared memory) whose blocks fill the resident slots (SMs x
+    /// blocks per SM, from the occupancy calculator) in waves at least 85 % full, else the
+    /// fullest.
+    fn gemv_r1_shape(
+        &self,
+        prefix: &str,
+        smem: u32,
+        widths: &[usize],
+        glu: bool,
+        norm: bool,
+    ) -> Result<(usize, &'static str)> {
         let t = self.target();
         let mut best = (0.0, 8, "");
         for (feats, suffix) in [(8, ""), (4, "f4"), (2, "f2")] {
-            let name = format!("gemv16s_{}r1{suffix}", if norm { "norm_" } else { "" });
+            let name = format!("{prefix}_{}r1{suffix}", if norm { "norm_" } else { "" });
             let func = self.kernels.typed(&name, t)?;
             let per_block = if glu { feats / 2 } else { feats };
             let blocks: usize = widths.iter().map(|w| w.div_ceil(per_block)).sum();
             let resident = func
                 .occupancy_max_active_blocks_per_multiprocessor(
                     32 * GEMV_WARPS as u32,
-                    gemvs_smem(1) as usize,
+                    smem as usize,
                     None,
                 )
                 .unwrap_or(1)
