@@ -156,6 +156,10 @@ pub struct Metrics {
     pub spec_drafted: AtomicU64,
     pub spec_accepted: AtomicU64,
     pub spec_k: AtomicU64,
+    /// Prompts tokenized from a remembered prompt of the same tenant, and the bytes not
+    /// tokenized again (`text::PrefixTokens`, copied in before each render).
+    pub prompt_reused: AtomicU64,
+    pub prompt_reused_bytes: AtomicU64,
 }
 
 fn get(a: &AtomicU64) -> u64 {
@@ -299,6 +303,18 @@ impl Metrics {
             "counter",
             "Prefix lookups that found no capsule.",
             get(&self.misses),
+        );
+        one(
+            "flashrt_prompt_tokenizations_reused_total",
+            "counter",
+            "Prompts tokenized from a remembered prompt of the same tenant (only the text after their last shared added token encoded).",
+            get(&self.prompt_reused),
+        );
+        one(
+            "flashrt_prompt_bytes_reused_total",
+            "counter",
+            "Prompt bytes whose ids came from a remembered prompt instead of the tokenizer.",
+            get(&self.prompt_reused_bytes),
         );
         one(
             "flashrt_store_dropped_total",

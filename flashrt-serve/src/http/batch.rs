@@ -7,6 +7,7 @@
 use super::openai::completion_tokens;
 use super::prompt::Prompt;
 use super::*;
+use crate::worker::check_prompt;
 
 /// The prompts of a completion request as token ids: one, or a batch's (each checked against
 /// the vocabulary and `max_seq` here, so that no prompt of a batch starts when another is
@@ -14,9 +15,10 @@ use super::*;
 pub(super) fn completion_prompts(
     st: &AppState,
     p: Prompt,
-    n: usize,
+    req: &GenReq,
     owner: &str,
 ) -> Result<Vec<Vec<u32>>, ApiError> {
+    let n = req.n;
     let one = |p: Prompt| -> Result<Vec<u32>, ApiError> {
         match p {
             // As transformers' `tokenizer(prompt)`: with what the post-processor adds.
@@ -52,35 +54,8 @@ pub(super) fn completion_prompts(
             ..e
         };
         let ids = one(p).map_err(at)?;
-        if ids.is_empty() {
-            return Err(ApiError::bad(
-                "invalid_tokens",
-                format!("prompt[{i}] is empty"),
-            ));
-        }
-        if let Some((j, t)) = ids
-            .iter()
-            .enumerate()
-            .find(|(_, t)| **t as usize >= st.vocab)
-        {
-            return Err(ApiError::bad(
-                "invalid_tokens",
-                format!(
-                    "prompt[{i}]: token id {t} at index {j} is outside the vocabulary (vocab {})",
-                    st.vocab
-                ),
-            ));
-        }
-        if ids.len() >= st.max_seq {
-            return Err(ApiError::bad(
-                "context_length_exceeded",
-                format!(
-                    "prompt[{i}] has {} tokens; the model holds {} (max_seq), leaving no room to generate",
-                    ids.len(),
-                    st.max_seq
-                ),
-            ));
-        }
+        // The worker's own check, for every prompt before any starts.
+        check_prompt(&ids, st.vocab, st.max_seq, req.max_tokens).map_err(at)?;
         out.push(ids);
     }
     Ok(out)

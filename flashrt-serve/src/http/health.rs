@@ -33,19 +33,14 @@ pub(super) async fn health(State(st): St) -> Response {
 }
 
 pub(super) async fn metrics(State(st): St) -> Response {
-    let mut text = st.metrics.render();
     if let Some(t) = &st.text {
         let (n, bytes) = t.prefixes.reused();
-        text.push_str(&format!(
-            "# HELP flashrt_prompt_tokenizations_reused_total Prompts tokenized from a remembered prompt of the same tenant (only the text after their last shared added token encoded).\n\
-             # TYPE flashrt_prompt_tokenizations_reused_total counter\n\
-             flashrt_prompt_tokenizations_reused_total {n}\n\
-             # HELP flashrt_prompt_bytes_reused_total Prompt bytes whose ids came from a remembered prompt instead of the tokenizer.\n\
-             # TYPE flashrt_prompt_bytes_reused_total counter\n\
-             flashrt_prompt_bytes_reused_total {bytes}\n"
-        ));
+        st.metrics.prompt_reused.store(n, Ordering::Relaxed);
+        st.metrics
+            .prompt_reused_bytes
+            .store(bytes, Ordering::Relaxed);
     }
-    let mut r = Response::new(Body::from(text));
+    let mut r = Response::new(Body::from(st.metrics.render()));
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("text/plain; version=0.0.4"),

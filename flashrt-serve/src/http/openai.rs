@@ -492,7 +492,7 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
         // of text on a build machine's core): off the HTTP thread, whose event loop streams
         // every other client's tokens meanwhile.
         let text = st.text.is_some() && (chat || b.prompt.as_ref().is_some_and(Prompt::has_text));
-        let n = req.n;
+        let req2 = req.clone();
         let st2 = st.clone();
         let owner = current_tenant()?.name;
         let prepare = move || -> Result<Vec<Vec<u32>>, ApiError> {
@@ -502,7 +502,7 @@ pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Respons
             let p = b
                 .prompt
                 .ok_or_else(|| ApiError::bad("invalid_request", "`prompt` is required"))?;
-            completion_prompts(&st2, p, n, &owner)
+            completion_prompts(&st2, p, &req2, &owner)
         };
         let prompts = if text {
             tokio::task::spawn_blocking(prepare).await.map_err(|_| {

@@ -98,19 +98,8 @@ impl<'de> Visitor<'de> for PromptVisitor {
         while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
         Ok(shape())
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
-        let mut ids = Vec::new();
-        let mut batch: Vec<Prompt> = Vec::new();
-        let mut invalid = None;
-        while let Some(item) = seq.next_element::<Item>()? {
-            match item {
-                Item::Id(id) => ids.push(id),
-                Item::One(Prompt::Invalid(c, m)) => {
-                    invalid.get_or_insert(Prompt::Invalid(c, m));
-                }
-                Item::One(p) => batch.push(p),
-            }
-        }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Prompt, A::Error> {
+        let (ids, mut batch, invalid) = read_items(seq)?;
         if let Some(e) = invalid {
             return Ok(e);
         }
@@ -166,23 +155,30 @@ impl<'de> Visitor<'de> for ItemVisitor {
         while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
         Ok(Item::One(shape()))
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Item, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Item, A::Error> {
         // A batch element of ids: integers only.
-        let mut ids = Vec::new();
-        let mut invalid = None;
-        while let Some(item) = seq.next_element::<Item>()? {
-            match item {
-                Item::Id(id) => ids.push(id),
-                Item::One(Prompt::Invalid(c, m)) => {
-                    invalid.get_or_insert(Prompt::Invalid(c, m));
-                }
-                Item::One(_) => {
-                    invalid.get_or_insert(shape());
-                }
-            }
-        }
+        let (ids, nested, invalid) = read_items(seq)?;
+        let invalid = invalid.or_else(|| (!nested.is_empty()).then(shape));
         Ok(Item::One(invalid.unwrap_or(Prompt::Ids(ids))))
     }
+}
+
+/// The elements of a `prompt` array: its ids, its whole prompts (a batch's), and the first
+/// invalid element's error.
+type Items = (Vec<u32>, Vec<Prompt>, Option<Prompt>);
+
+fn read_items<'de, A: SeqAccess<'de>>(mut seq: A) -> Result<Items, A::Error> {
+    let (mut ids, mut prompts, mut invalid) = (Vec::new(), Vec::new(), None);
+    while let Some(item) = seq.next_element::<Item>()? {
+        match item {
+            Item::Id(id) => ids.push(id),
+            Item::One(Prompt::Invalid(c, m)) => {
+                invalid.get_or_insert(Prompt::Invalid(c, m));
+            }
+            Item::One(p) => prompts.push(p),
+        }
+    }
+    Ok((ids, prompts, invalid))
 }
 
 #[cfg(test)]

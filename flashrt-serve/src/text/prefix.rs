@@ -56,8 +56,7 @@ struct Entry {
 pub struct PrefixTokens {
     /// Added tokens a split may come before; empty: the cache is off.
     splittable: HashSet<u32>,
-    /// Bytes of the longest added token, and every added token's content.
-    longest: usize,
+    /// Every added token's content.
     contents: Vec<String>,
     /// The post-processor adds no tokens (Qwen's adds none): a prompt encoded with what it
     /// adds is encoded as without, and may reuse a remembered one too.
@@ -82,7 +81,6 @@ impl PrefixTokens {
     pub fn new(tok: &Tokenizer) -> PrefixTokens {
         let inner = tok.inner();
         let added = inner.get_added_tokens_decoder();
-        let longest = added.values().map(|t| t.content.len()).max().unwrap_or(0);
         let mut splittable: HashSet<u32> = added
             .iter()
             .filter(|(_, t)| {
@@ -92,7 +90,6 @@ impl PrefixTokens {
             .collect();
         let mut cache = PrefixTokens {
             splittable: HashSet::new(),
-            longest,
             contents: added.values().map(|t| t.content.clone()).collect(),
             adds_nothing: tok.encode_with("a", true).ok() == tok.encode("a").ok(),
             entries: Mutex::new(VecDeque::new()),
@@ -170,8 +167,10 @@ impl PrefixTokens {
         if e > common {
             return false;
         }
-        // (A token starting at `s` itself matches alike: the encoding from `s` sees it too.)
-        (s.saturating_sub(self.longest)..s).all(|p| {
+        // (A token starting at `s` itself matches alike: the encoding from `s` sees it too; one
+        // starting further back than the longest token's length cannot reach past `common`.)
+        let longest = self.contents.iter().map(String::len).max().unwrap_or(0);
+        (s.saturating_sub(longest)..s).all(|p| {
             let shared = &text[p..common];
             !self
                 .contents
@@ -233,9 +232,7 @@ impl PrefixTokens {
         entries.truncate(ENTRIES);
         Ok(ids)
     }
-}
 
-impl PrefixTokens {
     /// The ids of `text` with what the tokenizer's post-processor adds ([`Tokenizer::
     /// encode_with`]`(text, true)`, as transformers' `tokenizer(text)`), reusing a remembered
     /// prompt of `owner`'s when the post-processor adds nothing.

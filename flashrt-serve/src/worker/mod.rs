@@ -562,27 +562,51 @@ impl Worker {
     }
 
     fn validate_tokens(&self, tokens: &[u32], at: usize) -> WResult<()> {
-        let vocab = self.model.vocab();
-        if let Some((i, t)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, t)| **t as usize >= vocab)
-        {
-            return Err(ApiError::bad(
-                "invalid_tokens",
-                format!("token id {t} at index {i} is outside the vocabulary (vocab {vocab})"),
-            ));
-        }
-        let max = self.model.max_seq();
-        if at + tokens.len() > max {
-            return Err(ApiError::bad(
-                "context_length_exceeded",
-                format!(
-                    "position {at} + {} tokens exceeds the model's max_seq {max}",
-                    tokens.len()
-                ),
-            ));
-        }
-        Ok(())
+        check_tokens(tokens, at, self.model.vocab(), self.model.max_seq())
     }
+}
+
+/// `tokens` appended at position `at` of a model with `vocab` ids and `max_seq` positions:
+/// every id in the vocabulary, and room for all of them.
+pub fn check_tokens(tokens: &[u32], at: usize, vocab: usize, max: usize) -> WResult<()> {
+    if let Some((i, t)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, t)| **t as usize >= vocab)
+    {
+        return Err(ApiError::bad(
+            "invalid_tokens",
+            format!("token id {t} at index {i} is outside the vocabulary (vocab {vocab})"),
+        ));
+    }
+    if at + tokens.len() > max {
+        return Err(ApiError::bad(
+            "context_length_exceeded",
+            format!(
+                "position {at} + {} tokens exceeds the model's max_seq {max}",
+                tokens.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A completion's prompt: not empty, its ids valid ([`check_tokens`]), and room to generate
+/// when `max_tokens` > 0. The worker's admission and the HTTP layer's check of a batch's
+/// prompts (before any starts) both ask this.
+pub fn check_prompt(prompt: &[u32], vocab: usize, max: usize, max_tokens: usize) -> WResult<()> {
+    if prompt.is_empty() {
+        return Err(ApiError::bad("invalid_tokens", "the prompt is empty"));
+    }
+    check_tokens(prompt, 0, vocab, max)?;
+    if prompt.len() >= max && max_tokens > 0 {
+        return Err(ApiError::bad(
+            "context_length_exceeded",
+            format!(
+                "the prompt has {} tokens; the model holds {max} (max_seq), leaving no room to generate",
+                prompt.len(),
+            ),
+        ));
+    }
+    Ok(())
 }

@@ -313,20 +313,12 @@ impl Worker {
         req: &GenReq,
         t: &Tenant,
     ) -> WResult<usize> {
-        if prompt.is_empty() {
-            return Err(ApiError::bad("invalid_tokens", "the prompt is empty"));
-        }
-        self.validate_tokens(prompt, 0)?;
-        if prompt.len() >= self.model.max_seq() && req.max_tokens > 0 {
-            return Err(ApiError::bad(
-                "context_length_exceeded",
-                format!(
-                    "the prompt has {} tokens; the model holds {} (max_seq), leaving no room to generate",
-                    prompt.len(),
-                    self.model.max_seq()
-                ),
-            ));
-        }
+        check_prompt(
+            prompt,
+            self.model.vocab(),
+            self.model.max_seq(),
+            req.max_tokens,
+        )?;
         if let Some(sm) = &req.sampler {
             sm.validate()?;
         }
