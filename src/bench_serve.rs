@@ -566,7 +566,7 @@ fn newcomer(
 /// its first token from its arrival in the queue (the rest of the client's TTFT is HTTP,
 /// parsing and loopback).
 fn server_phases(ts: &[Value]) -> String {
-    let m = |k: &str| median(&ts.iter().filter_map(|t| t[k].as_f64()).collect::<Vec<_>>());
+    let m = |k: &str| server_median(ts, k);
     if ts.iter().all(Value::is_null) {
         return "no server timings".into();
     }
@@ -580,11 +580,12 @@ fn server_phases(ts: &[Value]) -> String {
     )
 }
 
-/// The median of the server's first-token times (from arrival in its queue).
-fn server_first_token(ts: &[Value]) -> f64 {
+/// The median over runs of one field of the server's `timings` (`first_token_ms`: from the
+/// request's arrival in its queue).
+fn server_median(ts: &[Value], key: &str) -> f64 {
     median(
         &ts.iter()
-            .filter_map(|t| t["first_token_ms"].as_f64())
+            .filter_map(|t| t[key].as_f64())
             .collect::<Vec<_>>(),
     )
 }
@@ -917,7 +918,7 @@ pub fn render(r: &ServeReport) -> String {
                 s.suffix,
                 median(&s.ttft_ms),
                 format!("{} | {cached}", runs.join(" ")),
-                server_first_token(&s.server)
+                server_median(&s.server, "first_token_ms")
             );
         }
         o += &format!(
@@ -925,7 +926,7 @@ pub fn render(r: &ServeReport) -> String {
             "repeat",
             median(&p.repeat_ttft_ms),
             "",
-            server_first_token(&p.repeat_server)
+            server_median(&p.repeat_server, "first_token_ms")
         );
         for d in &p.decode {
             o += &format!(
@@ -964,12 +965,7 @@ pub fn render(r: &ServeReport) -> String {
         o += &format!("  {}\n", c.summary());
     }
     for c in &r.chat {
-        let parse = median(
-            &c.server
-                .iter()
-                .filter_map(|t| t["parse_ms"].as_f64())
-                .collect::<Vec<_>>(),
-        );
+        let parse = server_median(&c.server, "parse_ms");
         o += &format!(
             "  chat (/v1/chat/completions): a {}-token conversation plus a turn of {} tokens: TTFT {:.2} ms (median of {}), of which templating + tokenizing {:.2} ms, {:.2} ms to the first token in the server\n",
             c.stored_tokens,
@@ -980,7 +976,7 @@ pub fn render(r: &ServeReport) -> String {
             median(&c.ttft_ms),
             c.ttft_ms.len(),
             parse,
-            server_first_token(&c.server)
+            server_median(&c.server, "first_token_ms")
         );
     }
     o
