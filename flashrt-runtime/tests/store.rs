@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use flashrt_runtime::store::{PrefixScope, valid_id};
+use flashrt_runtime::store::{MAX_IN_FLIGHT, PrefixScope, valid_id};
 use flashrt_runtime::{CapsuleStore, Model, SamplerState, Session, StoreConfig, Tier};
 use std::collections::HashMap;
 
@@ -57,6 +57,7 @@ fn cfg(dev: u64, host: u64, disk: u64, dir: Option<&std::path::Path>) -> StoreCo
         budget_disk: disk,
         dir: dir.map(|d| d.to_path_buf()),
         share_kv: true,
+        background: false,
     }
 }
 
@@ -310,14 +311,16 @@ fn ids_are_file_safe() {
 }
 
 /// Random inserts, restores, deletes and lookups under tight budgets, with and without a
-/// directory: after every step, budgets hold and every visible capsule restores byte-exactly.
+/// directory, demoting on the store's thread and in the background: after every step, budgets
+/// hold and every visible capsule restores byte-exactly.
 #[test]
 fn randomized_soak_keeps_budgets_and_exactness() {
     let m = load("lfm2-public", &BUCKETS);
     let unit = m.compiled().layout.capsule_bytes(30) as u64;
-    for with_dir in [false, true] {
+    for (with_dir, background) in [(false, false), (true, false), (false, true), (true, true)] {
         let dir = temp_dir("store-soak");
-        let c = cfg(3 * unit, 3 * unit, 6 * unit, with_dir.then_some(&*dir));
+        let mut c = cfg(3 * unit, 3 * unit, 6 * unit, with_dir.then_some(&*dir));
+        c.background = background;
         let mut store = CapsuleStore::open(m.clone(), c.clone()).unwrap();
         let mut states: HashMap<String, Vec<Vec<u8>>> = HashMap::new();
         let mut rng = 0x1234_5678u64 + with_dir as u64;
@@ -375,18 +378,22 @@ fn randomized_soak_keeps_budgets_and_exactness() {
             }
             let st = store.stats();
             assert!(st.bytes[0] <= c.budget_device, "step {step}: {st:?}");
+            assert!(st.demoting <= MAX_IN_FLIGHT, "step {step}: {st:?}");
             assert!(st.bytes[1] <= c.budget_host, "step {step}: {st:?}");
             if with_dir {
                 assert!(st.bytes[2] <= c.budget_disk, "step {step}: {st:?}");
             }
             states.retain(|id, _| store.contains(id));
         }
+        store.settle().unwrap();
         let st = store.stats();
         eprintln!(
-            "soak (disk: {with_dir}): {} capsules left, {st:?}",
+            "soak (disk: {with_dir}, background: {background}): {} capsules left, {st:?}",
             states.len()
         );
         assert!(st.evictions[0] > 0 && st.evictions[1] > 0 && st.shared_bytes > 0);
+        assert_eq!(st.demoting, 0);
+        assert_eq!(st.background_demotions > 0, background, "{st:?}");
         assert!(!states.is_empty());
         for (id, want) in states {
             // A restore promotes, which may evict (and, without a disk, drop) others.
@@ -397,4 +404,100 @@ fn randomized_soak_keeps_budgets_and_exactness() {
             }
         }
     }
+}
+
+/// Demotion in the background ends where demotion on the store's thread ends: the same
+/// capsules in the same tiers with the same bases and bytes, byte-exact restores; while a
+/// capsule is being demoted it stays restorable on the device tier and its bytes count as
+/// demoting, not against the device budget.
+#[test]
+fn background_demotion_ends_where_synchronous_demotion_does() {
+    let m = load("qwen35-public", &BUCKETS);
+    let one = m.compiled().layout.capsule_bytes(40) as u64;
+    let mut stores: Vec<CapsuleStore> = [false, true]
+        .into_iter()
+        .map(|background| {
+            let mut c = cfg(2 * one, 1 << 30, 0, None);
+            c.background = background;
+            CapsuleStore::open(m.clone(), c).unwrap()
+        })
+        .collect();
+    let mut caps: Vec<Vec<(String, Vec<Vec<u8>>)>> = vec![Vec::new(), Vec::new()];
+    for (k, store) in stores.iter_mut().enumerate() {
+        for c in 0..3 {
+            let before = store.stats().evictions[0];
+            let conv = conversation(&m, store, &[25, 8, 7, 12], 100 * c);
+            let st = store.stats();
+            assert!(st.bytes[0] <= 2 * one, "{st:?}");
+            if k == 1 && st.evictions[0] > before {
+                // The last eviction is still in flight (applied at the next operation).
+                assert_eq!(st.demoting, 1, "{st:?}");
+                assert!(st.demoting_bytes > 0, "{st:?}");
+            }
+            caps[k].extend(conv);
+        }
+        store.settle().unwrap();
+    }
+    let (a, b) = (stores[0].stats(), stores[1].stats());
+    assert_eq!(
+        (a.bytes, a.capsules, a.evictions),
+        (b.bytes, b.capsules, b.evictions)
+    );
+    assert_eq!(a.shared_bytes, b.shared_bytes);
+    assert!(a.shared_bytes > 0 && b.background_demotions == b.evictions[0]);
+    assert_eq!(b.demoting, 0);
+    // Capsule i of one store is capsule i of the other: same tiers, same base.
+    let index = |k: usize, id: &Option<String>| {
+        id.as_ref()
+            .map(|id| caps[k].iter().position(|(x, _)| x == id).unwrap())
+    };
+    for (i, (c0, c1)) in caps[0].iter().zip(&caps[1]).enumerate() {
+        let (x, y) = (
+            stores[0].info(&c0.0).unwrap(),
+            stores[1].info(&c1.0).unwrap(),
+        );
+        assert_eq!((x.tiers, x.bytes), (y.tiers, y.bytes), "capsule {i}");
+        assert_eq!(index(0, &x.base), index(1, &y.base), "base of capsule {i}");
+        assert_eq!(c0.1, c1.1);
+    }
+    for (store, caps) in stores.iter_mut().zip(&caps) {
+        check_restores(&m, store, caps);
+    }
+}
+
+/// What changes while a demotion runs is honoured when it is applied: a capsule deleted
+/// meanwhile is not resurrected, and a candidate base deleted meanwhile is not used.
+#[test]
+fn background_demotion_respects_deletions_made_while_it_runs() {
+    let m = load("qwen35-public", &BUCKETS);
+    let mut c = cfg(0, 1 << 30, 0, None);
+    c.background = true;
+    let mut store = CapsuleStore::open(m.clone(), c).unwrap();
+    let mut s = m.session().unwrap();
+    s.append(&tokens(7, 20, m.vocab())).unwrap();
+    let a = store.insert(s.snapshot().unwrap(), None).unwrap();
+    // With no device budget, `a` is demoting at once and still restorable from the device.
+    assert_eq!(store.stats().demoting, 1);
+    assert_eq!(store.info(&a).unwrap().tiers, vec![Tier::Device]);
+    s.append(&tokens(8, 9, m.vocab())).unwrap();
+    let want_b = state_of(&s);
+    let b = store.insert(s.snapshot().unwrap(), None).unwrap();
+    // Inserting `b` applied `a`'s demotion; `b` is in flight with `a` as its candidate base.
+    assert_eq!(store.info(&a).unwrap().tiers, vec![Tier::Host]);
+    assert_eq!(store.info(&b).unwrap().tiers, vec![Tier::Device]);
+    store.remove(&a).unwrap();
+    assert!(!store.contains(&a), "nothing depended on it yet: gone");
+    store.settle().unwrap();
+    let info = store.info(&b).unwrap();
+    assert_eq!((info.tiers, info.base), (vec![Tier::Host], None));
+    check_restores(&m, &mut store, &[(b.clone(), want_b)]);
+    // A capsule deleted while in flight stays deleted.
+    s.append(&tokens(9, 5, m.vocab())).unwrap();
+    let c = store.insert(s.snapshot().unwrap(), None).unwrap();
+    assert_eq!(store.stats().demoting, 1);
+    store.remove(&c).unwrap();
+    store.settle().unwrap();
+    let st = store.stats();
+    assert!(!store.contains(&c) && st.demoting == 0, "{st:?}");
+    assert_eq!(store.ids(), vec![b]);
 }

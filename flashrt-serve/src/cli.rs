@@ -403,6 +403,10 @@ pub struct ServeArgs {
     /// Byte budget of the disk tier
     #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
     pub budget_disk: Option<u64>,
+    /// Demote capsules from the device tier on the worker thread (every stream waits for the
+    /// copy and hashing) instead of on a thread of their own
+    #[arg(long)]
+    pub demote_on_worker: bool,
     /// Sessions open at once (default on a GPU: as many as fit in free device memory, at
     /// most 64; elsewhere 64)
     #[arg(long, value_name = "N")]
@@ -446,6 +450,9 @@ impl ServeArgs {
             config.store.budget_disk = v;
         }
         config.store.dir = self.store_dir.clone();
+        if self.demote_on_worker {
+            config.store.background = false;
+        }
         if let Some(n) = self.max_sessions {
             config.max_sessions = n;
         }

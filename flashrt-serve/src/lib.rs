@@ -125,7 +125,12 @@ impl Default for ServeConfig {
             body_timeout: std::time::Duration::from_secs(60),
             max_connections: 1024,
             grace: std::time::Duration::from_secs(10),
-            store: StoreConfig::default(),
+            // The worker steps every stream: capsules leaving the device tier are copied and
+            // hashed on a thread of their own instead of stalling it.
+            store: StoreConfig {
+                background: true,
+                ..StoreConfig::default()
+            },
             files_dir: None,
             max_sessions: 64,
             queue: 1024,

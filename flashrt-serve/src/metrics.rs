@@ -134,6 +134,9 @@ pub struct Metrics {
     pub dropped: AtomicU64,
     pub shared_bytes: AtomicU64,
     pub corrupt_files: AtomicU64,
+    /// Device bytes of capsules being demoted in the background, and demotions finished so.
+    pub demoting_bytes: AtomicU64,
+    pub background_demotions: AtomicU64,
     /// Peak of the sum of the three tiers' bytes.
     pub peak_tier_bytes: [AtomicU64; 3],
     pub restore: [Histogram; 3],
@@ -182,6 +185,10 @@ impl Metrics {
         self.dropped.store(s.dropped, Ordering::Relaxed);
         self.shared_bytes.store(s.shared_bytes, Ordering::Relaxed);
         self.corrupt_files.store(s.corrupt_files, Ordering::Relaxed);
+        self.demoting_bytes
+            .store(s.demoting_bytes, Ordering::Relaxed);
+        self.background_demotions
+            .store(s.background_demotions, Ordering::Relaxed);
     }
 
     /// The Prometheus text format.
@@ -333,6 +340,18 @@ impl Metrics {
             "counter",
             "Capsule files found corrupt and set aside.",
             get(&self.corrupt_files),
+        );
+        one(
+            "flashrt_store_demoting_bytes",
+            "gauge",
+            "Device bytes of capsules being copied to the host in the background (not counted in the device tier's bytes).",
+            get(&self.demoting_bytes),
+        );
+        one(
+            "flashrt_store_background_demotions_total",
+            "counter",
+            "Capsules demoted from the device tier off the worker thread.",
+            get(&self.background_demotions),
         );
         let mut tiered = |name: &str, kind: &str, help: &str, v: &[AtomicU64; 3]| {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");

@@ -36,6 +36,7 @@ fn crash_child() {
         budget_disk: u64::MAX,
         dir: Some(dir.into()),
         share_kv: false,
+        background: false,
     };
     let mut store = CapsuleStore::open(m.clone(), cfg).unwrap();
     let mut s = m.session().unwrap();

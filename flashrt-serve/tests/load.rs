@@ -9,6 +9,7 @@
 mod common;
 
 use common::*;
+use flashrt_runtime::store::MAX_IN_FLIGHT;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -266,6 +267,10 @@ fn bounded_mixed_load_with_zero_errors_within_budgets() {
         metric(&t, "flashrt_store_dropped_total")
     );
     println!(
+        "  background          {} device-tier demotions off the worker thread",
+        metric(&t, "flashrt_store_background_demotions_total")
+    );
+    println!(
         "  prefix reuse        hits {}  misses {}  tokens reused {}",
         metric(&t, "flashrt_store_hits_total"),
         metric(&t, "flashrt_store_misses_total"),
@@ -314,6 +319,10 @@ fn bounded_mixed_load_with_zero_errors_within_budgets() {
         metric(&t, "flashrt_store_evictions_total{tier=\"device\"}") > 0,
         "the budgets never bit"
     );
+    // Every device-tier eviction went through the background thread (or is still in flight).
+    let bg = metric(&t, "flashrt_store_background_demotions_total");
+    let ev = metric(&t, "flashrt_store_evictions_total{tier=\"device\"}");
+    assert!(bg > 0 && bg + MAX_IN_FLIGHT as u64 >= ev, "{bg} of {ev}");
     assert!(metric(&t, "flashrt_store_hits_total") > 0);
     assert!(wall < DEADLINE);
     server.shutdown().unwrap();

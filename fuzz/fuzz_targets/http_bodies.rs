@@ -64,6 +64,7 @@ fn fixture() -> &'static Fixture {
                 budget_disk: 4 << 20,
                 dir: Some(dir),
                 share_kv: true,
+                background: true,
             },
             max_sessions: 8,
             ..ServeConfig::default()

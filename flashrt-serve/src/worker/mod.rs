@@ -42,7 +42,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::sync::mpsc::RecvTimeoutError;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 /// An error for the client: HTTP status, a stable machine code, a message.
@@ -336,10 +337,20 @@ impl Worker {
         self.metrics.warming.store(false, Ordering::SeqCst);
         self.metrics.worker_alive.store(true, Ordering::SeqCst);
         loop {
+            self.poll_store();
             let job = if self.sched.is_idle() {
-                match rx.recv() {
-                    Ok(job) => Some(job),
-                    Err(_) => break,
+                if self.store.demoting() {
+                    // Wake up to apply the demotion when it is done.
+                    match rx.recv_timeout(Duration::from_millis(2)) {
+                        Ok(job) => Some(job),
+                        Err(RecvTimeoutError::Timeout) => continue,
+                        Err(RecvTimeoutError::Disconnected) => break,
+                    }
+                } else {
+                    match rx.recv() {
+                        Ok(job) => Some(job),
+                        Err(_) => break,
+                    }
                 }
             } else {
                 // Senders gone: the generating completions still finish.
@@ -353,6 +364,15 @@ impl Worker {
             self.step_generating();
         }
         self.metrics.worker_alive.store(false, Ordering::SeqCst);
+    }
+
+    /// Apply the store's finished background demotions (cheap when none is in flight).
+    fn poll_store(&mut self) {
+        match self.store.poll() {
+            Ok(0) => {}
+            Ok(_) => self.publish(),
+            Err(e) => tracing::warn!("capsule store: {e}"),
+        }
     }
 
     /// One job; `true` after the shutdown command.
@@ -502,9 +522,10 @@ impl Worker {
         let took = start.elapsed();
         self.metrics.auto_store.observe(took);
         if took.as_millis() >= 100 {
-            // Demotions run on the worker thread for now: say so when they stall the others.
+            // Demotions in the background leave only the snapshot here (and a wait when one
+            // is still in flight): say so when it stalls the others anyway.
             tracing::warn!(
-                "storing an automatic capsule at {} tokens took {:.0} ms (demotions down the tiers); other generations waited",
+                "storing an automatic capsule at {} tokens took {:.0} ms (snapshot and demotions down the tiers); other generations waited",
                 s.pos(),
                 took.as_secs_f64() * 1e3
             );

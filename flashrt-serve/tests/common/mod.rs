@@ -53,6 +53,7 @@ pub fn config(dir: Option<&Path>, token: Option<&str>) -> ServeConfig {
             budget_disk: 64 << 20,
             dir: dir.map(Path::to_path_buf),
             share_kv: true,
+            background: true,
         },
         max_sessions: 64,
         ..ServeConfig::default()

@@ -46,6 +46,12 @@
 //! bytes (directly or through other deltas), so one corrupt file costs at most that many. Owners, provenance and pins survive a
 //! restart (the file metadata and `<id>.pinned` markers).
 //!
+//! # Background demotion
+//!
+//! With [`StoreConfig::background`], a capsule leaving the device tier is copied to the host
+//! and hashed on a thread of its own, and the store applies the result when it is done (at its
+//! next operation, or [`CapsuleStore::poll`]); see [`background`] for the rules.
+//!
 //! # Prefix reuse
 //!
 //! [`CapsuleStore::longest_prefix`] finds the stored capsule whose token history is the
@@ -53,13 +59,20 @@
 //! `(position, hash of its tokens)`, the request's prefix hashes are computed in one pass, and a
 //! candidate's tokens are compared before it is returned.
 
+mod background;
+mod hash;
+
+pub use background::MAX_IN_FLIGHT;
+
 use crate::capsule::{Capsule, CapsuleMeta};
 use crate::capsule_file::{self, BaseRef, FileMeta};
 use crate::error::{Error, Result};
 use crate::host_state::HostSaved;
 use crate::session::{Model, Session};
-use flashrt_ir::{Buffer, BufferId};
-use std::collections::{BTreeSet, HashMap};
+use background::{Demoted, Pending, Shape};
+use flashrt_ir::BufferId;
+use hash::{KvRegion, all_threads, hash_kv};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -99,6 +112,9 @@ pub struct StoreConfig {
     pub dir: Option<PathBuf>,
     /// Share KV rows with a base capsule in the host and disk tiers.
     pub share_kv: bool,
+    /// Copy and hash capsules leaving the device tier on a thread of their own (see the module
+    /// docs); off, the operation that evicts them waits for both.
+    pub background: bool,
 }
 
 impl Default for StoreConfig {
@@ -109,6 +125,7 @@ impl Default for StoreConfig {
             budget_disk: 64 << 30,
             dir: None,
             share_kv: true,
+            background: false,
         }
     }
 }
@@ -118,8 +135,16 @@ impl Default for StoreConfig {
 pub struct StoreStats {
     /// Visible capsules per tier (a capsule in memory and on disk counts in both).
     pub capsules: [usize; 3],
-    /// Bytes held per tier.
+    /// Bytes held per tier (on the device tier: not counting capsules being demoted).
     pub bytes: [u64; 3],
+    /// Capsules on their way from the device tier to the host (background demotion), and the
+    /// device bytes they still hold.
+    pub demoting: usize,
+    pub demoting_bytes: u64,
+    /// Demotions finished in the background, and the seconds they took (copy and hashing,
+    /// off the store's thread).
+    pub background_demotions: u64,
+    pub background_seconds: f64,
     pub budgets: [u64; 3],
     /// Prefix lookups that found a capsule, and the tokens they saved.
     pub hits: u64,
@@ -317,6 +342,8 @@ pub struct CapsuleStore {
     clock: u64,
     seq: u64,
     stats: StoreStats,
+    /// Demotions in flight, oldest first.
+    pending: VecDeque<Pending>,
 }
 
 impl std::fmt::Debug for CapsuleStore {
@@ -346,6 +373,7 @@ impl CapsuleStore {
             positions: BTreeSet::new(),
             clock: 0,
             seq: 0,
+            pending: VecDeque::new(),
         };
         if let Some(dir) = store.cfg.dir.clone() {
             std::fs::create_dir_all(&dir).map_err(|e| Error::Io {
@@ -573,6 +601,7 @@ impl CapsuleStore {
         owner: &str,
         trusted: bool,
     ) -> Result<String> {
+        self.poll()?;
         if capsule.fingerprint() != self.model.fingerprint() {
             return Err(Error::Fingerprint {
                 capsule_model: capsule.meta.model.clone(),
@@ -732,6 +761,7 @@ impl CapsuleStore {
     /// The capsule, materialised from whatever tier holds it (host and disk: reassembled
     /// through its chain of bases, every file checksum verified).
     pub fn get(&mut self, id: &str) -> Result<Capsule> {
+        self.poll()?;
         self.visible(id)?;
         self.touch(id);
         self.materialize(id)
@@ -740,6 +770,7 @@ impl CapsuleStore {
     /// Restore `session` to capsule `id`, then promote the capsule to the device tier
     /// (re-snapshotted from the restored session) if it came from a lower tier.
     pub fn restore_into(&mut self, id: &str, session: &mut Session) -> Result<RestoreInfo> {
+        self.poll()?;
         let t0 = Instant::now();
         let tier = *self
             .visible(id)?
@@ -829,6 +860,7 @@ impl CapsuleStore {
 
     /// Persist every visible capsule (e.g. at shutdown); returns how many files were written.
     pub fn flush(&mut self) -> Result<usize> {
+        self.settle()?;
         if self.cfg.dir.is_none() {
             return Ok(0);
         }
@@ -922,7 +954,12 @@ impl CapsuleStore {
         s.bytes = [0; 3];
         for e in self.entries.values() {
             let (d, h) = e.mem_bytes();
-            s.bytes[0] += d;
+            if self.is_demoting(e) {
+                s.demoting += 1;
+                s.demoting_bytes += d;
+            } else {
+                s.bytes[0] += d;
+            }
             s.bytes[1] += h;
             if let Some(x) = &e.disk {
                 s.bytes[2] += x.bytes;
@@ -943,11 +980,12 @@ impl CapsuleStore {
         &self.model.compiled().layout
     }
 
-    fn kv_buffers(&self) -> Vec<Buffer> {
+    /// The KV regions (per-token state buffers) and their bytes per token, in layout order.
+    fn kv_regions(&self) -> Vec<KvRegion> {
         self.layout()
             .state_buffers()
             .filter(|b| b.state.is_some_and(|k| k.per_token()))
-            .cloned()
+            .map(|b| (b.id, b.bytes_per_token()))
             .collect()
     }
 
@@ -1062,32 +1100,10 @@ impl CapsuleStore {
         Ok(h)
     }
 
-    /// XXH64 of each KV region's first `rows` rows (all of them for `usize::MAX`), for each
-    /// `rows` in `prefixes`: `[prefix][region]`. One streaming pass over each region serves
-    /// every prefix (XXH64's state is read out at each prefix's end), and the regions are
-    /// hashed on several threads: demoting a 16k-token capsule of the 27B shape hashes
-    /// ~1.1 GB of KV, on the worker thread, while every stream waits (benches/RESULTS.md, "A
-    /// stall found in the logs").
+    /// [`hash_kv`] over this store's KV regions, on every core: demoting a 16k-token capsule
+    /// of the 27B shape hashes ~1.1 GB of KV (benches/RESULTS.md, "A stall found in the logs").
     fn hash_kv(&self, regions: &[(BufferId, Vec<u8>)], prefixes: &[usize]) -> Vec<Vec<u64>> {
-        let work: Vec<(&[u8], Vec<usize>)> = self
-            .kv_buffers()
-            .iter()
-            .map(|b| {
-                let bytes = regions
-                    .iter()
-                    .find(|(x, _)| *x == b.id)
-                    .map_or(&[][..], |(_, v)| &v[..]);
-                let ends = prefixes
-                    .iter()
-                    .map(|&rows| rows.saturating_mul(b.bytes_per_token()).min(bytes.len()))
-                    .collect();
-                (bytes, ends)
-            })
-            .collect();
-        let per_region = hash_prefixes_parallel(&work);
-        (0..prefixes.len())
-            .map(|i| per_region.iter().map(|h| h[i]).collect())
-            .collect()
+        hash_kv(&self.kv_regions(), regions, prefixes, all_threads())
     }
 
     /// Decide the base of `id` (once): the capsule with the longest token-prefix history that
@@ -1096,62 +1112,68 @@ impl CapsuleStore {
         if let Some(b) = &self.entries[id].base {
             return Ok(b.clone());
         }
+        let cands = self.base_candidates(id);
+        // This capsule's KV hashed once: its whole rows and every candidate's prefix.
+        let prefixes: Vec<usize> = std::iter::once(usize::MAX)
+            .chain(cands.iter().map(|c| c.0))
+            .collect();
+        let mut hashes = self.hash_kv(full, &prefixes).into_iter();
+        let own = hashes.next().expect("the whole rows' hashes");
         let mut chosen = None;
-        let mut own_hash = None;
-        if self.cfg.share_kv {
-            let (pos, seq, tokens) = {
-                let e = &self.entries[id];
-                (e.pos, e.seq, e.tokens.clone())
-            };
-            let mut cands: Vec<(usize, u64, String)> = self
-                .entries
-                .values()
-                .filter(|c| {
-                    c.id != id
-                        && !c.hidden
-                        && (c.pos, c.seq) < (pos, seq)
-                        && c.pos > 0
-                        && c.tokens[..] == tokens[..c.pos]
-                })
-                .map(|c| (c.pos, c.last_used, c.id.clone()))
-                .collect();
-            cands.sort_by_key(|c| std::cmp::Reverse((c.0, c.1)));
-            // A base's whole group (every capsule whose bytes hang off the same full
-            // capsule) is what one corrupt file can cost: keep it under MAX_CHAIN.
-            let groups = self.group_sizes();
-            cands.retain(|c| {
-                groups
-                    .get(self.group_root(&c.2).as_str())
-                    .is_none_or(|&n| n < MAX_CHAIN)
-            });
-            cands.truncate(4);
-            // This capsule's KV hashed once: its whole rows and every candidate's prefix.
-            let prefixes: Vec<usize> = std::iter::once(usize::MAX)
-                .chain(cands.iter().map(|c| c.0))
-                .collect();
-            let mut mine = self.hash_kv(full, &prefixes).into_iter();
-            own_hash = mine.next();
-            for ((cpos, _, cid), prefix) in cands.into_iter().zip(mine) {
-                let theirs = self.kv_hashes(&cid)?;
-                if theirs == prefix {
-                    chosen = Some(BaseRef { id: cid, pos: cpos });
-                    break;
-                }
+        for ((cpos, cid), prefix) in cands.into_iter().zip(hashes) {
+            if self.kv_hashes(&cid)? == prefix {
+                chosen = Some(BaseRef { id: cid, pos: cpos });
+                break;
             }
         }
-        let own_hash = match own_hash {
-            Some(h) => h,
-            None => self.hash_kv(full, &[usize::MAX]).remove(0),
-        };
-        if let Some(b) = &chosen
+        self.settle_base(id, chosen.clone(), own);
+        Ok(chosen)
+    }
+
+    /// Record `id`'s base (pinning it) and its whole-row KV hashes.
+    fn settle_base(&mut self, id: &str, base: Option<BaseRef>, own: Vec<u64>) {
+        if let Some(b) = &base
             && let Some(be) = self.entries.get_mut(&b.id)
         {
             be.pins += 1;
         }
         let e = self.entries.get_mut(id).expect("present");
-        e.base = Some(chosen.clone());
-        e.kv_hash = Some(own_hash);
-        Ok(chosen)
+        e.base = Some(base);
+        e.kv_hash = Some(own);
+    }
+
+    /// The capsules `id` may share KV rows with, best first: `(position, id)` of visible
+    /// capsules earlier in (position, insertion) order whose tokens are a prefix of `id`'s,
+    /// longest (then most recently used) first, in groups with room, at most four.
+    fn base_candidates(&self, id: &str) -> Vec<(usize, String)> {
+        if !self.cfg.share_kv {
+            return Vec::new();
+        }
+        let e = &self.entries[id];
+        let (pos, seq, tokens) = (e.pos, e.seq, &e.tokens);
+        let mut cands: Vec<(usize, u64, String)> = self
+            .entries
+            .values()
+            .filter(|c| {
+                c.id != id
+                    && !c.hidden
+                    && (c.pos, c.seq) < (pos, seq)
+                    && c.pos > 0
+                    && c.tokens[..] == tokens[..c.pos]
+            })
+            .map(|c| (c.pos, c.last_used, c.id.clone()))
+            .collect();
+        cands.sort_by_key(|c| std::cmp::Reverse((c.0, c.1)));
+        // A base's whole group (every capsule whose bytes hang off the same full capsule) is
+        // what one corrupt file can cost: keep it under MAX_CHAIN.
+        let groups = self.group_sizes();
+        cands.retain(|c| {
+            groups
+                .get(self.group_root(&c.2).as_str())
+                .is_none_or(|&n| n < MAX_CHAIN)
+        });
+        cands.truncate(4);
+        cands.into_iter().map(|(p, _, c)| (p, c)).collect()
     }
 
     /// The full capsule at the top of `id`'s chain of bases (`id` itself if it has none).
@@ -1200,8 +1222,15 @@ impl CapsuleStore {
     fn demote_device(&mut self, id: &str) -> Result<()> {
         let (meta, full) = self.full_regions(id)?;
         let base = self.decide_base(id, &full)?;
-        let full_bytes: u64 = full.iter().map(|(_, v)| v.len() as u64).sum();
+        let full_bytes = full.iter().map(|(_, v)| v.len() as u64).sum();
         let regions = self.delta_of(full, &base);
+        self.keep_on_host(id, meta, regions, full_bytes);
+        Ok(())
+    }
+
+    /// Replace `id`'s memory copy by host bytes: `regions` (KV from its base's position on),
+    /// of `full_bytes` whole.
+    fn keep_on_host(&mut self, id: &str, meta: CapsuleMeta, regions: Regions, full_bytes: u64) {
         let logits = meta.last_logits.as_ref().map_or(0, |l| l.0.len() * 4) as u64;
         let bytes = regions.iter().map(|(_, v)| v.len() as u64).sum::<u64>() + logits;
         self.stats.shared_bytes += full_bytes + logits - bytes;
@@ -1211,7 +1240,6 @@ impl CapsuleStore {
             regions,
             bytes,
         }));
-        Ok(())
     }
 
     /// Write `id`'s file (a delta file if it has a base) unless it has one.
@@ -1296,6 +1324,137 @@ impl CapsuleStore {
     }
 
     // -----------------------------------------------------------------------------------------
+    // Background demotion (background.rs)
+
+    /// Whether `e`'s device copy is being demoted in the background.
+    fn is_demoting(&self, e: &Entry) -> bool {
+        match &e.mem {
+            Some(Mem::Device(c)) => self
+                .pending
+                .iter()
+                .any(|p| p.id == e.id && p.is_for(c.saved())),
+            _ => false,
+        }
+    }
+
+    /// Start demoting device-tier capsule `id` in the background (after the oldest demotion in
+    /// flight, if [`MAX_IN_FLIGHT`] are).
+    fn demote_later(&mut self, id: &str) -> Result<()> {
+        while self.pending.len() >= MAX_IN_FLIGHT {
+            let (p, r) = self.pending.pop_front().expect("non-empty").wait();
+            self.finish(p, r)?;
+        }
+        let Some(Mem::Device(cap)) = &self.entries[id].mem else {
+            return Ok(());
+        };
+        let cap = cap.clone();
+        let decided = self.entries[id].base.clone();
+        let mut cands = Vec::new();
+        if decided.is_none() {
+            for (pos, cid) in self.base_candidates(id) {
+                let c = &self.entries[&cid];
+                let (hash, capsule) = match (&c.kv_hash, &c.mem) {
+                    (Some(h), _) => (Some(h.clone()), None),
+                    (None, Some(Mem::Device(cc))) => (None, Some(cc.clone())),
+                    // Only capsules loaded from files lack hashes off the device: read here.
+                    (None, _) => (Some(self.kv_hashes(&cid)?), None),
+                };
+                cands.push(background::Candidate {
+                    pos,
+                    id: cid,
+                    hash,
+                    capsule,
+                });
+            }
+        }
+        let shape = Shape {
+            state: self.layout().state_buffers().map(|b| b.id).collect(),
+            kv: self.kv_regions(),
+        };
+        let p = background::spawn(id.to_string(), cap, shape, decided, cands)?;
+        self.pending.push_back(p);
+        Ok(())
+    }
+
+    /// Apply a finished demotion job (see background.rs for when the store demotes the
+    /// capsule itself instead, and when it drops the result).
+    fn finish(&mut self, p: Pending, r: Result<Demoted>) -> Result<()> {
+        let meta = match self.entries.get(&p.id).and_then(|e| e.mem.as_ref()) {
+            Some(Mem::Device(c)) if p.is_for(c.saved()) => c.meta.clone(),
+            _ => return Ok(()),
+        };
+        let d = match r {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(
+                    "background demotion of capsule {} failed ({e}); demoting it here",
+                    p.id
+                );
+                return self.demote_device(&p.id);
+            }
+        };
+        for (cid, h) in d.cand_hashes {
+            if let Some(c) = self.entries.get_mut(&cid)
+                && c.kv_hash.is_none()
+            {
+                c.kv_hash = Some(h);
+            }
+        }
+        let usable = match (&self.entries[&p.id].base, &d.base) {
+            (Some(decided), chosen) => decided == chosen,
+            (None, None) => true,
+            (None, Some(b)) => {
+                self.entries.get(&b.id).is_some_and(|c| !c.hidden)
+                    && self
+                        .group_sizes()
+                        .get(self.group_root(&b.id).as_str())
+                        .is_none_or(|&n| n < MAX_CHAIN)
+            }
+        };
+        if !usable {
+            return self.demote_device(&p.id);
+        }
+        if self.entries[&p.id].base.is_none() {
+            self.settle_base(&p.id, d.base, d.own);
+        }
+        self.keep_on_host(&p.id, meta, d.regions, d.full_bytes);
+        self.stats.background_demotions += 1;
+        self.stats.background_seconds += p.started.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Apply the background demotions that have finished, then enforce the budgets again (the
+    /// host tier grew); returns how many were applied. Cheap when none is in flight; every
+    /// operation of the store starts with it, and an owner that waits for other work (a
+    /// server's idle worker) calls it while [`CapsuleStore::demoting`].
+    pub fn poll(&mut self) -> Result<usize> {
+        let mut n = 0;
+        while let Some(r) = self.pending.front().and_then(|p| p.try_take()) {
+            let p = self.pending.pop_front().expect("non-empty");
+            self.finish(p, r)?;
+            n += 1;
+        }
+        if n > 0 {
+            self.enforce(None)?;
+        }
+        Ok(n)
+    }
+
+    /// Wait for every background demotion and apply it.
+    pub fn settle(&mut self) -> Result<()> {
+        while let Some(p) = self.pending.pop_front() {
+            let (p, r) = p.wait();
+            self.finish(p, r)?;
+        }
+        self.enforce(None)
+    }
+
+    /// Whether background demotions are in flight.
+    pub fn demoting(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    // -----------------------------------------------------------------------------------------
     // Eviction
 
     /// The least recently used entry matching `f`, preferring any other than `protect`.
@@ -1314,10 +1473,16 @@ impl CapsuleStore {
         loop {
             let s = self.stats();
             if s.bytes[0] > self.cfg.budget_device {
-                let Some(v) = self.lru(protect, |e| matches!(e.mem, Some(Mem::Device(_)))) else {
+                let Some(v) = self.lru(protect, |e| {
+                    matches!(e.mem, Some(Mem::Device(_))) && !self.is_demoting(e)
+                }) else {
                     break;
                 };
-                self.demote_device(&v)?;
+                if self.cfg.background {
+                    self.demote_later(&v)?;
+                } else {
+                    self.demote_device(&v)?;
+                }
                 self.stats.evictions[0] += 1;
             } else if s.bytes[1] > self.cfg.budget_host {
                 let Some(v) = self.lru(protect, |e| matches!(e.mem, Some(Mem::Host(_)))) else {
@@ -1370,90 +1535,6 @@ impl CapsuleStore {
                 true
             }
             None => false,
-        }
-    }
-}
-
-/// XXH64 (seed 0) of `bytes[..end]` for every `end` (ascending order not required) of each
-/// `(bytes, ends)` item, in one streaming pass per item; items spread over up to
-/// `available_parallelism` threads. Equal to `capsule_file::xxh64(&bytes[..end], 0)`.
-fn hash_prefixes_parallel(work: &[(&[u8], Vec<usize>)]) -> Vec<Vec<u64>> {
-    fn one(bytes: &[u8], ends: &[usize]) -> Vec<u64> {
-        let mut order: Vec<usize> = (0..ends.len()).collect();
-        order.sort_by_key(|&i| ends[i]);
-        let mut out = vec![0; ends.len()];
-        let mut h = capsule_file::Xxh64::new(0);
-        let mut at = 0;
-        for i in order {
-            h.update(&bytes[at..ends[i]]);
-            at = ends[i];
-            out[i] = h.finish();
-        }
-        out
-    }
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(work.len())
-        .max(1);
-    if threads == 1 {
-        return work.iter().map(|(b, e)| one(b, e)).collect();
-    }
-    let per = work.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = work
-            .chunks(per)
-            .map(|part| {
-                scope.spawn(move || part.iter().map(|(b, e)| one(b, e)).collect::<Vec<_>>())
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("hashing thread"))
-            .collect()
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// One streaming pass per region, read out at every prefix, on several threads, gives
-    /// exactly the one-shot XXH64 of each prefix (what capsule files and earlier stores
-    /// computed), in the callers' order.
-    #[test]
-    fn prefix_hashes_in_one_pass_equal_one_shot_hashes() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut byte = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        };
-        let data: Vec<Vec<u8>> = [0usize, 7, 31, 32, 33, 1000, 4099]
-            .iter()
-            .cycle()
-            .take(37)
-            .map(|&n| (0..n).map(|_| byte()).collect())
-            .collect();
-        let work: Vec<(&[u8], Vec<usize>)> = data
-            .iter()
-            .map(|d| {
-                let n = d.len();
-                // Unsorted, repeated and whole-region ends.
-                (&d[..], vec![n, n / 2, 0, n / 3, n / 2, n.saturating_sub(1)])
-            })
-            .collect();
-        let got = hash_prefixes_parallel(&work);
-        assert_eq!(got.len(), work.len());
-        for ((bytes, ends), hashes) in work.iter().zip(&got) {
-            for (&end, &h) in ends.iter().zip(hashes) {
-                assert_eq!(
-                    h,
-                    capsule_file::xxh64(&bytes[..end], 0),
-                    "prefix {end} of {}",
-                    bytes.len()
-                );
-            }
         }
     }
 }
