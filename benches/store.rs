@@ -1,8 +1,9 @@
 //! What a capsule leaving the device tier costs the thread that owns the store (a server's
 //! worker, which steps every stream): the insertion that evicts it, with the demotion on that
-//! thread (`background: false`) and on a thread of its own (`background: true`, what
-//! `flashrt serve` does: then also the `poll` that applies the finished job), and how long
-//! the demotion takes to land.
+//! thread (`background: false`) and on threads of its own (`background: true`, what
+//! `flashrt serve` does: then also the `poll`s that apply the finished jobs), and how long
+//! it takes to land: on the host, and with a store directory and no host budget, on disk (its
+//! file written and fsynced in the system's temporary directory).
 //!
 //! The capsules have the 27B shape's KV bytes per token (16 attention layers x 2 x 4 KV heads
 //! x 256 x bf16 = 64 KiB; here 2 KV heads in f32, the CPU backend's state dtype) at 8k and
@@ -95,13 +96,25 @@ struct Run {
     landed_ms: f64,
 }
 
-fn run(m: &Model, background: bool, a: &Capsule, b: &Capsule, x: &Capsule) -> Run {
+/// `dir`: a store directory and no host budget, so every capsule leaving the device goes on to
+/// disk (its file written and fsynced) as well.
+fn run(
+    m: &Model,
+    background: bool,
+    dir: Option<&std::path::Path>,
+    a: &Capsule,
+    b: &Capsule,
+    x: &Capsule,
+) -> Run {
     let budget = (b.bytes() + m.vocab() * 4) as u64;
+    if let Some(d) = dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
     let cfg = StoreConfig {
         budget_device: budget,
-        budget_host: 1 << 40,
-        budget_disk: 0,
-        dir: None,
+        budget_host: if dir.is_some() { 0 } else { 1 << 40 },
+        budget_disk: 1 << 40,
+        dir: dir.map(|d| d.to_path_buf()),
         share_kv: true,
         background,
     };
@@ -116,10 +129,10 @@ fn run(m: &Model, background: bool, a: &Capsule, b: &Capsule, x: &Capsule) -> Ru
     let insert_ms = t0.elapsed().as_secs_f64() * 1e3;
     // What a server's worker does between steps: poll until the demotion has landed.
     let mut apply_ms = 0.0;
-    while store.demoting() {
+    while store.busy() {
         let t = Instant::now();
         if store.poll().expect("poll") > 0 {
-            apply_ms = t.elapsed().as_secs_f64() * 1e3;
+            apply_ms += t.elapsed().as_secs_f64() * 1e3;
         } else {
             std::thread::sleep(std::time::Duration::from_micros(200));
         }
@@ -128,6 +141,7 @@ fn run(m: &Model, background: bool, a: &Capsule, b: &Capsule, x: &Capsule) -> Ru
     let st = store.stats();
     assert_eq!(st.evictions[0], 2, "{st:?}");
     assert!(st.shared_bytes > 0, "B did not share A's rows: {st:?}");
+    assert_eq!(st.evictions[1], if dir.is_some() { 2 } else { 0 }, "{st:?}");
     Run {
         insert_ms,
         apply_ms,
@@ -169,40 +183,55 @@ fn main() {
     );
     let runs = 5;
     let mut out = serde_json::Map::new();
-    println!(
-        "{:<20} {:>22} {:>22} {:>24}",
-        "demotion of B", "insert (thread held)", "apply (thread held)", "until B is on the host"
-    );
-    for background in [false, true] {
-        // One run to warm the allocator, then the measured ones.
-        let _ = run(&m, background, &a, &b, &x);
-        let rs: Vec<Run> = (0..runs).map(|_| run(&m, background, &a, &b, &x)).collect();
-        let ins = median(rs.iter().map(|r| r.insert_ms).collect());
-        let apply = median(rs.iter().map(|r| r.apply_ms).collect());
-        let landed = median(rs.iter().map(|r| r.landed_ms).collect());
-        let name = if background {
-            "background thread"
-        } else {
-            "store's thread"
-        };
-        println!("{name:<20} {ins:>19.2} ms {apply:>19.2} ms {landed:>21.2} ms");
-        out.insert(
-            if background {
-                "background"
+    let tmp = std::env::temp_dir().join(format!("flashrt-store-bench-{}", std::process::id()));
+    for (case, dir) in [("to_host", None), ("to_disk", Some(tmp.as_path()))] {
+        println!(
+            "{:<20} {:>22} {:>22} {:>24}",
+            if dir.is_some() {
+                "B: device -> disk"
             } else {
-                "on_thread"
-            }
-            .into(),
-            serde_json::json!({
-                "insert_ms_median": ins,
-                "apply_ms_median": apply,
-                "landed_ms_median": landed,
-                "insert_ms": rs.iter().map(|r| r.insert_ms).collect::<Vec<_>>(),
-                "apply_ms": rs.iter().map(|r| r.apply_ms).collect::<Vec<_>>(),
-                "landed_ms": rs.iter().map(|r| r.landed_ms).collect::<Vec<_>>(),
-            }),
+                "B: device -> host"
+            },
+            "insert (thread held)",
+            "apply (thread held)",
+            "until B has landed"
         );
+        for background in [false, true] {
+            // One run to warm the allocator, then the measured ones.
+            let _ = run(&m, background, dir, &a, &b, &x);
+            let rs: Vec<Run> = (0..runs)
+                .map(|_| run(&m, background, dir, &a, &b, &x))
+                .collect();
+            let ins = median(rs.iter().map(|r| r.insert_ms).collect());
+            let apply = median(rs.iter().map(|r| r.apply_ms).collect());
+            let landed = median(rs.iter().map(|r| r.landed_ms).collect());
+            let name = if background {
+                "background thread"
+            } else {
+                "store's thread"
+            };
+            println!("{name:<20} {ins:>19.2} ms {apply:>19.2} ms {landed:>21.2} ms");
+            out.insert(
+                format!(
+                    "{case}/{}",
+                    if background {
+                        "background"
+                    } else {
+                        "on_thread"
+                    }
+                ),
+                serde_json::json!({
+                    "insert_ms_median": ins,
+                    "apply_ms_median": apply,
+                    "landed_ms_median": landed,
+                    "insert_ms": rs.iter().map(|r| r.insert_ms).collect::<Vec<_>>(),
+                    "apply_ms": rs.iter().map(|r| r.apply_ms).collect::<Vec<_>>(),
+                    "landed_ms": rs.iter().map(|r| r.landed_ms).collect::<Vec<_>>(),
+                }),
+            );
+        }
     }
+    let _ = std::fs::remove_dir_all(&tmp);
     if let Some(path) = json {
         let doc = serde_json::json!({
             "bench": "store demotion",

@@ -690,6 +690,18 @@ pub fn write_atomic(
     path: &Path,
     write: impl FnOnce(&mut BufWriter<File>) -> Result<u64>,
 ) -> Result<u64> {
+    let (tmp, n) = write_temp(path, write)?;
+    commit_temp(&tmp, path)?;
+    Ok(n)
+}
+
+/// The first half of [`write_atomic`]: `write` fills a new temporary file beside `path`
+/// (named as a leftover of an interrupted write, so a store opened later deletes it), which
+/// is fsynced; returns its path and the bytes written. On error nothing is left behind.
+pub fn write_temp(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> Result<u64>,
+) -> Result<(PathBuf, u64)> {
     let tmp = temp_path(path);
     let io = |p: &Path| {
         let p = p.display().to_string();
@@ -708,15 +720,30 @@ pub fn write_atomic(
             source: e.into_error(),
         })?;
         f.sync_all().map_err(io(&tmp))?;
-        drop(f);
-        std::fs::rename(&tmp, path).map_err(io(path))?;
-        sync_dir(path)?;
         Ok(n)
     })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    match result {
+        Ok(n) => Ok((tmp, n)),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
     }
-    result
+}
+
+/// The second half of [`write_atomic`]: rename the temporary file over `path` and fsync the
+/// directory. On error the temporary file is removed.
+pub fn commit_temp(tmp: &Path, path: &Path) -> Result<()> {
+    let r = std::fs::rename(tmp, path)
+        .map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            source: e,
+        })
+        .and_then(|_| sync_dir(path));
+    if r.is_err() {
+        let _ = std::fs::remove_file(tmp);
+    }
+    r
 }
 
 /// fsync the directory holding `path` (makes a rename durable).

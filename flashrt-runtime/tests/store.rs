@@ -406,62 +406,101 @@ fn randomized_soak_keeps_budgets_and_exactness() {
     }
 }
 
-/// Demotion in the background ends where demotion on the store's thread ends: the same
-/// capsules in the same tiers with the same bases and bytes, byte-exact restores; while a
-/// capsule is being demoted it stays restorable on the device tier and its bytes count as
-/// demoting, not against the device budget.
+/// Moving capsules down in the background ends where moving them on the store's thread ends:
+/// the same capsules in the same tiers with the same bases and bytes, byte-exact restores,
+/// the same files after a restart. While a capsule is on its way down it stays restorable in
+/// its tier and its bytes count as demoting / spilling, not against that tier's budget.
 #[test]
 fn background_demotion_ends_where_synchronous_demotion_does() {
     let m = load("qwen35-public", &BUCKETS);
     let one = m.compiled().layout.capsule_bytes(40) as u64;
-    let mut stores: Vec<CapsuleStore> = [false, true]
-        .into_iter()
-        .map(|background| {
-            let mut c = cfg(2 * one, 1 << 30, 0, None);
-            c.background = background;
-            CapsuleStore::open(m.clone(), c).unwrap()
-        })
-        .collect();
-    let mut caps: Vec<Vec<(String, Vec<Vec<u8>>)>> = vec![Vec::new(), Vec::new()];
-    for (k, store) in stores.iter_mut().enumerate() {
-        for c in 0..3 {
-            let before = store.stats().evictions[0];
-            let conv = conversation(&m, store, &[25, 8, 7, 12], 100 * c);
-            let st = store.stats();
-            assert!(st.bytes[0] <= 2 * one, "{st:?}");
-            if k == 1 && st.evictions[0] > before {
-                // The last eviction is still in flight (applied at the next operation).
-                assert_eq!(st.demoting, 1, "{st:?}");
-                assert!(st.demoting_bytes > 0, "{st:?}");
+    for with_dir in [false, true] {
+        let dirs = [temp_dir("store-sync"), temp_dir("store-bg")];
+        let config = |k: usize| {
+            let (host, disk) = if with_dir {
+                (2 * one, 1 << 30)
+            } else {
+                (1 << 30, 0)
+            };
+            let mut c = cfg(2 * one, host, disk, with_dir.then_some(&*dirs[k]));
+            c.background = k == 1;
+            c
+        };
+        let mut stores: Vec<CapsuleStore> = (0..2)
+            .map(|k| CapsuleStore::open(m.clone(), config(k)).unwrap())
+            .collect();
+        let mut caps: Vec<Vec<(String, Vec<Vec<u8>>)>> = vec![Vec::new(), Vec::new()];
+        for (k, store) in stores.iter_mut().enumerate() {
+            for c in 0..3 {
+                let before = store.stats().evictions;
+                let conv = conversation(&m, store, &[25, 8, 7, 12], 100 * c);
+                let st = store.stats();
+                assert!(st.bytes[0] <= 2 * one, "{st:?}");
+                assert!(!with_dir || st.bytes[1] <= 2 * one, "{st:?}");
+                if k == 1 && st.evictions[0] > before[0] {
+                    // The last eviction is still in flight (applied at the next operation).
+                    assert_eq!(st.demoting, 1, "{st:?}");
+                    assert!(st.demoting_bytes > 0, "{st:?}");
+                }
+                if k == 1 && st.evictions[1] > before[1] {
+                    assert_eq!(st.spilling, 1, "{st:?}");
+                }
+                caps[k].extend(conv);
             }
-            caps[k].extend(conv);
+            store.settle().unwrap();
         }
-        store.settle().unwrap();
-    }
-    let (a, b) = (stores[0].stats(), stores[1].stats());
-    assert_eq!(
-        (a.bytes, a.capsules, a.evictions),
-        (b.bytes, b.capsules, b.evictions)
-    );
-    assert_eq!(a.shared_bytes, b.shared_bytes);
-    assert!(a.shared_bytes > 0 && b.background_demotions == b.evictions[0]);
-    assert_eq!(b.demoting, 0);
-    // Capsule i of one store is capsule i of the other: same tiers, same base.
-    let index = |k: usize, id: &Option<String>| {
-        id.as_ref()
-            .map(|id| caps[k].iter().position(|(x, _)| x == id).unwrap())
-    };
-    for (i, (c0, c1)) in caps[0].iter().zip(&caps[1]).enumerate() {
-        let (x, y) = (
-            stores[0].info(&c0.0).unwrap(),
-            stores[1].info(&c1.0).unwrap(),
+        let (a, b) = (stores[0].stats(), stores[1].stats());
+        assert_eq!(
+            (a.bytes, a.capsules, a.evictions),
+            (b.bytes, b.capsules, b.evictions)
         );
-        assert_eq!((x.tiers, x.bytes), (y.tiers, y.bytes), "capsule {i}");
-        assert_eq!(index(0, &x.base), index(1, &y.base), "base of capsule {i}");
-        assert_eq!(c0.1, c1.1);
-    }
-    for (store, caps) in stores.iter_mut().zip(&caps) {
-        check_restores(&m, store, caps);
+        assert_eq!(a.shared_bytes, b.shared_bytes);
+        assert!(a.shared_bytes > 0 && b.background_demotions == b.evictions[0]);
+        assert_eq!(b.background_spills, b.evictions[1]);
+        assert_eq!(with_dir, b.background_spills > 0, "{b:?}");
+        assert_eq!((b.demoting, b.spilling), (0, 0));
+        // Capsule i of one store is capsule i of the other: same tiers, same base.
+        let index = |k: usize, id: &Option<String>| {
+            id.as_ref()
+                .map(|id| caps[k].iter().position(|(x, _)| x == id).unwrap())
+        };
+        for (i, (c0, c1)) in caps[0].iter().zip(&caps[1]).enumerate() {
+            let (x, y) = (
+                stores[0].info(&c0.0).unwrap(),
+                stores[1].info(&c1.0).unwrap(),
+            );
+            assert_eq!((x.tiers, x.bytes), (y.tiers, y.bytes), "capsule {i}");
+            assert_eq!(index(0, &x.base), index(1, &y.base), "base of capsule {i}");
+            assert_eq!(c0.1, c1.1);
+        }
+        for (store, caps) in stores.iter_mut().zip(&caps) {
+            check_restores(&m, store, caps);
+        }
+        if with_dir {
+            // The same files, and nothing left over: every capsule reloads from them.
+            let files = |k: usize| {
+                let mut v: Vec<String> = std::fs::read_dir(&*dirs[k])
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect();
+                v.sort();
+                v
+            };
+            let (f0, f1) = (files(0), files(1));
+            assert_eq!(f0.len(), f1.len(), "{f0:?} vs {f1:?}");
+            assert!(f1.iter().all(|f| f.ends_with(".caps")), "{f1:?}");
+            drop(stores);
+            let mut again = CapsuleStore::open(m.clone(), config(1)).unwrap();
+            let on_disk = again.ids().len();
+            assert_eq!(on_disk, f1.len());
+            let reloaded: Vec<_> = caps[1]
+                .iter()
+                .filter(|(id, _)| again.contains(id))
+                .cloned()
+                .collect();
+            assert_eq!(reloaded.len(), on_disk);
+            check_restores(&m, &mut again, &reloaded);
+        }
     }
 }
 
@@ -500,4 +539,42 @@ fn background_demotion_respects_deletions_made_while_it_runs() {
     let st = store.stats();
     assert!(!store.contains(&c) && st.demoting == 0, "{st:?}");
     assert_eq!(store.ids(), vec![b]);
+}
+
+/// A capsule deleted while its file is being written in the background leaves no file: not
+/// the final one, not the temporary one, and a restart does not bring it back.
+#[test]
+fn a_capsule_deleted_while_its_file_is_written_leaves_no_file() {
+    let m = load("lfm2-public", &BUCKETS);
+    let dir = temp_dir("store-spill");
+    let mut c = cfg(0, 0, 1 << 30, Some(&dir));
+    c.background = true;
+    let mut store = CapsuleStore::open(m.clone(), c.clone()).unwrap();
+    let mut s = m.session().unwrap();
+    s.append(&tokens(3, 30, m.vocab())).unwrap();
+    let keep = store.insert(s.snapshot().unwrap(), None).unwrap();
+    let want = state_of(&s);
+    // No device or host budget: the capsule goes down to the host, then to disk.
+    store.settle().unwrap();
+    assert_eq!(store.info(&keep).unwrap().tiers, vec![Tier::Disk]);
+    let mut t = m.session().unwrap();
+    t.append(&tokens(4, 20, m.vocab())).unwrap();
+    let gone = store.insert(t.snapshot().unwrap(), None).unwrap();
+    // Apply the demotion, which starts the spill; delete it while the spill is in flight.
+    while store.stats().spilling == 0 {
+        store.poll().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(store.info(&gone).unwrap().tiers, vec![Tier::Host]);
+    store.remove(&gone).unwrap();
+    store.settle().unwrap();
+    let names: Vec<String> = std::fs::read_dir(&*dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec![format!("{keep}.caps")]);
+    drop(store);
+    let mut again = CapsuleStore::open(m.clone(), c).unwrap();
+    assert_eq!(again.ids(), vec![keep.clone()]);
+    check_restores(&m, &mut again, &[(keep, want)]);
 }

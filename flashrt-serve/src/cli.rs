@@ -403,8 +403,8 @@ pub struct ServeArgs {
     /// Byte budget of the disk tier
     #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
     pub budget_disk: Option<u64>,
-    /// Demote capsules from the device tier on the worker thread (every stream waits for the
-    /// copy and hashing) instead of on a thread of their own
+    /// Move capsules down the tiers on the worker thread (every stream waits for the copy,
+    /// the hashing and the file writes) instead of on threads of their own
     #[arg(long)]
     pub demote_on_worker: bool,
     /// Sessions open at once (default on a GPU: as many as fit in free device memory, at

@@ -134,9 +134,12 @@ pub struct Metrics {
     pub dropped: AtomicU64,
     pub shared_bytes: AtomicU64,
     pub corrupt_files: AtomicU64,
-    /// Device bytes of capsules being demoted in the background, and demotions finished so.
+    /// Bytes of capsules on their way down in the background (device -> host, host -> disk),
+    /// and the moves finished so.
     pub demoting_bytes: AtomicU64,
+    pub spilling_bytes: AtomicU64,
     pub background_demotions: AtomicU64,
+    pub background_spills: AtomicU64,
     /// Peak of the sum of the three tiers' bytes.
     pub peak_tier_bytes: [AtomicU64; 3],
     pub restore: [Histogram; 3],
@@ -189,6 +192,10 @@ impl Metrics {
             .store(s.demoting_bytes, Ordering::Relaxed);
         self.background_demotions
             .store(s.background_demotions, Ordering::Relaxed);
+        self.spilling_bytes
+            .store(s.spilling_bytes, Ordering::Relaxed);
+        self.background_spills
+            .store(s.background_spills, Ordering::Relaxed);
     }
 
     /// The Prometheus text format.
@@ -352,6 +359,18 @@ impl Metrics {
             "counter",
             "Capsules demoted from the device tier off the worker thread.",
             get(&self.background_demotions),
+        );
+        one(
+            "flashrt_store_spilling_bytes",
+            "gauge",
+            "Host bytes of capsules whose files are being written in the background (not counted in the host tier's bytes).",
+            get(&self.spilling_bytes),
+        );
+        one(
+            "flashrt_store_background_spills_total",
+            "counter",
+            "Capsule files written for the disk tier off the worker thread.",
+            get(&self.background_spills),
         );
         let mut tiered = |name: &str, kind: &str, help: &str, v: &[AtomicU64; 3]| {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");

@@ -1,46 +1,57 @@
-//! Background demotion: the slow half of moving a capsule from the device tier to the host.
+//! Background work of the store: the slow halves of moving a capsule down the tiers.
 //!
-//! Demoting a capsule copies every region to the host (a 16k-token capsule of the 27B shape is
-//! 1.2 GiB: tens of milliseconds over PCIe) and hashes its KV rows against its candidate bases.
+//! * **Demotion** (device -> host) copies every region to the host (a 16k-token capsule of
+//!   the 27B shape is 1.2 GiB: tens of milliseconds over PCIe) and hashes its KV rows against
+//!   its candidate bases.
+//! * **Spill** (host -> disk) encodes the capsule file (checksums over every byte) and fsyncs
+//!   it: seconds for a GiB on a slow disk.
+//!
 //! On the thread that owns the store (a server's worker, which also steps every generating
-//! session) that is a stall every stream feels. With [`StoreConfig::background`] the store
-//! hands the victim to a thread of its own instead. The thread reads the capsule's regions
-//! (its saved state is immutable and `Send + Sync`; on CUDA the copies run on the legacy
-//! stream of another thread, which does not wait for the worker's non-blocking streams),
-//! hashes its KV rows, picks its base among the candidates the store gave it (their hashes as
-//! the store knew them, or computed there for device capsules the store had not hashed yet)
-//! and cuts the delta. The store *finishes* the demotion on its own thread when the job is
-//! done, in O(1) work per region: it checks the base is still there, installs the host copy
-//! and frees the device copy.
+//! session) either is a stall every stream feels. With [`StoreConfig::background`] the store
+//! hands the work to a thread of its own and *applies* the result on its own thread when the
+//! job is done ([`CapsuleStore::poll`], or its next operation), in O(1) work per region.
 //!
-//! Meanwhile the capsule stays on the device tier, restorable from there; its bytes count as
-//! *demoting* rather than against the device budget ([`StoreStats::demoting_bytes`]). At most
-//! [`MAX_IN_FLIGHT`] demotions run at once: one more waits for the oldest, so the device
-//! memory held past the budget is bounded by one capsule, which is what a synchronous
-//! demotion holds too between the insertion that triggers it and its end.
+//! A demotion's thread reads the capsule's regions (its saved state is immutable and
+//! `Send + Sync`; on CUDA the copies run on the legacy stream of another thread, which does not
+//! wait for the worker's non-blocking streams), hashes its KV rows, picks its base among the
+//! candidates the store gave it (their hashes as the store knew them, or computed there for
+//! device capsules the store had not hashed yet) and cuts the delta; applying it checks the
+//! base is still there, installs the host copy and frees the device copy. A spill's thread
+//! writes the file under a temporary name (what a store opened later deletes as a leftover of
+//! an interrupted write); applying it renames the file into place and drops the host copy.
 //!
-//! A finished job is applied only to the capsule it was started for: if the entry was removed,
-//! or demoted and promoted again meanwhile, the result is dropped (the saved state is compared
-//! by identity). When the base it chose is no longer usable (deleted meanwhile, its group
-//! full) or the capsule's base was decided otherwise meanwhile (a persist), and when the job
-//! failed, the store demotes the capsule on its own thread as without this module: rare, and
-//! the device copy is still there to read.
+//! Meanwhile the capsule stays in its tier, restorable from there; its bytes count as
+//! *demoting* / *spilling* rather than against that tier's budget
+//! ([`StoreStats::demoting_bytes`], [`StoreStats::spilling_bytes`]). At most [`MAX_IN_FLIGHT`]
+//! jobs of each kind run at once: one more waits for the oldest, so the memory held past a
+//! budget is bounded by one capsule, which is what the synchronous path holds too between the
+//! insertion that triggers it and its end.
+//!
+//! A finished job is applied only to the copy it was started for: if the entry was removed,
+//! or moved and brought back meanwhile, or got its file another way (a persist), the result is
+//! dropped (copies are compared by identity; a spill's temporary file is deleted). When a
+//! demotion's base is no longer usable (deleted meanwhile, its group full) or the capsule's
+//! base was decided otherwise meanwhile (a persist), and when a job failed, the store does the
+//! work on its own thread as without this module: rare, and the copy is still there to read.
 //!
 //! [`StoreConfig::background`]: super::StoreConfig::background
+//! [`CapsuleStore::poll`]: super::CapsuleStore::poll
 //! [`StoreStats::demoting_bytes`]: super::StoreStats::demoting_bytes
+//! [`StoreStats::spilling_bytes`]: super::StoreStats::spilling_bytes
 
-use super::Regions;
 use super::hash::{KvRegion, all_threads, hash_kv};
+use super::{FileParts, Regions};
 use crate::SavedState;
 use crate::capsule::Capsule;
-use crate::capsule_file::BaseRef;
+use crate::capsule_file::{self, BaseRef};
 use crate::error::{Error, Result};
 use flashrt_ir::BufferId;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Instant;
 
-/// Demotions in flight at once.
+/// Jobs of each kind in flight at once.
 pub const MAX_IN_FLIGHT: usize = 1;
 
 /// A candidate base, as the store knows it when the job starts.
@@ -67,23 +78,29 @@ pub(super) struct Demoted {
     pub cand_hashes: Vec<(String, Vec<u64>)>,
 }
 
-/// A demotion in flight.
-pub(super) struct Pending {
+/// A job in flight for entry `id`, started for the copy `keep` points at (an entry's device
+/// state for a demotion, its host regions for a spill): its result applies only while the
+/// entry still holds that very copy.
+pub(super) struct Job<T, K: ?Sized> {
     pub id: String,
-    /// The saved state being demoted (compared by identity when the job is applied).
-    pub saved: Arc<dyn SavedState>,
+    keep: Arc<K>,
     pub started: Instant,
-    rx: mpsc::Receiver<Result<Demoted>>,
+    rx: mpsc::Receiver<Result<T>>,
 }
 
-impl Pending {
-    /// Whether `saved` is the state this job demotes.
-    pub fn is_for(&self, saved: &Arc<dyn SavedState>) -> bool {
-        std::ptr::addr_eq(Arc::as_ptr(&self.saved), Arc::as_ptr(saved))
+/// A demotion (device -> host) in flight.
+pub(super) type Demotion = Job<Demoted, dyn SavedState>;
+/// A spill (host -> disk) in flight.
+pub(super) type Spill = Job<Spilled, Regions>;
+
+impl<T, K: ?Sized> Job<T, K> {
+    /// Whether `k` is the copy this job was started for.
+    pub fn is_for(&self, k: &Arc<K>) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.keep), Arc::as_ptr(k))
     }
 
     /// The result if the job has finished.
-    pub fn try_take(&self) -> Option<Result<Demoted>> {
+    pub fn try_take(&self) -> Option<Result<T>> {
         match self.rx.try_recv() {
             Ok(r) => Some(r),
             Err(mpsc::TryRecvError::Empty) => None,
@@ -92,9 +109,44 @@ impl Pending {
     }
 
     /// The result, waiting for the job.
-    pub fn wait(self) -> (Pending, Result<Demoted>) {
+    pub fn wait(self) -> (Self, Result<T>) {
         let r = self.rx.recv().unwrap_or_else(|_| Err(lost()));
         (self, r)
+    }
+}
+
+/// Run `work` on a new thread; the job applies to `id` while it holds `keep`.
+fn start<T: Send + 'static, K: ?Sized>(
+    id: String,
+    keep: Arc<K>,
+    what: &str,
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<Job<T, K>> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::Builder::new()
+        .name(format!("flashrt-{what}"))
+        .spawn(move || {
+            let _ = tx.send(work());
+        })
+        .map_err(|e| Error::Capsule(format!("start a {what} thread: {e}")))?;
+    Ok(Job {
+        id,
+        keep,
+        started: Instant::now(),
+        rx,
+    })
+}
+
+/// Drop `x` (a copy that just left its tier, and the job that held it too) on a thread of its
+/// own: giving a GiB back to the system unmaps a quarter of a million pages, tens of
+/// milliseconds the store's thread should not spend.
+pub(super) fn free_later<T: Send + 'static>(x: T) {
+    if let Err(e) = std::thread::Builder::new()
+        .name("flashrt-free".into())
+        .spawn(move || drop(x))
+    {
+        // The failed spawn dropped the closure, and `x` with it, on this thread.
+        tracing::warn!("could not start a thread to free a capsule copy: {e}");
     }
 }
 
@@ -112,26 +164,38 @@ pub(super) struct Shape {
 /// Start demoting `capsule` (entry `id`) on a new thread: copy its regions to the host, hash
 /// its KV rows, take as base `decided` (a base settled before) or else the first of `cands`
 /// whose whole rows hash as this capsule's first rows, and keep only the rows past it.
-pub(super) fn spawn(
+pub(super) fn demote(
     id: String,
     capsule: Capsule,
     shape: Shape,
     decided: Option<Option<BaseRef>>,
     cands: Vec<Candidate>,
-) -> Result<Pending> {
-    let (tx, rx) = mpsc::channel();
+) -> Result<Demotion> {
     let saved = capsule.saved().clone();
-    std::thread::Builder::new()
-        .name("flashrt-demote".into())
-        .spawn(move || {
-            let _ = tx.send(run(&capsule, &shape, decided, cands));
+    start(id, saved, "demote", move || {
+        run(&capsule, &shape, decided, cands)
+    })
+}
+
+/// A capsule file written beside its final path, fsynced, not yet renamed into place.
+pub(super) struct Spilled {
+    pub tmp: PathBuf,
+    pub path: PathBuf,
+    pub bytes: u64,
+}
+
+/// Start writing entry `id`'s file from `parts` on a new thread, as a temporary file (a store
+/// opened later deletes it if the job never lands); the store renames it into place when it
+/// applies the job.
+pub(super) fn spill(id: String, parts: FileParts) -> Result<Spill> {
+    let keep = parts.regions.clone();
+    start(id, keep, "spill", move || {
+        let (tmp, bytes) = capsule_file::write_temp(&parts.path, |w| parts.encode(w))?;
+        Ok(Spilled {
+            tmp,
+            path: parts.path,
+            bytes,
         })
-        .map_err(|e| Error::Capsule(format!("start a demotion thread: {e}")))?;
-    Ok(Pending {
-        id,
-        saved,
-        started: Instant::now(),
-        rx,
     })
 }
 

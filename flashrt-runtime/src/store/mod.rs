@@ -49,8 +49,9 @@
 //! # Background demotion
 //!
 //! With [`StoreConfig::background`], a capsule leaving the device tier is copied to the host
-//! and hashed on a thread of its own, and the store applies the result when it is done (at its
-//! next operation, or [`CapsuleStore::poll`]); see [`background`] for the rules.
+//! and hashed on a thread of its own, and a capsule leaving the host tier has its file written
+//! on one; the store applies the results when they are done (at its next operation, or
+//! [`CapsuleStore::poll`]); see [`background`] for the rules.
 //!
 //! # Prefix reuse
 //!
@@ -69,7 +70,7 @@ use crate::capsule_file::{self, BaseRef, FileMeta};
 use crate::error::{Error, Result};
 use crate::host_state::HostSaved;
 use crate::session::{Model, Session};
-use background::{Demoted, Pending, Shape};
+use background::{Demoted, Demotion, Shape, Spill, Spilled};
 use flashrt_ir::BufferId;
 use hash::{KvRegion, all_threads, hash_kv};
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -112,8 +113,9 @@ pub struct StoreConfig {
     pub dir: Option<PathBuf>,
     /// Share KV rows with a base capsule in the host and disk tiers.
     pub share_kv: bool,
-    /// Copy and hash capsules leaving the device tier on a thread of their own (see the module
-    /// docs); off, the operation that evicts them waits for both.
+    /// Copy and hash capsules leaving the device tier, and write the files of capsules leaving
+    /// the host tier, on threads of their own (see the module docs); off, the operation that
+    /// evicts them waits for that work.
     pub background: bool,
 }
 
@@ -135,15 +137,20 @@ impl Default for StoreConfig {
 pub struct StoreStats {
     /// Visible capsules per tier (a capsule in memory and on disk counts in both).
     pub capsules: [usize; 3],
-    /// Bytes held per tier (on the device tier: not counting capsules being demoted).
+    /// Bytes held per tier (not counting capsules on their way down in the background).
     pub bytes: [u64; 3],
-    /// Capsules on their way from the device tier to the host (background demotion), and the
+    /// Capsules on their way from the device tier to the host in the background, and the
     /// device bytes they still hold.
     pub demoting: usize,
     pub demoting_bytes: u64,
-    /// Demotions finished in the background, and the seconds they took (copy and hashing,
-    /// off the store's thread).
+    /// Capsules whose files are being written in the background, and the host bytes they
+    /// still hold.
+    pub spilling: usize,
+    pub spilling_bytes: u64,
+    /// Demotions and spills finished in the background, and the seconds they took (off the
+    /// store's thread).
     pub background_demotions: u64,
+    pub background_spills: u64,
     pub background_seconds: f64,
     pub budgets: [u64; 3],
     /// Prefix lookups that found a capsule, and the tokens they saved.
@@ -220,8 +227,31 @@ type Regions = Vec<(BufferId, Vec<u8>)>;
 /// Host-tier bytes: fixed regions whole, KV regions from the base's position on.
 struct HostCopy {
     meta: CapsuleMeta,
-    regions: Vec<(BufferId, Vec<u8>)>,
+    /// Shared with a background write of its file (a spill), if one runs.
+    regions: Arc<Regions>,
     bytes: u64,
+}
+
+/// Everything a capsule file is written from (on the store's thread or a spill's).
+struct FileParts {
+    path: PathBuf,
+    meta: FileMeta,
+    logits: Option<crate::capsule::LogitsRow>,
+    regions: Arc<Regions>,
+    compiled: Arc<flashrt_ir::Compiled>,
+}
+
+impl FileParts {
+    fn encode(&self, w: &mut std::io::BufWriter<std::fs::File>) -> Result<u64> {
+        let logits = self.logits.as_ref().map(|l| &l.0[..]);
+        capsule_file::encode_to(w, &self.compiled, &self.meta, logits, |b| {
+            self.regions
+                .iter()
+                .find(|(x, _)| *x == b.id)
+                .map(|(_, v)| v.clone())
+                .ok_or_else(|| Error::Capsule(format!("region `{}` missing", b.name)))
+        })
+    }
 }
 
 enum Mem {
@@ -342,8 +372,10 @@ pub struct CapsuleStore {
     clock: u64,
     seq: u64,
     stats: StoreStats,
-    /// Demotions in flight, oldest first.
-    pending: VecDeque<Pending>,
+    /// Background jobs in flight, oldest first: demotions (device -> host), spills (host ->
+    /// disk).
+    demotions: VecDeque<Demotion>,
+    spills: VecDeque<Spill>,
 }
 
 impl std::fmt::Debug for CapsuleStore {
@@ -373,7 +405,8 @@ impl CapsuleStore {
             positions: BTreeSet::new(),
             clock: 0,
             seq: 0,
-            pending: VecDeque::new(),
+            demotions: VecDeque::new(),
+            spills: VecDeque::new(),
         };
         if let Some(dir) = store.cfg.dir.clone() {
             std::fs::create_dir_all(&dir).map_err(|e| Error::Io {
@@ -960,7 +993,12 @@ impl CapsuleStore {
             } else {
                 s.bytes[0] += d;
             }
-            s.bytes[1] += h;
+            if self.is_spilling(e) {
+                s.spilling += 1;
+                s.spilling_bytes += h;
+            } else {
+                s.bytes[1] += h;
+            }
             if let Some(x) = &e.disk {
                 s.bytes[2] += x.bytes;
             }
@@ -1042,7 +1080,7 @@ impl CapsuleStore {
             }
             Some(Mem::Host(h)) => Ok((
                 h.meta.clone(),
-                h.regions.clone(),
+                h.regions.as_ref().clone(),
                 e.base_id().map(str::to_string),
             )),
             None => {
@@ -1230,56 +1268,72 @@ impl CapsuleStore {
 
     /// Replace `id`'s memory copy by host bytes: `regions` (KV from its base's position on),
     /// of `full_bytes` whole.
-    fn keep_on_host(&mut self, id: &str, meta: CapsuleMeta, regions: Regions, full_bytes: u64) {
+    /// Returns the copy it replaces.
+    fn keep_on_host(
+        &mut self,
+        id: &str,
+        meta: CapsuleMeta,
+        regions: Regions,
+        full_bytes: u64,
+    ) -> Option<Mem> {
         let logits = meta.last_logits.as_ref().map_or(0, |l| l.0.len() * 4) as u64;
         let bytes = regions.iter().map(|(_, v)| v.len() as u64).sum::<u64>() + logits;
         self.stats.shared_bytes += full_bytes + logits - bytes;
         let e = self.entries.get_mut(id).expect("present");
-        e.mem = Some(Mem::Host(HostCopy {
+        e.mem.replace(Mem::Host(HostCopy {
             meta,
-            regions,
+            regions: Arc::new(regions),
             bytes,
-        }));
+        }))
     }
 
     /// Write `id`'s file (a delta file if it has a base) unless it has one.
     fn write_disk(&mut self, id: &str) -> Result<()> {
-        let Some(dir) = self.cfg.dir.clone() else {
-            return Err(Error::Unsupported("no store directory".into()));
-        };
         if self.entries.get(id).is_some_and(|e| e.disk.is_some()) {
             return Ok(());
         }
+        let f = self.file_of(id)?;
+        let bytes = capsule_file::write_atomic(&f.path, |w| f.encode(w))?;
+        self.file_written(id, f.path, bytes)
+    }
+
+    /// What `id`'s file holds (deciding its base if it is only on the device).
+    fn file_of(&mut self, id: &str) -> Result<FileParts> {
+        let Some(dir) = self.cfg.dir.clone() else {
+            return Err(Error::Unsupported("no store directory".into()));
+        };
         let (meta, regions) = match &self.entries[id].mem {
             Some(Mem::Host(h)) => (h.meta.clone(), h.regions.clone()),
             _ => {
                 let (meta, full) = self.full_regions(id)?;
                 let base = self.decide_base(id, &full)?;
-                (meta, self.delta_of(full, &base))
+                (meta, Arc::new(self.delta_of(full, &base)))
             }
         };
-        let base = self.entries[id].base.clone().flatten();
+        let e = &self.entries[id];
         let compiled = self.model.compiled().clone();
         let mut fm = FileMeta::of(&meta, &compiled.layout);
-        fm.base = base;
+        fm.base = e.base.clone().flatten();
         fm.id = Some(id.to_string());
-        fm.label = self.entries[id].label.clone();
-        fm.owner = Some(self.entries[id].owner.clone()).filter(|o| !o.is_empty());
-        fm.trusted = self.entries[id].trusted;
-        let path = dir.join(format!("{id}.caps"));
-        let logits = meta.last_logits.as_ref().map(|l| &l.0[..]);
-        let bytes = capsule_file::write_atomic(&path, |w| {
-            capsule_file::encode_to(w, &compiled, &fm, logits, |b| {
-                regions
-                    .iter()
-                    .find(|(x, _)| *x == b.id)
-                    .map(|(_, v)| v.clone())
-                    .ok_or_else(|| Error::Capsule(format!("region `{}` missing", b.name)))
-            })
-        })?;
+        fm.label = e.label.clone();
+        fm.owner = Some(e.owner.clone()).filter(|o| !o.is_empty());
+        fm.trusted = e.trusted;
+        Ok(FileParts {
+            path: dir.join(format!("{id}.caps")),
+            meta: fm,
+            logits: meta.last_logits,
+            regions,
+            compiled,
+        })
+    }
+
+    /// `id`'s file is at `path` (`bytes` long): record it (and its hidden marker).
+    fn file_written(&mut self, id: &str, path: PathBuf, bytes: u64) -> Result<()> {
         let e = self.entries.get_mut(id).expect("present");
         e.disk = Some(DiskCopy { path, bytes });
-        if e.hidden {
+        if e.hidden
+            && let Some(dir) = &self.cfg.dir
+        {
             capsule_file::write_atomic(&dir.join(format!("{id}.hidden")), |_| Ok(0))?;
         }
         Ok(())
@@ -1324,15 +1378,26 @@ impl CapsuleStore {
     }
 
     // -----------------------------------------------------------------------------------------
-    // Background demotion (background.rs)
+    // Background jobs (background.rs)
 
     /// Whether `e`'s device copy is being demoted in the background.
     fn is_demoting(&self, e: &Entry) -> bool {
         match &e.mem {
             Some(Mem::Device(c)) => self
-                .pending
+                .demotions
                 .iter()
                 .any(|p| p.id == e.id && p.is_for(c.saved())),
+            _ => false,
+        }
+    }
+
+    /// Whether `e`'s host copy is being written to disk in the background.
+    fn is_spilling(&self, e: &Entry) -> bool {
+        match &e.mem {
+            Some(Mem::Host(h)) => self
+                .spills
+                .iter()
+                .any(|p| p.id == e.id && p.is_for(&h.regions)),
             _ => false,
         }
     }
@@ -1340,9 +1405,9 @@ impl CapsuleStore {
     /// Start demoting device-tier capsule `id` in the background (after the oldest demotion in
     /// flight, if [`MAX_IN_FLIGHT`] are).
     fn demote_later(&mut self, id: &str) -> Result<()> {
-        while self.pending.len() >= MAX_IN_FLIGHT {
-            let (p, r) = self.pending.pop_front().expect("non-empty").wait();
-            self.finish(p, r)?;
+        while self.demotions.len() >= MAX_IN_FLIGHT {
+            let (p, r) = self.demotions.pop_front().expect("non-empty").wait();
+            self.finish_demotion(p, r)?;
         }
         let Some(Mem::Device(cap)) = &self.entries[id].mem else {
             return Ok(());
@@ -1371,14 +1436,14 @@ impl CapsuleStore {
             state: self.layout().state_buffers().map(|b| b.id).collect(),
             kv: self.kv_regions(),
         };
-        let p = background::spawn(id.to_string(), cap, shape, decided, cands)?;
-        self.pending.push_back(p);
+        let p = background::demote(id.to_string(), cap, shape, decided, cands)?;
+        self.demotions.push_back(p);
         Ok(())
     }
 
     /// Apply a finished demotion job (see background.rs for when the store demotes the
     /// capsule itself instead, and when it drops the result).
-    fn finish(&mut self, p: Pending, r: Result<Demoted>) -> Result<()> {
+    fn finish_demotion(&mut self, p: Demotion, r: Result<Demoted>) -> Result<()> {
         let meta = match self.entries.get(&p.id).and_then(|e| e.mem.as_ref()) {
             Some(Mem::Device(c)) if p.is_for(c.saved()) => c.meta.clone(),
             _ => return Ok(()),
@@ -1417,21 +1482,80 @@ impl CapsuleStore {
         if self.entries[&p.id].base.is_none() {
             self.settle_base(&p.id, d.base, d.own);
         }
-        self.keep_on_host(&p.id, meta, d.regions, d.full_bytes);
+        let old = self.keep_on_host(&p.id, meta, d.regions, d.full_bytes);
         self.stats.background_demotions += 1;
         self.stats.background_seconds += p.started.elapsed().as_secs_f64();
+        background::free_later((old, p));
         Ok(())
     }
 
-    /// Apply the background demotions that have finished, then enforce the budgets again (the
-    /// host tier grew); returns how many were applied. Cheap when none is in flight; every
+    /// Start writing host-tier capsule `id`'s file in the background (after the oldest spill
+    /// in flight, if [`MAX_IN_FLIGHT`] are); its host copy goes when the file is in place.
+    fn spill_later(&mut self, id: &str) -> Result<()> {
+        while self.spills.len() >= MAX_IN_FLIGHT {
+            let (p, r) = self.spills.pop_front().expect("non-empty").wait();
+            self.finish_spill(p, r)?;
+        }
+        let parts = self.file_of(id)?;
+        let p = background::spill(id.to_string(), parts)?;
+        self.spills.push_back(p);
+        Ok(())
+    }
+
+    /// Apply a finished spill: rename its file into place, drop the host copy.
+    fn finish_spill(&mut self, p: Spill, r: Result<Spilled>) -> Result<()> {
+        let current = self.entries.get(&p.id).is_some_and(|e| {
+            e.disk.is_none() && matches!(&e.mem, Some(Mem::Host(h)) if p.is_for(&h.regions))
+        });
+        let f = match r {
+            Ok(f) => f,
+            Err(e) if current => {
+                tracing::warn!(
+                    "writing capsule {}'s file in the background failed ({e}); writing it here",
+                    p.id
+                );
+                self.write_disk(&p.id)?;
+                self.entries.get_mut(&p.id).expect("present").mem = None;
+                return Ok(());
+            }
+            Err(_) => return Ok(()),
+        };
+        if !current {
+            let _ = std::fs::remove_file(&f.tmp);
+            return Ok(());
+        }
+        capsule_file::commit_temp(&f.tmp, &f.path)?;
+        self.file_written(&p.id, f.path, f.bytes)?;
+        let old = self.entries.get_mut(&p.id).expect("present").mem.take();
+        self.stats.background_spills += 1;
+        self.stats.background_seconds += p.started.elapsed().as_secs_f64();
+        background::free_later((old, p));
+        Ok(())
+    }
+
+    /// Apply the background jobs that have finished, then enforce the budgets again (the
+    /// tiers below grew); returns how many were applied. Cheap when none is in flight; every
     /// operation of the store starts with it, and an owner that waits for other work (a
-    /// server's idle worker) calls it while [`CapsuleStore::demoting`].
+    /// server's idle worker) calls it while [`CapsuleStore::busy`].
     pub fn poll(&mut self) -> Result<usize> {
+        // Only jobs started before this call: one a finished demotion starts (a spill of what
+        // it pushed over the host budget) is left for the next.
+        let (mut demotions, mut spills) = (self.demotions.len(), self.spills.len());
         let mut n = 0;
-        while let Some(r) = self.pending.front().and_then(|p| p.try_take()) {
-            let p = self.pending.pop_front().expect("non-empty");
-            self.finish(p, r)?;
+        while demotions > 0
+            && let Some(r) = self.demotions.front().and_then(|p| p.try_take())
+        {
+            let p = self.demotions.pop_front().expect("non-empty");
+            self.finish_demotion(p, r)?;
+            demotions -= 1;
+            n += 1;
+        }
+        while spills > 0
+            && let Some(r) = self.spills.front().and_then(|p| p.try_take())
+        {
+            let p = self.spills.pop_front().expect("non-empty");
+            self.finish_spill(p, r)?;
+            spills -= 1;
             n += 1;
         }
         if n > 0 {
@@ -1440,18 +1564,25 @@ impl CapsuleStore {
         Ok(n)
     }
 
-    /// Wait for every background demotion and apply it.
+    /// Wait for every background job and apply it (and what the budgets then ask for).
     pub fn settle(&mut self) -> Result<()> {
-        while let Some(p) = self.pending.pop_front() {
-            let (p, r) = p.wait();
-            self.finish(p, r)?;
+        while self.busy() {
+            while let Some(p) = self.demotions.pop_front() {
+                let (p, r) = p.wait();
+                self.finish_demotion(p, r)?;
+            }
+            while let Some(p) = self.spills.pop_front() {
+                let (p, r) = p.wait();
+                self.finish_spill(p, r)?;
+            }
+            self.enforce(None)?;
         }
-        self.enforce(None)
+        Ok(())
     }
 
-    /// Whether background demotions are in flight.
-    pub fn demoting(&self) -> bool {
-        !self.pending.is_empty()
+    /// Whether background jobs are in flight.
+    pub fn busy(&self) -> bool {
+        !self.demotions.is_empty() || !self.spills.is_empty()
     }
 
     // -----------------------------------------------------------------------------------------
@@ -1485,13 +1616,19 @@ impl CapsuleStore {
                 }
                 self.stats.evictions[0] += 1;
             } else if s.bytes[1] > self.cfg.budget_host {
-                let Some(v) = self.lru(protect, |e| matches!(e.mem, Some(Mem::Host(_)))) else {
+                let Some(v) = self.lru(protect, |e| {
+                    matches!(e.mem, Some(Mem::Host(_))) && !self.is_spilling(e)
+                }) else {
                     break;
                 };
                 self.stats.evictions[1] += 1;
                 if self.cfg.dir.is_some() {
-                    self.write_disk(&v)?;
-                    self.entries.get_mut(&v).expect("present").mem = None;
+                    if self.cfg.background && self.entries[&v].disk.is_none() {
+                        self.spill_later(&v)?;
+                    } else {
+                        self.write_disk(&v)?;
+                        self.entries.get_mut(&v).expect("present").mem = None;
+                    }
                 } else if !self.drop_leaf(&v, protect) {
                     break;
                 }

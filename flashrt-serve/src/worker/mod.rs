@@ -339,7 +339,7 @@ impl Worker {
         loop {
             self.poll_store();
             let job = if self.sched.is_idle() {
-                if self.store.demoting() {
+                if self.store.busy() {
                     // Wake up to apply the demotion when it is done.
                     match rx.recv_timeout(Duration::from_millis(2)) {
                         Ok(job) => Some(job),
