@@ -18,6 +18,12 @@
 #        new default) and without (=0): issue 13's "stored prefix + 1 / + 32" and exact-repeat
 #        bars; and chat turns through /v1/chat/completions on a stored 2k / 16k conversation
 #        (`--serve-chat tests/fixtures/text`: templating and tokenizing included).
+#   PART=3  (~450 s; the 2026-12-05 session's store work)
+#     5. 4 clients streaming at 16k while a 16k newcomer arrives, the device tier held to 4G so
+#        the run's 1.2 GiB capsules move down the tiers: capsules demoted on threads of their
+#        own (the default) against `--serve-demote-on-worker` (the clients' p99 gap, the
+#        newcomer's TTFT, the worker's time per automatic capsule; issue 15's "16k prompt
+#        arriving while 4 sessions stream" bar).
 #
 # Built here first (git-ignored .gpu/, packed as in run-pending-h200.sh):
 #   cargo build --release --features cuda && strip --strip-debug target/release/flashrt -o .gpu/flashrt
@@ -71,6 +77,14 @@ if [ "${PART:-1}" = 1 ]; then
   for v in 0 1; do
     bench27 "batch-gemv16s-$v" FLASHRT_GEMV16_SMEM=$v -- --lengths 2048 --iters 1 \
       --decode-steps 32 --batch 1,2,4,8
+  done
+elif [ "${PART}" = 3 ]; then
+  for v in background on-worker; do
+    flag=(); [ "$v" = on-worker ] && flag=(--serve-demote-on-worker)
+    bench27 "serve-store-$v" FLASHRT_POOL_KEEP=1 -- --lengths 16384 --iters 1 \
+      --decode-steps 64 --batch 1 --serve --serve-suffixes 1 --serve-runs 3 \
+      --serve-clients 4 --serve-newcomer 16384 --serve-budget-device 4G "${flag[@]}"
+    grep -E 'clients at once|newcomer|capsule store' "$OUT/serve-store-$v.log" | head -6
   done
 else
   for v in 1 0; do

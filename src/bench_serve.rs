@@ -41,6 +41,12 @@ pub struct ServeBenchOptions {
     /// Chat turns through `/v1/chat/completions` with this folder's `tokenizer.json` and chat
     /// template, on a server of their own (`None`: skip).
     pub chat: Option<std::path::PathBuf>,
+    /// Move capsules down the store's tiers on the worker thread (`flashrt serve
+    /// --demote-on-worker`), to measure what background demotion saves the streams.
+    pub demote_on_worker: bool,
+    /// The device tier's byte budget (`flashrt serve --budget-device`; `None`: what the server
+    /// would choose), e.g. small enough that the run's capsules move down the tiers.
+    pub budget_device: Option<u64>,
 }
 
 /// A conversation of about `prefix` tokens stored, then one more turn, through
@@ -109,6 +115,24 @@ pub struct ServeReport {
     pub choices: Option<ChoicesResult>,
     /// Chat turns (`chat` set).
     pub chat: Vec<ChatResult>,
+    /// What the capsule store did meanwhile (the main server's, at its shutdown).
+    pub store: StoreSummary,
+}
+
+/// The capsule store's moves down the tiers during the run.
+#[derive(Serialize)]
+pub struct StoreSummary {
+    /// Demotions ran on a thread of their own (not `--serve-demote-on-worker`).
+    pub background: bool,
+    /// Capsules moved out of the device and host tiers.
+    pub evictions: [u64; 2],
+    /// Of those, moved off the worker thread, and their mean time there.
+    pub background_moves: u64,
+    pub background_mean_ms: f64,
+    /// Automatic capsules stored (the worker's time: snapshot, insertion, and on the worker's
+    /// path whatever demotion that causes): count and mean.
+    pub auto_stores: u64,
+    pub auto_store_mean_ms: f64,
 }
 
 /// One completion with `n` choices against `n` separately seeded single completions.
@@ -207,6 +231,11 @@ pub struct NewcomerResult {
     pub p99_gap_during_ms: f64,
     pub max_gap_during_ms: f64,
     pub gaps_during: usize,
+    /// The clients' gaps after its first token, to their end: what storing its capsule (and
+    /// the demotions that causes) costs them.
+    pub p99_gap_after_ms: f64,
+    pub max_gap_after_ms: f64,
+    pub gaps_after: usize,
 }
 
 /// One streamed completion: the seconds from sending to each token event, and the usage's
@@ -518,9 +547,10 @@ fn newcomer(
     let idle = stream_completion(addr, &one(&fresh(len)))?;
     let idle_ttft = idle.times.first().copied().unwrap_or(0.0) * 1e3;
     // At most 4 clients (issue 15's case), streaming long enough to cover the newcomer's
-    // prefill: a token each per prefill slice of about 40 ms, and some.
+    // prefill (a token each per prefill slice of about 40 ms, and some) and `decode_tokens`
+    // more after it: storing its capsule comes after its first token.
     let prompts = &prompts[..prompts.len().min(4)];
-    let long = opts.decode_tokens.max(2) + (idle_ttft / 40.0) as usize + 16;
+    let long = 2 * opts.decode_tokens.max(2) + (idle_ttft / 40.0) as usize + 16;
     let body = move |p: &[u32]| json!({"prompt": p, "max_tokens": long, "temperature": 0, "ignore_eos": true});
     let clients = {
         let prompts = prompts.to_vec();
@@ -540,6 +570,12 @@ fn newcomer(
         .filter(|(end, _)| *end > sent && *end <= first + Duration::from_millis(1))
         .map(|g| g.1)
         .collect();
+    let after: Vec<f64> = streams
+        .iter()
+        .flat_map(gaps)
+        .filter(|(end, _)| *end > first + Duration::from_millis(1))
+        .map(|g| g.1)
+        .collect();
     let r = NewcomerResult {
         prompt_tokens: len,
         ttft_ms: (first - nc.start).as_secs_f64() * 1e3,
@@ -547,16 +583,22 @@ fn newcomer(
         p99_gap_during_ms: quantile(&during, 0.99),
         max_gap_during_ms: during.iter().copied().fold(0.0, f64::max),
         gaps_during: during.len(),
+        p99_gap_after_ms: quantile(&after, 0.99),
+        max_gap_after_ms: after.iter().copied().fold(0.0, f64::max),
+        gaps_after: after.len(),
     };
     eprintln!(
-        "[bench --serve] a {len}-token prompt while {} clients stream: TTFT {:.1} ms (idle {:.1} ms, {:.2}x); the clients' gaps meanwhile p99 {:.1} ms, max {:.1} ms ({} gaps)",
+        "[bench --serve] a {len}-token prompt while {} clients stream: TTFT {:.1} ms (idle {:.1} ms, {:.2}x); the clients' gaps meanwhile p99 {:.1} ms, max {:.1} ms ({} gaps); after its first token p99 {:.1} ms, max {:.1} ms ({} gaps)",
         prompts.len(),
         r.ttft_ms,
         r.idle_ttft_ms,
         r.ttft_ms / r.idle_ttft_ms.max(1e-9),
         r.p99_gap_during_ms,
         r.max_gap_during_ms,
-        r.gaps_during
+        r.gaps_during,
+        r.p99_gap_after_ms,
+        r.max_gap_after_ms,
+        r.gaps_after
     );
     Ok(r)
 }
@@ -749,11 +791,15 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
         bind: SocketAddr::from(([127, 0, 0, 1], 0)),
         ..flashrt_serve::ServeConfig::default()
     };
+    cfg.store.background = !opts.demote_on_worker;
     // Chunk costs and the device tier as `flashrt serve` finds them.
     let costs = flashrt_serve::calibrate_chunking(model);
     eprintln!("[bench --serve] chunk planner: {costs}");
-    if let Some(plan) = cfg.fit_memory(model, Some(opts.clients.max(4)), None)? {
+    if let Some(plan) = cfg.fit_memory(model, Some(opts.clients.max(4)), opts.budget_device)? {
         eprintln!("[bench --serve] device memory: {plan}");
+    }
+    if let Some(b) = opts.budget_device {
+        cfg.store.budget_device = b;
     }
     let server = flashrt_serve::Server::start(model.clone(), None, cfg)?;
     let addr = server.addr();
@@ -888,6 +934,7 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
         (0, _) | (_, None) => None,
         (n, Some(prompt)) => Some(choices(addr, n, prompt, opts.decode_tokens.max(2))?),
     };
+    let store = store_summary(&server, !opts.demote_on_worker);
     server.shutdown()?;
     let chat = match &opts.chat {
         Some(dir) => chat_turns(model, opts, dir)?,
@@ -899,7 +946,27 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
         concurrent,
         choices,
         chat,
+        store,
     })
+}
+
+fn store_summary(server: &flashrt_serve::Server, background: bool) -> StoreSummary {
+    use std::sync::atomic::Ordering::Relaxed;
+    let m = server.metrics();
+    let moves = m.background_demotions.load(Relaxed) + m.background_spills.load(Relaxed);
+    let (n, sum) = m.auto_store.count_sum();
+    StoreSummary {
+        background,
+        evictions: [m.evictions[0].load(Relaxed), m.evictions[1].load(Relaxed)],
+        background_moves: moves,
+        background_mean_ms: if moves > 0 {
+            m.background_seconds_micros.load(Relaxed) as f64 / 1e3 / moves as f64
+        } else {
+            0.0
+        },
+        auto_stores: n,
+        auto_store_mean_ms: if n > 0 { sum * 1e3 / n as f64 } else { 0.0 },
+    }
 }
 
 /// The report as a table.
@@ -952,12 +1019,14 @@ pub fn render(r: &ServeReport) -> String {
         o += &format!("  {}\n", c.summary());
         if let Some(nc) = &c.newcomer {
             o += &format!(
-                "  a {}-token prompt sent while they stream: TTFT {:.1} ms (idle {:.1} ms); their gaps meanwhile p99 {:.1} ms, max {:.1} ms\n",
+                "  a {}-token prompt sent while they stream: TTFT {:.1} ms (idle {:.1} ms); their gaps meanwhile p99 {:.1} ms, max {:.1} ms; after its first token p99 {:.1} ms, max {:.1} ms\n",
                 nc.prompt_tokens,
                 nc.ttft_ms,
                 nc.idle_ttft_ms,
                 nc.p99_gap_during_ms,
-                nc.max_gap_during_ms
+                nc.max_gap_during_ms,
+                nc.p99_gap_after_ms,
+                nc.max_gap_after_ms
             );
         }
     }
@@ -979,6 +1048,21 @@ pub fn render(r: &ServeReport) -> String {
             server_median(&c.server, "first_token_ms")
         );
     }
+    let st = &r.store;
+    o += &format!(
+        "  capsule store: {} evictions from the device tier, {} from the host; {} of those moves off the worker thread (mean {:.1} ms there){}; {} automatic capsules stored, {:.2} ms of the worker's time each\n",
+        st.evictions[0],
+        st.evictions[1],
+        st.background_moves,
+        st.background_mean_ms,
+        if st.background {
+            ""
+        } else {
+            " (--serve-demote-on-worker)"
+        },
+        st.auto_stores,
+        st.auto_store_mean_ms
+    );
     o
 }
 
@@ -1006,8 +1090,14 @@ mod tests {
             chat: Some(
                 std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/text"),
             ),
+            demote_on_worker: false,
+            // No room on the device tier: every stored capsule moves down, off the worker.
+            budget_device: Some(1),
         };
         let r = run(&model, &opts).unwrap();
+        let st = &r.store;
+        assert!(st.background && st.evictions[0] > 0, "{}", render(&r));
+        assert!(st.background_moves + 1 >= st.evictions[0], "{}", render(&r));
         // Chat turns: each restores the stored conversation and prefills only its new turn.
         let c = &r.chat[0];
         assert_eq!(c.ttft_ms.len(), 2);

@@ -162,6 +162,14 @@ pub struct BenchArgs {
     /// then one more turn: time to first token, templating and tokenizing included (`--serve`)
     #[arg(long, value_name = "DIR")]
     pub serve_chat: Option<PathBuf>,
+    /// The served path's server moves capsules down the store's tiers on its worker thread,
+    /// as `flashrt serve --demote-on-worker` (to measure what the background moves save)
+    #[arg(long)]
+    pub serve_demote_on_worker: bool,
+    /// The served path's device-tier budget (K/M/G suffixes; default: what `flashrt serve`
+    /// chooses), e.g. small enough that its capsules move down the tiers
+    #[arg(long, value_parser = flashrt_serve::cli::parse_bytes, value_name = "BYTES")]
+    pub serve_budget_device: Option<u64>,
     /// Then open N sessions at once, each prefilled to the longest `--lengths`, and report the
     /// device memory each costs next to its state arena (CUDA)
     #[arg(long, value_name = "N")]
@@ -436,6 +444,8 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
             newcomer: a.serve_newcomer,
             choices: a.serve_choices,
             chat: a.serve_chat.clone(),
+            demote_on_worker: a.serve_demote_on_worker,
+            budget_device: a.serve_budget_device,
         };
         let r = crate::bench_serve::run(&loaded.model, &sopts)?;
         print!("\n{}", crate::bench_serve::render(&r));

@@ -76,6 +76,13 @@ impl<B: Buckets> Histogram<B> {
     pub fn count(&self) -> u64 {
         self.count.load(Ordering::Relaxed)
     }
+    /// Observations and their sum in seconds.
+    pub fn count_sum(&self) -> (u64, f64) {
+        (
+            self.count(),
+            self.sum_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+        )
+    }
 
     /// The `_bucket`, `_sum` and `_count` lines, with `labels` (`key="value",...`) on each.
     fn render(&self, o: &mut String, name: &str, labels: &str) {
@@ -140,6 +147,8 @@ pub struct Metrics {
     pub spilling_bytes: AtomicU64,
     pub background_demotions: AtomicU64,
     pub background_spills: AtomicU64,
+    /// Their time on their threads, in microseconds.
+    pub background_seconds_micros: AtomicU64,
     /// Peak of the sum of the three tiers' bytes.
     pub peak_tier_bytes: [AtomicU64; 3],
     pub restore: [Histogram; 3],
@@ -196,6 +205,8 @@ impl Metrics {
             .store(s.spilling_bytes, Ordering::Relaxed);
         self.background_spills
             .store(s.background_spills, Ordering::Relaxed);
+        self.background_seconds_micros
+            .store((s.background_seconds * 1e6) as u64, Ordering::Relaxed);
     }
 
     /// The Prometheus text format.
