@@ -40,7 +40,7 @@
 //! [`StoreStats::spilling_bytes`]: super::StoreStats::spilling_bytes
 
 use super::hash::{KvRegion, all_threads, hash_kv};
-use super::{FileParts, Regions};
+use super::{CapsuleStore, Entry, FileParts, MAX_CHAIN, Mem, Regions};
 use crate::SavedState;
 use crate::capsule::Capsule;
 use crate::capsule_file::{self, BaseRef};
@@ -262,4 +262,212 @@ fn run(
         own,
         cand_hashes,
     })
+}
+
+/// The store's side: starting jobs, applying their results.
+impl CapsuleStore {
+    /// Whether `e`'s device copy is being demoted in the background.
+    pub(super) fn is_demoting(&self, e: &Entry) -> bool {
+        match &e.mem {
+            Some(Mem::Device(c)) => self
+                .demotions
+                .iter()
+                .any(|p| p.id == e.id && p.is_for(c.saved())),
+            _ => false,
+        }
+    }
+
+    /// Whether `e`'s host copy is being written to disk in the background.
+    pub(super) fn is_spilling(&self, e: &Entry) -> bool {
+        match &e.mem {
+            Some(Mem::Host(h)) => self
+                .spills
+                .iter()
+                .any(|p| p.id == e.id && p.is_for(&h.regions)),
+            _ => false,
+        }
+    }
+
+    /// Start demoting device-tier capsule `id` in the background (after the oldest demotion in
+    /// flight, if [`MAX_IN_FLIGHT`] are).
+    pub(super) fn demote_later(&mut self, id: &str) -> Result<()> {
+        while self.demotions.len() >= MAX_IN_FLIGHT {
+            let (p, r) = self.demotions.pop_front().expect("non-empty").wait();
+            self.finish_demotion(p, r)?;
+        }
+        let Some(Mem::Device(cap)) = &self.entries[id].mem else {
+            return Ok(());
+        };
+        let cap = cap.clone();
+        let decided = self.entries[id].base.clone();
+        let mut cands = Vec::new();
+        if decided.is_none() {
+            for (pos, cid) in self.base_candidates(id) {
+                let c = &self.entries[&cid];
+                let (hash, capsule) = match (&c.kv_hash, &c.mem) {
+                    (Some(h), _) => (Some(h.clone()), None),
+                    (None, Some(Mem::Device(cc))) => (None, Some(cc.clone())),
+                    // Only capsules loaded from files lack hashes off the device: read here.
+                    (None, _) => (Some(self.kv_hashes(&cid)?), None),
+                };
+                cands.push(Candidate {
+                    pos,
+                    id: cid,
+                    hash,
+                    capsule,
+                });
+            }
+        }
+        let shape = Shape {
+            state: self.layout().state_buffers().map(|b| b.id).collect(),
+            kv: self.kv_regions(),
+        };
+        let p = demote(id.to_string(), cap, shape, decided, cands)?;
+        self.demotions.push_back(p);
+        Ok(())
+    }
+
+    /// Apply a finished demotion job (see background.rs for when the store demotes the
+    /// capsule itself instead, and when it drops the result).
+    pub(super) fn finish_demotion(&mut self, p: Demotion, r: Result<Demoted>) -> Result<()> {
+        let meta = match self.entries.get(&p.id).and_then(|e| e.mem.as_ref()) {
+            Some(Mem::Device(c)) if p.is_for(c.saved()) => c.meta.clone(),
+            _ => return Ok(()),
+        };
+        let d = match r {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(
+                    "background demotion of capsule {} failed ({e}); demoting it here",
+                    p.id
+                );
+                return self.demote_device(&p.id);
+            }
+        };
+        for (cid, h) in d.cand_hashes {
+            if let Some(c) = self.entries.get_mut(&cid)
+                && c.kv_hash.is_none()
+            {
+                c.kv_hash = Some(h);
+            }
+        }
+        let usable = match (&self.entries[&p.id].base, &d.base) {
+            (Some(decided), chosen) => decided == chosen,
+            (None, None) => true,
+            (None, Some(b)) => {
+                self.entries.get(&b.id).is_some_and(|c| !c.hidden)
+                    && self
+                        .group_sizes()
+                        .get(self.group_root(&b.id).as_str())
+                        .is_none_or(|&n| n < MAX_CHAIN)
+            }
+        };
+        if !usable {
+            return self.demote_device(&p.id);
+        }
+        if self.entries[&p.id].base.is_none() {
+            self.settle_base(&p.id, d.base, d.own);
+        }
+        let old = self.keep_on_host(&p.id, meta, d.regions, d.full_bytes);
+        self.stats.background_demotions += 1;
+        self.stats.background_seconds += p.started.elapsed().as_secs_f64();
+        free_later((old, p));
+        Ok(())
+    }
+
+    /// Start writing host-tier capsule `id`'s file in the background (after the oldest spill
+    /// in flight, if [`MAX_IN_FLIGHT`] are); its host copy goes when the file is in place.
+    pub(super) fn spill_later(&mut self, id: &str) -> Result<()> {
+        while self.spills.len() >= MAX_IN_FLIGHT {
+            let (p, r) = self.spills.pop_front().expect("non-empty").wait();
+            self.finish_spill(p, r)?;
+        }
+        let parts = self.file_of(id)?;
+        let p = spill(id.to_string(), parts)?;
+        self.spills.push_back(p);
+        Ok(())
+    }
+
+    /// Apply a finished spill: rename its file into place, drop the host copy.
+    pub(super) fn finish_spill(&mut self, p: Spill, r: Result<Spilled>) -> Result<()> {
+        let current = self.entries.get(&p.id).is_some_and(|e| {
+            e.disk.is_none() && matches!(&e.mem, Some(Mem::Host(h)) if p.is_for(&h.regions))
+        });
+        let f = match r {
+            Ok(f) => f,
+            Err(e) if current => {
+                tracing::warn!(
+                    "writing capsule {}'s file in the background failed ({e}); writing it here",
+                    p.id
+                );
+                self.write_disk(&p.id)?;
+                self.entries.get_mut(&p.id).expect("present").mem = None;
+                return Ok(());
+            }
+            Err(_) => return Ok(()),
+        };
+        if !current {
+            let _ = std::fs::remove_file(&f.tmp);
+            return Ok(());
+        }
+        capsule_file::commit_temp(&f.tmp, &f.path)?;
+        self.file_written(&p.id, f.path, f.bytes)?;
+        let old = self.entries.get_mut(&p.id).expect("present").mem.take();
+        self.stats.background_spills += 1;
+        self.stats.background_seconds += p.started.elapsed().as_secs_f64();
+        free_later((old, p));
+        Ok(())
+    }
+
+    /// Apply the background jobs that have finished, then enforce the budgets again (the
+    /// tiers below grew); returns how many were applied. Cheap when none is in flight; every
+    /// operation of the store starts with it, and an owner that waits for other work (a
+    /// server's idle worker) calls it while [`CapsuleStore::busy`].
+    pub fn poll(&mut self) -> Result<usize> {
+        // Only jobs started before this call: one a finished demotion starts (a spill of what
+        // it pushed over the host budget) is left for the next.
+        let (mut demotions, mut spills) = (self.demotions.len(), self.spills.len());
+        let mut n = 0;
+        while demotions > 0
+            && let Some(r) = self.demotions.front().and_then(|p| p.try_take())
+        {
+            let p = self.demotions.pop_front().expect("non-empty");
+            self.finish_demotion(p, r)?;
+            demotions -= 1;
+            n += 1;
+        }
+        while spills > 0
+            && let Some(r) = self.spills.front().and_then(|p| p.try_take())
+        {
+            let p = self.spills.pop_front().expect("non-empty");
+            self.finish_spill(p, r)?;
+            spills -= 1;
+            n += 1;
+        }
+        if n > 0 {
+            self.enforce(None)?;
+        }
+        Ok(n)
+    }
+
+    /// Wait for every background job and apply it (and what the budgets then ask for).
+    pub fn settle(&mut self) -> Result<()> {
+        while self.busy() {
+            while let Some(p) = self.demotions.pop_front() {
+                let (p, r) = p.wait();
+                self.finish_demotion(p, r)?;
+            }
+            while let Some(p) = self.spills.pop_front() {
+                let (p, r) = p.wait();
+                self.finish_spill(p, r)?;
+            }
+            self.enforce(None)?;
+        }
+        Ok(())
+    }
+
+    /// Whether background jobs are in flight.
+    pub fn busy(&self) -> bool {
+        !self.demotions.is_empty() || !self.spills.is_empty()
+    }
 }
