@@ -3,7 +3,8 @@
 //! thread (`background: false`) and on threads of its own (`background: true`, what
 //! `flashrt serve` does: then also the `poll`s that apply the finished jobs), and how long
 //! it takes to land: on the host, and with a store directory and no host budget, on disk (its
-//! file written and fsynced in the system's temporary directory).
+//! file written and fsynced in the system's temporary directory); then what opening a store
+//! directory of such files costs.
 //!
 //! The capsules have the 27B shape's KV bytes per token (16 attention layers x 2 x 4 KV heads
 //! x 256 x bf16 = 64 KiB; here 2 KV heads in f32, the CPU backend's state dtype) at 8k and
@@ -230,6 +231,51 @@ fn main() {
                 }),
             );
         }
+    }
+    // Opening a store directory: each file's header, metadata and table (what `open` reads)
+    // against every byte of it verified (what `open` read before 2026-12-05). The files were
+    // just written, so both read from the page cache: a cold disk makes the second slower.
+    let _ = std::fs::remove_dir_all(&tmp);
+    {
+        let cfg = StoreConfig {
+            budget_device: 0,
+            budget_host: 0,
+            budget_disk: 1 << 40,
+            dir: Some(tmp.clone()),
+            share_kv: false,
+            background: false,
+        };
+        let mut store = CapsuleStore::open(m.clone(), cfg.clone()).expect("store");
+        for c in [&a, &b, &x] {
+            store.insert(c.clone(), None).expect("insert");
+        }
+        drop(store);
+        let files: Vec<std::path::PathBuf> = std::fs::read_dir(&tmp)
+            .expect("dir")
+            .map(|e| e.expect("entry").path())
+            .collect();
+        let bytes: u64 = files
+            .iter()
+            .map(|f| std::fs::metadata(f).map_or(0, |m| m.len()))
+            .sum();
+        let t = Instant::now();
+        let store = CapsuleStore::open(m.clone(), cfg).expect("reopen");
+        let open_ms = t.elapsed().as_secs_f64() * 1e3;
+        assert_eq!(store.ids().len(), 3);
+        let t = Instant::now();
+        for f in &files {
+            flashrt::runtime::capsule_file::read_file(f, m.compiled()).expect("read");
+        }
+        let verify_ms = t.elapsed().as_secs_f64() * 1e3;
+        println!(
+            "opening a store of {} capsule files ({:.2} GiB): {open_ms:.2} ms (headers); reading and verifying every byte {verify_ms:.0} ms",
+            files.len(),
+            bytes as f64 / (1u64 << 30) as f64
+        );
+        out.insert(
+            "open".into(),
+            serde_json::json!({"files": files.len(), "bytes": bytes, "open_ms": open_ms, "verify_every_byte_ms": verify_ms}),
+        );
     }
     let _ = std::fs::remove_dir_all(&tmp);
     if let Some(path) = json {

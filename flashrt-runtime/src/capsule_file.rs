@@ -770,21 +770,78 @@ pub fn write_capsule(path: &Path, capsule: &Capsule) -> Result<u64> {
 // ---------------------------------------------------------------------------------------------
 // Reading
 
+/// `read_exact` with a truncation reported as a defect of the file.
+fn read_part<R: Read>(r: &mut R, buf: &mut [u8], what: &str) -> Result<()> {
+    r.read_exact(buf).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => {
+            Error::Capsule(format!("capsule file is truncated inside {what}"))
+        }
+        _ => Error::Io {
+            path: "capsule file".into(),
+            source: e,
+        },
+    })
+}
+
 /// Parse and validate a capsule file of `compiled` from `r`, which holds exactly `len` bytes.
 pub fn decode_from<R: Read>(r: &mut R, len: u64, compiled: &Compiled) -> Result<FileCapsule> {
     let layout = &compiled.layout;
+    let (meta, entries) = decode_head(r, len, compiled)?;
+    let mut regions = Vec::with_capacity(entries.len());
+    let mut logits = None;
+    for e in &entries {
+        let mut bytes = vec![0u8; e.len as usize];
+        read_part(r, &mut bytes, &format!("region `{}`", e.name))?;
+        if xxh64(&bytes, 0) != e.hash {
+            return Err(Error::Capsule(format!(
+                "capsule file checksum mismatch in region `{}`: the data is corrupted",
+                e.name
+            )));
+        }
+        // Intact bytes can still be poison: a NaN or an infinity in any state or logits value
+        // would make every continuation from this capsule meaningless.
+        let dtype = if e.id == LOGITS_ID {
+            DType::F32
+        } else {
+            layout.buffer(BufferId(e.id)).dtype
+        };
+        if let Some(i) = first_non_finite(dtype, &bytes) {
+            return Err(Error::Capsule(format!(
+                "capsule file region `{}` holds a non-finite value (element {i})",
+                e.name
+            )));
+        }
+        if e.id == LOGITS_ID {
+            logits = Some(crate::safetensors::bytes_f32(&bytes));
+        } else {
+            regions.push((BufferId(e.id), bytes));
+        }
+    }
+    let mut probe = [0u8; 1];
+    if matches!(r.read(&mut probe), Ok(n) if n > 0) {
+        return Err(Error::Capsule(
+            "capsule file continues past its declared end".into(),
+        ));
+    }
+    Ok(FileCapsule {
+        meta,
+        regions,
+        logits,
+    })
+}
+
+/// Everything of a capsule file up to its region data, validated: the header (magic, version,
+/// flags, lengths bounded by `compiled`'s layout and adding up to `len`), the header checksum
+/// over header, metadata and table, the identity, the metadata, and every table entry against
+/// the layout. Leaves `r` at the start of the region data.
+fn decode_head<R: Read>(
+    r: &mut R,
+    len: u64,
+    compiled: &Compiled,
+) -> Result<(FileMeta, Vec<Entry>)> {
+    let layout = &compiled.layout;
     let vocab = compiled.ir.vocab;
-    let read = |r: &mut R, buf: &mut [u8], what: &str| -> Result<()> {
-        r.read_exact(buf).map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => {
-                Error::Capsule(format!("capsule file is truncated inside {what}"))
-            }
-            _ => Error::Io {
-                path: "capsule file".into(),
-                source: e,
-            },
-        })
-    };
+    let read = read_part::<R>;
     let mut head = [0u8; HEADER_LEN];
     let have = len.min(HEADER_LEN as u64) as usize;
     read(r, &mut head[..have], "the header")?;
@@ -940,47 +997,7 @@ pub fn decode_from<R: Read>(r: &mut R, len: u64, compiled: &Compiled) -> Result<
             "capsule file declares {data_len} bytes of region data, its regions hold {total}"
         )));
     }
-    let mut regions = Vec::with_capacity(entries.len());
-    let mut logits = None;
-    for e in &entries {
-        let mut bytes = vec![0u8; e.len as usize];
-        read(r, &mut bytes, &format!("region `{}`", e.name))?;
-        if xxh64(&bytes, 0) != e.hash {
-            return Err(Error::Capsule(format!(
-                "capsule file checksum mismatch in region `{}`: the data is corrupted",
-                e.name
-            )));
-        }
-        // Intact bytes can still be poison: a NaN or an infinity in any state or logits value
-        // would make every continuation from this capsule meaningless.
-        let dtype = if e.id == LOGITS_ID {
-            DType::F32
-        } else {
-            layout.buffer(BufferId(e.id)).dtype
-        };
-        if let Some(i) = first_non_finite(dtype, &bytes) {
-            return Err(Error::Capsule(format!(
-                "capsule file region `{}` holds a non-finite value (element {i})",
-                e.name
-            )));
-        }
-        if e.id == LOGITS_ID {
-            logits = Some(crate::safetensors::bytes_f32(&bytes));
-        } else {
-            regions.push((BufferId(e.id), bytes));
-        }
-    }
-    let mut probe = [0u8; 1];
-    if matches!(r.read(&mut probe), Ok(n) if n > 0) {
-        return Err(Error::Capsule(
-            "capsule file continues past its declared end".into(),
-        ));
-    }
-    Ok(FileCapsule {
-        meta,
-        regions,
-        logits,
-    })
+    Ok((meta, entries))
 }
 
 /// The index of the first NaN or infinity among `bytes` read as `dtype` (little-endian).
@@ -1069,6 +1086,26 @@ pub fn read_file(path: &Path, compiled: &Compiled) -> Result<FileCapsule> {
         Error::Capsule(m) => Error::Capsule(format!("{}: {m}", path.display())),
         other => other,
     })
+}
+
+/// The metadata of a capsule file of `compiled`, every part but the region data validated as
+/// [`read_file`] validates it (the region bytes' checksums are checked when they are read):
+/// what a store reads of each file when it opens, so that opening does not read every byte of
+/// a large disk tier.
+pub fn read_file_meta(path: &Path, compiled: &Compiled) -> Result<FileMeta> {
+    let io = |e: std::io::Error| Error::Io {
+        path: path.display().to_string(),
+        source: e,
+    };
+    let f = File::open(path).map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    let mut r = BufReader::with_capacity(64 << 10, f);
+    decode_head(&mut r, len, compiled)
+        .map(|(meta, _)| meta)
+        .map_err(|e| match e {
+            Error::Capsule(m) => Error::Capsule(format!("{}: {m}", path.display())),
+            other => other,
+        })
 }
 
 /// Import a standalone capsule file for `model` (host bytes; any backend restores it).

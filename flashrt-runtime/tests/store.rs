@@ -6,7 +6,9 @@ mod common;
 
 use common::*;
 use flashrt_runtime::store::{MAX_IN_FLIGHT, PrefixScope, valid_id};
-use flashrt_runtime::{CapsuleStore, Model, SamplerState, Session, StoreConfig, Tier};
+use flashrt_runtime::{
+    CapsuleStore, Model, SamplerState, Session, StoreConfig, Tier, capsule_file,
+};
 use std::collections::HashMap;
 
 const BUCKETS: [usize; 2] = [4, 16];
@@ -260,10 +262,10 @@ fn reopening_sets_aside_corrupt_files_and_removes_interrupted_writes() {
         ));
     }
     drop(store);
+    // Damage in the metadata (covered by the header checksum): found when the store opens.
     let victim = dir.join(format!("{}.caps", caps[1].0));
     let mut bytes = std::fs::read(&victim).unwrap();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0x40;
+    bytes[capsule_file::HEADER_LEN + 3] ^= 0x40;
     std::fs::write(&victim, bytes).unwrap();
     std::fs::write(
         dir.join(".0123456789abcdef.caps.77.0.tmp"),
@@ -283,7 +285,8 @@ fn reopening_sets_aside_corrupt_files_and_removes_interrupted_writes() {
     assert!(dir.join(format!("{}.caps.corrupt", caps[1].0)).exists());
     assert!(!dir.join(".0123456789abcdef.caps.77.0.tmp").exists());
     check_restores(&m, &mut store, &[caps[0].clone(), caps[2].clone()]);
-    // A file damaged after opening is refused at load, set aside, and the store goes on.
+    // Damage in region bytes (opening reads headers only) and damage after opening: refused
+    // when the bytes are read, set aside, and the store goes on.
     let path = dir.join(format!("{}.caps", caps[0].0));
     let mut bytes = std::fs::read(&path).unwrap();
     let n = bytes.len();
@@ -294,6 +297,22 @@ fn reopening_sets_aside_corrupt_files_and_removes_interrupted_writes() {
     assert!(!store.contains(&caps[0].0));
     assert!(dir.join(format!("{}.caps.corrupt", caps[0].0)).exists());
     check_restores(&m, &mut store, &[caps[2].clone()]);
+    drop(store);
+    let path = dir.join(format!("{}.caps", caps[2].0));
+    let mut bytes = std::fs::read(&path).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+    let mut store = CapsuleStore::open(m.clone(), cfg(0, 0, 1 << 30, Some(&dir))).unwrap();
+    assert!(
+        store.contains(&caps[2].0),
+        "region bytes are not read at open"
+    );
+    let err = store.restore_into(&caps[2].0, &mut s).unwrap_err();
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+    assert!(!store.contains(&caps[2].0));
+    assert!(dir.join(format!("{}.caps.corrupt", caps[2].0)).exists());
+    assert_eq!(store.stats().corrupt_files, 1);
 }
 
 #[test]

@@ -1331,3 +1331,76 @@ fn fork_n_makes_branches_that_draw_apart() {
     }
     server.shutdown().unwrap();
 }
+
+/// Capsule files damaged on disk while the server was down (opening reads only their headers):
+/// a completion that would have reused one is answered from a cold prefill, with the same
+/// tokens; a client restoring or exporting one by id gets 410 `capsule_lost` without the
+/// server's paths, and the capsule is gone from the store.
+#[test]
+fn a_damaged_capsule_file_is_a_cache_miss_or_a_410_never_a_failure() {
+    let m = lfm2();
+    let v = m.vocab();
+    let dir = temp_dir("damaged");
+    let server = start(&m, config(Some(&dir), None));
+    let c = Client::new(server.addr(), None);
+    let prompt = tokens(31, 40, v);
+    let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0});
+    let first = ids(&c.ok("/v1/completions", &body)["choices"][0]["token_ids"]);
+    let s = c.ok("/v1/sessions", &json!({"tokens": tokens(32, 25, v)}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let cap = c.ok(&format!("/v1/sessions/{s}/snapshot"), &json!({}))["capsule"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    server.shutdown().unwrap();
+    let mut damaged = 0;
+    for e in std::fs::read_dir(&*dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "caps") {
+            let mut b = std::fs::read(&p).unwrap();
+            let at = b.len() - 64;
+            b[at] ^= 0x10;
+            std::fs::write(&p, b).unwrap();
+            damaged += 1;
+        }
+    }
+    assert!(damaged >= 2, "{damaged} files");
+
+    let server = start(&m, config(Some(&dir), None));
+    let c = Client::new(server.addr(), None);
+    assert_eq!(
+        c.ok_get(&format!("/v1/capsules/{cap}"))["tiers"],
+        json!(["disk"])
+    );
+    let again = c.ok("/v1/completions", &body);
+    assert_eq!(ids(&again["choices"][0]["token_ids"]), first);
+    assert_eq!(again["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let dir_name = dir.to_string_lossy().into_owned();
+    let s2 = c.ok("/v1/sessions", &json!({}))["session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = c.post(
+        &format!("/v1/sessions/{s2}/restore"),
+        &json!({"capsule": cap}),
+    );
+    let text = String::from_utf8_lossy(&r.body).into_owned();
+    assert_eq!(r.status, 410, "{text}");
+    assert_eq!(r.json()["error"]["code"], "capsule_lost");
+    assert!(!text.contains(&dir_name), "{text}");
+    assert_eq!(c.get(&format!("/v1/capsules/{cap}")).status, 404);
+    // The session is as it was, and the server goes on serving.
+    assert_eq!(c.ok_get(&format!("/v1/sessions/{s2}"))["pos"], 0);
+    assert_eq!(
+        ids(&c.ok("/v1/completions", &body)["choices"][0]["token_ids"]),
+        first
+    );
+    let metrics = String::from_utf8(c.get("/metrics").body).unwrap();
+    assert!(
+        metrics.contains("flashrt_store_corrupt_files_total 2"),
+        "{metrics}"
+    );
+    server.shutdown().unwrap();
+}

@@ -1,6 +1,7 @@
 //! The disk tier: capsule files written (whole, or as deltas on their base), and a store's
-//! directory loaded at open (every file verified; leftovers of interrupted writes deleted;
-//! corrupt or orphaned files set aside).
+//! directory loaded at open (every file's header, metadata and region table verified, its
+//! region bytes when they are first read; leftovers of interrupted writes deleted; corrupt or
+//! orphaned files set aside).
 
 use super::*;
 
@@ -68,10 +69,12 @@ impl CapsuleStore {
         let compiled = self.model.compiled().clone();
         let mut loaded: Vec<(FileMeta, PathBuf, u64)> = Vec::new();
         for (id, path) in found {
-            match capsule_file::read_file(&path, &compiled) {
-                Ok(f) if f.meta.id.as_deref() == Some(id.as_str()) => {
+            // Header, metadata and region table only: the region bytes' checksums are checked
+            // when they are first read (`own_regions` sets a file that fails aside then).
+            match capsule_file::read_file_meta(&path, &compiled) {
+                Ok(meta) if meta.id.as_deref() == Some(id.as_str()) => {
                     let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-                    loaded.push((f.meta, path, len));
+                    loaded.push((meta, path, len));
                 }
                 Ok(_) => self.set_aside(&path, "corrupt"),
                 // Another model's capsules may share the directory: leave them alone.

@@ -10,8 +10,11 @@
 //!   (below), plus every fixed (recurrent / conv) region and the logits row.
 //! * **disk**: one capsule file per capsule in the store directory
 //!   ([`crate::capsule_file`]), delta files for capsules with a base. Files survive restarts;
-//!   [`CapsuleStore::open`] reloads them (verifying every checksum, deleting leftovers of
-//!   interrupted writes, renaming corrupt files to `*.corrupt`).
+//!   [`CapsuleStore::open`] reloads them (reading and verifying each file's header, metadata
+//!   and region table, deleting leftovers of interrupted writes, renaming corrupt files to
+//!   `*.corrupt`); a file's region bytes are verified when they are first read, and a file
+//!   that fails then is set aside with whatever shares its KV rows. Opening costs kilobytes
+//!   per capsule, not the whole disk tier.
 //!
 //! Each tier has a byte budget. After every insertion or promotion the store evicts the least
 //! recently used capsule of a tier over budget *down* one tier: device -> host -> disk ->

@@ -92,11 +92,10 @@ impl Worker {
                 self.session(&session, t)?;
                 self.check_capsule(&capsule, t)?;
                 let mut s = self.take(&session, t)?;
-                let r = self.store.restore_into(&capsule, &mut s);
+                let r = self.restore_stored(&capsule, &mut s);
                 let pos = s.pos();
                 self.put_back(session.clone(), s, t);
                 let info = r?;
-                self.observe_restore(&info);
                 Ok(Out::Json(json!({
                     "session": session,
                     "capsule": capsule,
@@ -164,11 +163,10 @@ impl Worker {
                     }
                 };
                 let mut s = self.take(&session, t)?;
-                let r = self.store.restore_into(&capsule, &mut s);
+                let r = self.restore_stored(&capsule, &mut s);
                 let pos = s.pos();
                 self.put_back(session.clone(), s, t);
-                let info = r?;
-                self.observe_restore(&info);
+                r?;
                 Ok(Out::Json(
                     json!({"session": session, "capsule": capsule, "pos": pos}),
                 ))
@@ -238,10 +236,13 @@ impl Worker {
             } => {
                 self.check_capsule(&capsule, t)?;
                 crate::files::check_export_target(&path, &name, overwrite)?;
-                let bytes = self
-                    .store
-                    .export(&capsule, &path)
-                    .map_err(|e| crate::files::relative(e, &path, &name))?;
+                let bytes = match self.store.export(&capsule, &path) {
+                    Ok(b) => b,
+                    Err(e) if !self.store.contains(&capsule) => {
+                        return Err(super::lost(&capsule, e));
+                    }
+                    Err(e) => return Err(crate::files::relative(e, &path, &name)),
+                };
                 Ok(Out::Json(json!({
                     "capsule": capsule,
                     "file": name,
@@ -250,7 +251,13 @@ impl Worker {
             }
             Cmd::ExportBytes(capsule) => {
                 self.check_capsule(&capsule, t)?;
-                let cap = self.store.get(&capsule)?;
+                let cap = match self.store.get(&capsule) {
+                    Ok(c) => c,
+                    Err(e) if !self.store.contains(&capsule) => {
+                        return Err(super::lost(&capsule, e));
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 Ok(Out::Bytes(flashrt_runtime::capsule_file::capsule_to_vec(
                     &cap,
                 )?))
@@ -300,8 +307,7 @@ impl Worker {
         let mut reused = 0;
         let mut from = None;
         if let Some(c) = &req.capsule {
-            let info = self.store.restore_into(c, &mut s)?;
-            self.observe_restore(&info);
+            self.restore_stored(c, &mut s)?;
             from = Some(c.clone());
         } else if !req.tokens.is_empty() {
             if req.reuse {

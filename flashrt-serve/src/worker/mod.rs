@@ -72,7 +72,7 @@ impl ApiError {
     pub fn kind(&self) -> &'static str {
         match self.status {
             401 => "authentication_error",
-            404 => "not_found_error",
+            404 | 410 => "not_found_error",
             409 => "conflict_error",
             507 => "insufficient_storage",
             413 => "request_too_large",
@@ -103,6 +103,20 @@ impl From<Error> for ApiError {
 }
 
 type WResult<T> = Result<T, ApiError>;
+
+/// Capsule `id` was found damaged when its stored copy was read (the store set the file aside
+/// and forgot it, `e` says why): 410 `capsule_lost`, the details (with the server's paths) in
+/// the log only.
+fn lost(id: &str, e: Error) -> ApiError {
+    tracing::warn!("capsule {id} could not be read back and was removed: {e}");
+    ApiError::new(
+        410,
+        "capsule_lost",
+        format!(
+            "capsule `{id}` could not be read back: its stored copy is damaged and was removed"
+        ),
+    )
+}
 
 /// What a command answers.
 #[derive(Debug)]
@@ -558,15 +572,40 @@ impl Worker {
         self.metrics.restore[info.tier as usize].observe(info.elapsed);
     }
 
+    /// Restore stored capsule `id` into `s`. A capsule whose stored copy turns out damaged
+    /// when read (the store sets its file aside and forgets it) answers 410 `capsule_lost`,
+    /// the details (with the server's paths) going to the log only.
+    fn restore_stored(
+        &mut self,
+        id: &str,
+        s: &mut Session,
+    ) -> WResult<flashrt_runtime::store::RestoreInfo> {
+        match self.store.restore_into(id, s) {
+            Ok(info) => {
+                self.observe_restore(&info);
+                Ok(info)
+            }
+            Err(e) if !self.store.contains(id) => Err(lost(id, e)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Restore the longest stored prefix of `tokens` among the capsules automatic reuse may
-    /// use for `t` into `s`; returns its length (0: none, and `s` was reset).
+    /// use for `t` into `s`; returns its length (0: none, and `s` was reset). A capsule found
+    /// damaged on the way is skipped (the store forgets it) for the next longest: a cache
+    /// miss, never a failed request.
     fn reuse_prefix(&mut self, s: &mut Session, tokens: &[u32], t: &Tenant) -> WResult<usize> {
         let scope = self.prefix_scope(t);
-        if let Some((id, p)) = self.store.lookup_prefix(tokens, scope) {
-            let info = self.store.restore_into(&id, s)?;
-            self.observe_restore(&info);
-            s.set_pending(None);
-            return Ok(p);
+        while let Some((id, p)) = self.store.lookup_prefix(tokens, scope) {
+            match self.restore_stored(&id, s) {
+                Ok(_) => {
+                    s.set_pending(None);
+                    return Ok(p);
+                }
+                // Gone from the store: the next lookup cannot find it again.
+                Err(e) if e.code == "capsule_lost" => continue,
+                Err(e) => return Err(e),
+            }
         }
         s.reset()?;
         Ok(0)
