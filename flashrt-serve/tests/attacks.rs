@@ -218,7 +218,8 @@ fn non_finite_state_is_refused_at_import_and_at_load() {
     // Every completion still works.
     complete(&c, &tokens(3, 12, m.vocab()), 3);
     server.shutdown().unwrap();
-    // The same bytes dropped into the store directory are set aside at the next start.
+    // The same bytes dropped into the store directory: listed after the next start (opening
+    // reads headers only), refused and set aside when their bytes are read.
     let id = "00000000000000000000000000000abc";
     let planted = forge(&m, &bytes, |meta, regions, _| {
         meta.id = Some(id.into());
@@ -227,7 +228,12 @@ fn non_finite_state_is_refused_at_import_and_at_load() {
     std::fs::write(dir.join(format!("{id}.caps")), &planted).unwrap();
     let server = start_with(&m, config(Some(&dir), None));
     let c = Client::new(server.addr(), None);
+    assert_eq!(c.get(&format!("/v1/capsules/{id}")).status, 200);
+    let r = c.post("/v1/sessions", &json!({"capsule": id}));
+    assert_eq!(r.status, 410, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.code(), "capsule_lost");
     assert_eq!(c.get(&format!("/v1/capsules/{id}")).status, 404);
+    assert!(dir.join(format!("{id}.caps.corrupt")).is_file());
     let metrics = String::from_utf8(c.get("/metrics").body).unwrap();
     assert!(
         metrics.contains("flashrt_store_corrupt_files_total 1"),
@@ -557,12 +563,25 @@ fn a_corrupt_base_file_costs_at_most_one_chain() {
     std::fs::write(&p, b).unwrap();
     let server = start_with(&m, cfg);
     let c = Client::new(server.addr(), None);
+    // Opening reads headers only: the damage shows when a capsule's chain is read (410 for
+    // the capsule that found it; those sharing its rows are gone with it: 404).
+    let mut found = 0;
+    for cap in &caps {
+        let r = c.post("/v1/sessions", &json!({"capsule": cap}));
+        found += (r.status == 410) as usize;
+        assert!(
+            r.status == 200 || r.status == 404 || (r.status == 410 && r.code() == "capsule_lost"),
+            "{cap}: {} {}",
+            r.status,
+            String::from_utf8_lossy(&r.body)
+        );
+    }
     let alive = caps
         .iter()
         .filter(|cap| c.get(&format!("/v1/capsules/{cap}")).status == 200)
         .count();
     let lost = caps.len() - alive;
-    assert!(lost >= 1, "the corrupt file was loaded");
+    assert!(lost >= 1 && found == 1, "the corrupt file was loaded");
     assert!(
         lost <= flashrt_runtime::store::MAX_CHAIN,
         "one corrupt file lost {lost} capsules (chains are at most {})",
