@@ -3,8 +3,9 @@
 //! thread (`background: false`) and on threads of its own (`background: true`, what
 //! `flashrt serve` does: then also the `poll`s that apply the finished jobs), and how long
 //! it takes to land: on the host, and with a store directory and no host budget, on disk (its
-//! file written and fsynced in the system's temporary directory); then what opening a store
-//! directory of such files costs.
+//! file written and fsynced in the system's temporary directory); then a restore from the host
+//! tier (a capsule stored whole, one chained to it), and what opening a store directory of
+//! such files costs.
 //!
 //! The capsules have the 27B shape's KV bytes per token (16 attention layers x 2 x 4 KV heads
 //! x 256 x bf16 = 64 KiB; here 2 KV heads in f32, the CPU backend's state dtype) at 8k and
@@ -231,6 +232,42 @@ fn main() {
                 }),
             );
         }
+    }
+    // Restoring from the host tier: A (stored whole) and B (its rows past A's, chained to it),
+    // into a session, as a completion whose prefix was demoted does.
+    {
+        let cfg = StoreConfig {
+            budget_device: 0,
+            budget_host: 1 << 40,
+            budget_disk: 0,
+            dir: None,
+            share_kv: true,
+            background: false,
+        };
+        let mut store = CapsuleStore::open(m.clone(), cfg).expect("store");
+        let ia = store.insert(a.clone(), None).expect("insert A");
+        let ib = store.insert(b.clone(), None).expect("insert B");
+        assert_eq!(
+            store.info(&ib).expect("B").base.as_deref(),
+            Some(ia.as_str())
+        );
+        let mut s = m.session().expect("session");
+        let mut row = serde_json::Map::new();
+        for (name, id) in [("A (whole)", &ia), ("B (chained to A)", &ib)] {
+            let _ = store.restore_into(id, &mut s).expect("warm-up");
+            let ms: Vec<f64> = (0..runs)
+                .map(|_| {
+                    let t = Instant::now();
+                    let info = store.restore_into(id, &mut s).expect("restore");
+                    assert_eq!(info.tier, flashrt::runtime::Tier::Host);
+                    t.elapsed().as_secs_f64() * 1e3
+                })
+                .collect();
+            let med = median(ms.clone());
+            println!("restore of {name} from the host tier: {med:.1} ms (median of {runs})");
+            row.insert(name.into(), serde_json::json!({"ms_median": med, "ms": ms}));
+        }
+        out.insert("restore_from_host".into(), serde_json::Value::Object(row));
     }
     // Opening a store directory: each file's header, metadata and table (what `open` reads)
     // against every byte of it verified (what `open` read before 2026-12-05). The files were

@@ -16,12 +16,24 @@ use crate::backend::{RegionSet, SavedState};
 use crate::error::{Error, Result};
 use flashrt_ir::{Buffer, BufferId, Layout, Role};
 use std::any::Any;
+use std::borrow::Cow;
+use std::sync::Arc;
 
-/// State regions as host bytes, one vector per region, in layout order.
+/// Region bytes by buffer id.
+type Regions = Vec<(BufferId, Vec<u8>)>;
+
+/// State regions as host bytes, in layout order. The bytes may be shared with their owner, and
+/// a KV region may be the concatenation of several owners' rows: a capsule store's host tier
+/// keeps a capsule whole ([`HostSaved::shared`]) or as the rows past its base's
+/// ([`HostSaved::chained`]), and a restore reads them where they are, copying nothing on the
+/// host ([`host_regions`] hands a backend each region's pieces).
 pub struct HostSaved {
     fingerprint: String,
     pos: usize,
-    regions: Vec<(BufferId, Vec<u8>)>,
+    /// The owners of the bytes.
+    parts: Vec<Arc<Regions>>,
+    /// Per state region, in layout order: `(part, index in the part)` of its pieces, in order.
+    regions: Vec<(BufferId, Vec<(usize, usize)>)>,
     total: usize,
 }
 
@@ -66,18 +78,96 @@ impl HostSaved {
             }
         }
         let mut out = Vec::new();
-        let mut total = 0;
         for b in layout.state_buffers() {
             let bytes = slots[b.id.index()]
                 .take()
                 .ok_or_else(|| Error::Capsule(format!("region `{}` is missing", b.name)))?;
-            total += bytes.len();
             out.push((b.id, bytes));
+        }
+        Ok(HostSaved::whole(layout, pos, Arc::new(out)))
+    }
+
+    /// `regions` (checked: in layout order, each of its used size) as the one part.
+    fn whole(layout: &Layout, pos: usize, regions: Arc<Regions>) -> HostSaved {
+        HostSaved {
+            fingerprint: layout.fingerprint.clone(),
+            pos,
+            total: regions.iter().map(|(_, v)| v.len()).sum(),
+            regions: (0..regions.len())
+                .map(|i| (regions[i].0, vec![(0, i)]))
+                .collect(),
+            parts: vec![regions],
+        }
+    }
+
+    /// Wrap region bytes already in layout order (every state region once, each of exactly
+    /// [`Buffer::used_bytes`]`(pos)` bytes) without copying them; otherwise as
+    /// [`HostSaved::new`], which sorts and checks a copy.
+    pub fn shared(
+        layout: &Layout,
+        pos: usize,
+        regions: Arc<Vec<(BufferId, Vec<u8>)>>,
+    ) -> Result<HostSaved> {
+        let in_order = pos <= layout.max_seq
+            && regions.len() == layout.state_buffers().count()
+            && layout
+                .state_buffers()
+                .zip(regions.iter())
+                .all(|(b, (id, v))| b.id == *id && v.len() == b.used_bytes(pos));
+        if !in_order {
+            return HostSaved::new(layout, pos, regions.as_ref().clone());
+        }
+        Ok(HostSaved::whole(layout, pos, regions))
+    }
+
+    /// A state at `pos` whose KV regions are the rows of `links` one after the other (root
+    /// first: each link holds the rows from where the previous one ends) and whose other
+    /// regions are the last link's; nothing is copied. Every link holds every state region
+    /// in layout order, and the rows add up to each KV region's used bytes at `pos`.
+    pub fn chained(layout: &Layout, pos: usize, links: Vec<Arc<Regions>>) -> Result<HostSaved> {
+        let n = layout.state_buffers().count();
+        if pos > layout.max_seq || links.is_empty() {
+            return Err(Error::Capsule(format!(
+                "a chained saved state needs links and a position within max_seq {} (at {pos})",
+                layout.max_seq
+            )));
+        }
+        let top = links.len() - 1;
+        let mut regions = Vec::with_capacity(n);
+        let mut total = 0;
+        for (i, b) in layout.state_buffers().enumerate() {
+            for (k, l) in links.iter().enumerate() {
+                if l.len() != n || l[i].0 != b.id {
+                    return Err(Error::Capsule(format!(
+                        "link {k} of a chained saved state does not hold region `{}` in layout order",
+                        b.name
+                    )));
+                }
+            }
+            let pieces: Vec<(usize, usize)> = if b.state.is_some_and(|k| k.per_token()) {
+                (0..links.len())
+                    .filter(|&k| !links[k][i].1.is_empty())
+                    .map(|k| (k, i))
+                    .collect()
+            } else {
+                vec![(top, i)]
+            };
+            let len: usize = pieces.iter().map(|&(k, j)| links[k][j].1.len()).sum();
+            if len != b.used_bytes(pos) {
+                return Err(Error::Capsule(format!(
+                    "region `{}` has {len} bytes in its chain, expected {} at position {pos}",
+                    b.name,
+                    b.used_bytes(pos)
+                )));
+            }
+            total += len;
+            regions.push((b.id, pieces));
         }
         Ok(HostSaved {
             fingerprint: layout.fingerprint.clone(),
             pos,
-            regions: out,
+            parts: links,
+            regions,
             total,
         })
     }
@@ -86,7 +176,7 @@ impl HostSaved {
     pub fn from_saved(layout: &Layout, saved: &dyn SavedState) -> Result<HostSaved> {
         let regions = host_regions(layout, saved, RegionSet::All)?
             .into_iter()
-            .map(|(b, bytes)| (b.id, bytes))
+            .map(|(b, pieces)| (b.id, pieces.concat()))
             .collect();
         HostSaved::new(layout, saved.pos(), regions)
     }
@@ -96,17 +186,29 @@ impl HostSaved {
         &self.fingerprint
     }
 
-    /// The bytes of one region, borrowed.
-    pub fn region(&self, id: BufferId) -> Option<&[u8]> {
+    /// The bytes of one region as the pieces they are stored in, in order.
+    pub fn pieces(&self, id: BufferId) -> Option<Vec<&[u8]>> {
         self.regions
             .iter()
             .find(|(r, _)| *r == id)
-            .map(|(_, b)| &b[..])
+            .map(|(_, p)| p.iter().map(|&(k, j)| &self.parts[k][j].1[..]).collect())
+    }
+
+    /// The bytes of one region: borrowed when stored in one piece, else joined.
+    pub fn region(&self, id: BufferId) -> Option<Cow<'_, [u8]>> {
+        let mut p = self.pieces(id)?;
+        Some(if p.len() == 1 {
+            Cow::Borrowed(p.remove(0))
+        } else {
+            Cow::Owned(p.concat())
+        })
     }
 
     /// `(id, bytes)` of every region, in layout order.
-    pub fn regions(&self) -> impl Iterator<Item = (BufferId, &[u8])> {
-        self.regions.iter().map(|(id, b)| (*id, &b[..]))
+    pub fn regions(&self) -> impl Iterator<Item = (BufferId, Cow<'_, [u8]>)> {
+        self.regions
+            .iter()
+            .map(|(id, _)| (*id, self.region(*id).expect("listed")))
     }
 }
 
@@ -122,7 +224,7 @@ impl SavedState for HostSaved {
     }
     fn region_bytes(&self, id: BufferId) -> Result<Vec<u8>> {
         self.region(id)
-            .map(<[u8]>::to_vec)
+            .map(Cow::into_owned)
             .ok_or_else(|| Error::Capsule(format!("region {} is not in this saved state", id.0)))
     }
     fn as_any(&self) -> &dyn Any {
@@ -141,15 +243,19 @@ fn state_buffer(layout: &Layout, id: BufferId) -> Result<&Buffer> {
     }
 }
 
-/// The generic restore path of every backend: the host bytes of each state region in `set`,
-/// read from any [`SavedState`] through [`SavedState::region_bytes`], each checked to hold
-/// exactly the used bytes of its region at `saved.pos()`. A backend copies them into its
-/// state arena (converting nothing: the bytes are in the layout's dtype).
-pub fn host_regions<'a>(
+/// A region's bytes as pieces to copy one after the other.
+pub type Pieces<'s> = Vec<Cow<'s, [u8]>>;
+
+/// The generic restore path of every backend: the host bytes of each state region in `set`
+/// as pieces to copy one after the other (borrowed from a [`HostSaved`], where they are; one
+/// piece read through [`SavedState::region_bytes`] from any other [`SavedState`]), each
+/// region checked to hold exactly its used bytes at `saved.pos()`. A backend copies them into
+/// its state arena (converting nothing: the bytes are in the layout's dtype).
+pub fn host_regions<'a, 's>(
     layout: &'a Layout,
-    saved: &dyn SavedState,
+    saved: &'s dyn SavedState,
     set: RegionSet,
-) -> Result<Vec<(&'a Buffer, Vec<u8>)>> {
+) -> Result<Vec<(&'a Buffer, Pieces<'s>)>> {
     let pos = saved.pos();
     if pos > layout.max_seq {
         return Err(Error::Capsule(format!(
@@ -157,7 +263,8 @@ pub fn host_regions<'a>(
             layout.max_seq
         )));
     }
-    if let Some(h) = saved.as_any().downcast_ref::<HostSaved>()
+    let host = saved.as_any().downcast_ref::<HostSaved>();
+    if let Some(h) = host
         && h.fingerprint != layout.fingerprint
     {
         return Err(Error::Capsule(format!(
@@ -170,12 +277,15 @@ pub fn host_regions<'a>(
         if !set.contains(b.state) {
             continue;
         }
-        let bytes = saved.region_bytes(b.id)?;
-        if bytes.len() != b.used_bytes(pos) {
+        let bytes: Pieces<'s> = match host.and_then(|h| h.pieces(b.id)) {
+            Some(p) => p.into_iter().map(Cow::Borrowed).collect(),
+            None => vec![Cow::Owned(saved.region_bytes(b.id)?)],
+        };
+        let len: usize = bytes.iter().map(|p| p.len()).sum();
+        if len != b.used_bytes(pos) {
             return Err(Error::Capsule(format!(
-                "saved region `{}` has {} bytes, expected {} at position {pos}",
+                "saved region `{}` has {len} bytes, expected {} at position {pos}",
                 b.name,
-                bytes.len(),
                 b.used_bytes(pos)
             )));
         }

@@ -596,3 +596,54 @@ fn a_capsule_deleted_while_its_file_is_written_leaves_no_file() {
     assert_eq!(again.ids(), vec![keep.clone()]);
     check_restores(&m, &mut again, &[(keep, want)]);
 }
+
+/// A saved state assembled from a chain of links without copying (what a restore from the
+/// host tier reads) holds the same bytes as the state joined into one piece, restores the same
+/// session, and a chain whose rows do not add up to the position is refused.
+#[test]
+fn a_chained_host_state_equals_the_joined_one() {
+    use flashrt_runtime::HostSaved;
+    use std::sync::Arc;
+    let m = load("qwen35-public", &BUCKETS);
+    let layout = &m.compiled().layout;
+    let mut s = m.session().unwrap();
+    s.append(&tokens(61, 20, m.vocab())).unwrap();
+    let regions = |s: &Session| -> Vec<(flashrt_runtime::ir::BufferId, Vec<u8>)> {
+        layout
+            .state_buffers()
+            .map(|b| (b.id, s.read_region(b.id).unwrap()))
+            .collect()
+    };
+    let root = regions(&s);
+    s.append(&tokens(62, 9, m.vocab())).unwrap();
+    let whole = regions(&s);
+    // The second link: KV rows past position 20, the fixed regions whole.
+    let delta: Vec<_> = whole
+        .iter()
+        .map(|(id, v)| {
+            let b = layout.buffer(*id);
+            if b.state.is_some_and(|k| k.per_token()) {
+                (*id, v[20 * b.bytes_per_token()..].to_vec())
+            } else {
+                (*id, v.clone())
+            }
+        })
+        .collect();
+    let chained =
+        HostSaved::chained(layout, 29, vec![Arc::new(root.clone()), Arc::new(delta)]).unwrap();
+    let joined = HostSaved::new(layout, 29, whole.clone()).unwrap();
+    for (id, v) in &whole {
+        assert_eq!(chained.region(*id).unwrap().as_ref(), &v[..]);
+        assert_eq!(joined.region(*id).unwrap().as_ref(), &v[..]);
+    }
+    let cap = s.snapshot().unwrap();
+    let meta = cap.meta.clone();
+    let from = flashrt_runtime::Capsule::from_parts(meta, Arc::new(chained), m.compiled().clone())
+        .unwrap();
+    let mut t = m.session().unwrap();
+    t.restore(&from).unwrap();
+    assert_eq!(state_of(&t), state_of(&s));
+    assert_eq!(t.decode_greedy(4).unwrap(), s.decode_greedy(4).unwrap());
+    // The root alone does not reach position 29.
+    assert!(HostSaved::chained(layout, 29, vec![Arc::new(root)]).is_err());
+}

@@ -196,7 +196,7 @@ impl CapsuleStore {
             _ => {
                 let (meta, full) = self.full_regions(id)?;
                 let base = self.decide_base(id, &full)?;
-                (meta, Arc::new(self.delta_of(full, &base)))
+                (meta, Arc::new(self.delta_of(sharing::owned(full), &base)))
             }
         };
         let e = &self.entries[id];

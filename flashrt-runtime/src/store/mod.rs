@@ -660,12 +660,12 @@ impl CapsuleStore {
         let cap = self.materialize(id)?;
         session.restore(&cap)?;
         let elapsed = t0.elapsed();
-        if tier != Tier::Device {
+        // Promoted when it fits the device tier (the snapshot is byte for byte the capsule).
+        if tier != Tier::Device && device_bytes(&cap) <= self.cfg.budget_device {
             let native = session.snapshot()?;
-            if device_bytes(&native) <= self.cfg.budget_device
-                && let Some(e) = self.entries.get_mut(id)
-            {
-                e.mem = Some(Mem::Device(native));
+            if let Some(e) = self.entries.get_mut(id) {
+                // The host copy (a GiB at 16k tokens of the 27B shape) is freed off this thread.
+                background::free_later(e.mem.replace(Mem::Device(native)));
                 self.enforce(Some(id))?;
             }
         }

@@ -18,39 +18,54 @@ impl CapsuleStore {
             .collect()
     }
 
-    /// Full host bytes of every region of `id` (KV rows `[0, pos)`) and its meta.
-    pub(super) fn full_regions(&mut self, id: &str) -> Result<(CapsuleMeta, Regions)> {
-        // Walk the chain down to a capsule held whole, collecting each link's own rows.
-        let mut links: Vec<(CapsuleMeta, Regions)> = Vec::new();
+    /// `id`'s meta and the stored regions of each link of its chain, `id`'s first and the
+    /// capsule held whole last (just `id`'s when it is held whole).
+    pub(super) fn links(&mut self, id: &str) -> Result<(CapsuleMeta, Vec<Arc<Regions>>)> {
+        let mut links = Vec::new();
+        let mut meta = None;
         let mut cur = id.to_string();
         for _ in 0..=self.entries.len() {
-            let (meta, regions, base) = self.own_regions(&cur)?;
-            links.push((meta, regions));
+            let (m, regions, base) = self.own_regions(&cur)?;
+            meta.get_or_insert(m);
+            links.push(regions);
             match base {
                 Some(b) => cur = b,
                 None => break,
             }
         }
-        let (meta, mut regions) = links.remove(0);
-        // `links` now runs from the direct base to the root; prepend their rows root first.
-        for (_, base_regions) in links.into_iter() {
-            for (rid, bytes) in regions.iter_mut() {
-                let b = self.model.compiled().layout.buffer(*rid);
-                if !b.state.is_some_and(|k| k.per_token()) {
-                    continue;
-                }
-                let head = base_regions
-                    .iter()
-                    .find(|(x, _)| x == rid)
-                    .map(|(_, v)| v)
-                    .ok_or_else(|| Error::Capsule(format!("base lacks region `{}`", b.name)))?;
-                let mut full = Vec::with_capacity(head.len() + bytes.len());
-                full.extend_from_slice(head);
-                full.extend_from_slice(bytes);
-                *bytes = full;
-            }
+        Ok((meta.expect("at least one link"), links))
+    }
+
+    /// Full host bytes of every region of `id` (KV rows `[0, pos)`) and its meta. A capsule
+    /// held whole on the host comes back shared, without a copy; a chain is assembled with one
+    /// copy of each byte (every KV region once, root rows first).
+    pub(super) fn full_regions(&mut self, id: &str) -> Result<(CapsuleMeta, Arc<Regions>)> {
+        let (meta, mut links) = self.links(id)?;
+        if links.len() == 1 {
+            return Ok((meta, links.pop().expect("one link")));
         }
-        Ok((meta, regions))
+        // `links` runs from `id` to the root; the fixed regions are `id`'s own.
+        let layout = &self.model.compiled().layout;
+        let mut out = Vec::with_capacity(links[0].len());
+        for (rid, bytes) in links[0].iter() {
+            let b = layout.buffer(*rid);
+            if !b.state.is_some_and(|k| k.per_token()) {
+                out.push((*rid, bytes.clone()));
+                continue;
+            }
+            let parts = links
+                .iter()
+                .rev()
+                .map(|l| {
+                    l.iter()
+                        .find(|(x, _)| x == rid)
+                        .map(|(_, v)| &v[..])
+                        .ok_or_else(|| Error::Capsule(format!("base lacks region `{}`", b.name)))
+                })
+                .collect::<Result<Vec<&[u8]>>>()?;
+            out.push((*rid, parts.concat()));
+        }
+        Ok((meta, Arc::new(out)))
     }
 
     /// One link: the capsule's own stored regions (KV from its base's position, or whole),
@@ -58,7 +73,7 @@ impl CapsuleStore {
     pub(super) fn own_regions(
         &mut self,
         id: &str,
-    ) -> Result<(CapsuleMeta, Regions, Option<String>)> {
+    ) -> Result<(CapsuleMeta, Arc<Regions>, Option<String>)> {
         let e = self
             .entries
             .get(id)
@@ -70,11 +85,11 @@ impl CapsuleStore {
                     .state_buffers()
                     .map(|b| Ok((b.id, c.region_bytes(b.id)?)))
                     .collect::<Result<Vec<_>>>()?;
-                Ok((c.meta.clone(), regions, None))
+                Ok((c.meta.clone(), Arc::new(regions), None))
             }
             Some(Mem::Host(h)) => Ok((
                 h.meta.clone(),
-                h.regions.as_ref().clone(),
+                h.regions.clone(),
                 e.base_id().map(str::to_string),
             )),
             None => {
@@ -105,7 +120,7 @@ impl CapsuleStore {
                 }
                 let base = f.meta.base.as_ref().map(|b| b.id.clone());
                 let meta = f.meta.capsule_meta(f.logits);
-                Ok((meta, f.regions, base))
+                Ok((meta, Arc::new(f.regions), base))
             }
         }
     }
@@ -114,8 +129,14 @@ impl CapsuleStore {
         if let Some(Mem::Device(c)) = &self.entries.get(id).and_then(|e| e.mem.as_ref()) {
             return Ok(c.clone());
         }
-        let (meta, regions) = self.full_regions(id)?;
-        let saved = HostSaved::new(self.layout(), meta.pos, regions)?;
+        // The links' bytes as they are stored: a restore copies each piece into place.
+        let (meta, mut links) = self.links(id)?;
+        let saved = if links.len() == 1 {
+            HostSaved::shared(self.layout(), meta.pos, links.pop().expect("one link"))?
+        } else {
+            links.reverse();
+            HostSaved::chained(self.layout(), meta.pos, links)?
+        };
         Capsule::from_parts(meta, Arc::new(saved), self.model.compiled().clone())
     }
 
@@ -263,7 +284,7 @@ impl CapsuleStore {
         let (meta, full) = self.full_regions(id)?;
         let base = self.decide_base(id, &full)?;
         let full_bytes = full.iter().map(|(_, v)| v.len() as u64).sum();
-        let regions = self.delta_of(full, &base);
+        let regions = self.delta_of(owned(full), &base);
         self.keep_on_host(id, meta, regions, full_bytes);
         Ok(())
     }
@@ -288,4 +309,9 @@ impl CapsuleStore {
             bytes,
         }))
     }
+}
+
+/// The regions of `a`, moved out when nothing else holds them, else copied.
+pub(super) fn owned(a: Arc<Regions>) -> Regions {
+    Arc::try_unwrap(a).unwrap_or_else(|a| a.as_ref().clone())
 }

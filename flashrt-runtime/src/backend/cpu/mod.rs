@@ -907,10 +907,16 @@ impl DeviceSession for CpuSession {
             // Not this backend's own saved state (a capsule file, a store tier): the generic
             // path through host bytes, every region validated before anything is written.
             let m = self.model.clone();
-            for (b, bytes) in crate::host_state::host_regions(&m.compiled.layout, saved, set)? {
+            for (b, pieces) in crate::host_state::host_regions(&m.compiled.layout, saved, set)? {
                 let (l, _) = self.state_loc(b.id)?;
-                let vals = crate::safetensors::bytes_f32(&bytes);
-                self.state[l.off..l.off + vals.len()].copy_from_slice(&vals);
+                let mut at = l.off;
+                for bytes in pieces {
+                    let dst = &mut self.state[at..at + bytes.len() / 4];
+                    for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+                        *d = f32::from_le_bytes(c.try_into().expect("4 bytes"));
+                    }
+                    at += bytes.len() / 4;
+                }
             }
             return Ok(());
         };

@@ -266,19 +266,24 @@ impl CudaSession {
     pub(super) fn restore_host(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
         let regions = crate::host_state::host_regions(&self.model.compiled.layout, saved, set)?;
         self.copy_after_compute("restore")?;
-        for (b, bytes) in &regions {
-            if !bytes.is_empty() {
-                // SAFETY: the destination is the used prefix of a state region (host_regions
-                // checked the length against the layout); `regions` outlives the copy because
-                // the copy stream is synchronised before this function returns.
+        for (b, pieces) in &regions {
+            let mut at = b.offset as u64;
+            for bytes in pieces {
+                if bytes.is_empty() {
+                    continue;
+                }
+                // SAFETY: the pieces fill the used prefix of a state region one after the other
+                // (host_regions checked their total against the layout); `regions` outlives the
+                // copy because the copy stream is synchronised before this function returns.
                 unsafe {
                     cudarc::driver::result::memcpy_htod_async(
-                        self.state_base + b.offset as u64,
+                        self.state_base + at,
                         bytes,
                         self.copy.cu_stream(),
                     )
                 }
                 .map_err(drv(&format!("restore `{}`", b.name)))?;
+                at += bytes.len() as u64;
             }
         }
         self.copy.synchronize().map_err(drv("restore"))
