@@ -207,6 +207,7 @@ fn run(
 ) -> Result<Demoted> {
     // Leave a core to the thread that owns the store: it launches every stream's steps.
     let threads = all_threads().saturating_sub(1).max(1);
+    let t0 = Instant::now();
     let full = shape
         .state
         .iter()
@@ -216,8 +217,10 @@ fn run(
     let prefixes: Vec<usize> = std::iter::once(usize::MAX)
         .chain(cands.iter().map(|c| c.pos))
         .collect();
+    let t1 = Instant::now();
     let mut hashes = hash_kv(&shape.kv, &full, &prefixes, threads).into_iter();
     let own = hashes.next().expect("the whole rows' hashes");
+    let t2 = Instant::now();
     let mut cand_hashes = Vec::new();
     let mut chosen = None;
     if decided.is_none() {
@@ -246,15 +249,27 @@ fn run(
         }
     }
     let base = decided.unwrap_or(chosen);
+    let t3 = Instant::now();
     let full_bytes = full.iter().map(|(_, v)| v.len() as u64).sum();
     let start = base.as_ref().map_or(0, |b| b.pos);
     let regions = full
         .into_iter()
-        .map(|(b, bytes)| match shape.kv.iter().find(|k| k.0 == b) {
-            Some(&(_, per_token)) if start > 0 => (b, bytes[start * per_token..].to_vec()),
-            _ => (b, bytes),
+        .map(|(b, mut bytes)| {
+            if let Some(&(_, per_token)) = shape.kv.iter().find(|k| k.0 == b) {
+                // In place: the rows past the base move down, no second allocation.
+                bytes.drain(..(start * per_token).min(bytes.len()));
+            }
+            (b, bytes)
         })
         .collect();
+    let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+    tracing::debug!(
+        "demotion job: {full_bytes} bytes copied in {:.1} ms, hashed in {:.1} ms, candidates {:.1} ms, delta {:.1} ms",
+        ms(t0, t1),
+        ms(t1, t2),
+        ms(t2, t3),
+        ms(t3, Instant::now())
+    );
     Ok(Demoted {
         base,
         regions,

@@ -240,9 +240,10 @@ pub struct CudaOptions {
     /// capsule-sized buffers all the time (a 16k-token capsule of the 27B shape is 1.2 GiB):
     /// with the default, each snapshot after an eviction maps fresh pages on the worker
     /// thread and each synchronisation after a free unmaps them. [`Backend::memory_available`]
-    /// trims the pool first, so free memory reads as before. Default on; `FLASHRT_POOL_KEEP=0`
-    /// restores the driver's default (not yet measured on the H200: an A/B for the next
-    /// device session, benches/RESULTS.md).
+    /// trims the pool first, so free memory reads as before. Default off (`FLASHRT_POOL_KEEP=1`
+    /// turns it on): on the H200 it changed none of the served path's figures (2k / 16k stored
+    /// prefix + 1 and + 32, exact repeats, streamed decode: benches/RESULTS.md, 2026-12-05),
+    /// so the driver's default stays.
     pub pool_keep: bool,
 }
 
@@ -277,7 +278,7 @@ impl Default for CudaOptions {
             ),
             gemv8m_max_splits: num("FLASHRT_GEMV8M_MAX_SPLITS", 4),
             gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
-            pool_keep: on("FLASHRT_POOL_KEEP"),
+            pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
         }
     }
 }
