@@ -194,7 +194,10 @@ impl SavedState for CudaSaved {
         match &self.storage {
             Storage::Device(src) => {
                 self.bind()?;
-                let mut out = prefaulted(r.bytes);
+                // One thread takes the fresh buffer's first-touch page faults (~0.8 s a GiB on
+                // the H200 host): touching them on 8 threads was 25 % faster but took the
+                // CPU from the HTTP threads (benches/RESULTS.md, 2026-12-05).
+                let mut out = vec![0u8; r.bytes];
                 if r.bytes > 0 {
                     if let Some(ev) = &self.ready {
                         ev.synchronize().map_err(drv("read saved region"))?;
@@ -217,31 +220,6 @@ impl SavedState for CudaSaved {
     fn as_any(&self) -> &dyn Any {
         self
     }
-}
-
-/// `n` zero bytes, the pages touched on several threads: a fresh GiB is a quarter of a million
-/// first-touch page faults, which one thread takes ~0.8 s to serve (H200 host, 2026-12-05:
-/// 1.29 GB read back in 766-826 ms, at the rate of the faults, not of the copy).
-fn prefaulted(n: usize) -> Vec<u8> {
-    const PART: usize = 8 << 20;
-    let mut v: Vec<u8> = Vec::with_capacity(n);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |t| t.get())
-        .clamp(1, 8);
-    let spare = &mut v.spare_capacity_mut()[..n];
-    if threads == 1 || n < 2 * PART {
-        spare.fill(std::mem::MaybeUninit::new(0));
-    } else {
-        let per = n.div_ceil(threads).div_ceil(PART) * PART;
-        std::thread::scope(|scope| {
-            for part in spare.chunks_mut(per) {
-                scope.spawn(move || part.fill(std::mem::MaybeUninit::new(0)));
-            }
-        });
-    }
-    // SAFETY: the first `n` bytes were initialised just above.
-    unsafe { v.set_len(n) };
-    v
 }
 
 /// Bytes of one staging buffer of [`read_staged`].
