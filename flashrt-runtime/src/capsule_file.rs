@@ -1074,18 +1074,9 @@ pub fn decode(bytes: &[u8], compiled: &Compiled) -> Result<FileCapsule> {
 
 /// Read and validate a capsule file (standalone or delta).
 pub fn read_file(path: &Path, compiled: &Compiled) -> Result<FileCapsule> {
-    let io = |e: std::io::Error| Error::Io {
-        path: path.display().to_string(),
-        source: e,
-    };
-    let f = File::open(path).map_err(io)?;
     // No size check up front: the reader bounds every read by the loading model's layout.
-    let len = f.metadata().map_err(io)?.len();
-    let mut r = BufReader::with_capacity(1 << 20, f);
-    decode_from(&mut r, len, compiled).map_err(|e| match e {
-        Error::Capsule(m) => Error::Capsule(format!("{}: {m}", path.display())),
-        other => other,
-    })
+    let (mut r, len) = open_file(path, 1 << 20)?;
+    decode_from(&mut r, len, compiled).map_err(at(path))
 }
 
 /// The metadata of a capsule file of `compiled`, every part but the region data validated as
@@ -1093,19 +1084,29 @@ pub fn read_file(path: &Path, compiled: &Compiled) -> Result<FileCapsule> {
 /// what a store reads of each file when it opens, so that opening does not read every byte of
 /// a large disk tier.
 pub fn read_file_meta(path: &Path, compiled: &Compiled) -> Result<FileMeta> {
+    let (mut r, len) = open_file(path, 64 << 10)?;
+    decode_head(&mut r, len, compiled)
+        .map(|(meta, _)| meta)
+        .map_err(at(path))
+}
+
+/// `path` opened for reading through a buffer of `buf` bytes, and its length.
+fn open_file(path: &Path, buf: usize) -> Result<(BufReader<File>, u64)> {
     let io = |e: std::io::Error| Error::Io {
         path: path.display().to_string(),
         source: e,
     };
     let f = File::open(path).map_err(io)?;
     let len = f.metadata().map_err(io)?.len();
-    let mut r = BufReader::with_capacity(64 << 10, f);
-    decode_head(&mut r, len, compiled)
-        .map(|(meta, _)| meta)
-        .map_err(|e| match e {
-            Error::Capsule(m) => Error::Capsule(format!("{}: {m}", path.display())),
-            other => other,
-        })
+    Ok((BufReader::with_capacity(buf, f), len))
+}
+
+/// A defect of the file at `path`, said with its path.
+fn at(path: &Path) -> impl Fn(Error) -> Error + '_ {
+    move |e| match e {
+        Error::Capsule(m) => Error::Capsule(format!("{}: {m}", path.display())),
+        other => other,
+    }
 }
 
 /// Import a standalone capsule file for `model` (host bytes; any backend restores it).
