@@ -20,13 +20,13 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Region bytes by buffer id.
-type Regions = Vec<(BufferId, Vec<u8>)>;
+pub type Regions = Vec<(BufferId, Vec<u8>)>;
 
 /// State regions as host bytes, in layout order. The bytes may be shared with their owner, and
 /// a KV region may be the concatenation of several owners' rows: a capsule store's host tier
-/// keeps a capsule whole ([`HostSaved::shared`]) or as the rows past its base's
-/// ([`HostSaved::chained`]), and a restore reads them where they are, copying nothing on the
-/// host ([`host_regions`] hands a backend each region's pieces).
+/// keeps a capsule whole or as the rows past its base's, and a restore reads them where they
+/// are ([`HostSaved::chained`]), copying nothing on the host ([`host_regions`] hands a backend
+/// each region's pieces).
 pub struct HostSaved {
     fingerprint: String,
     pos: usize,
@@ -84,45 +84,12 @@ impl HostSaved {
                 .ok_or_else(|| Error::Capsule(format!("region `{}` is missing", b.name)))?;
             out.push((b.id, bytes));
         }
-        Ok(HostSaved::whole(layout, pos, Arc::new(out)))
-    }
-
-    /// `regions` (checked: in layout order, each of its used size) as the one part.
-    fn whole(layout: &Layout, pos: usize, regions: Arc<Regions>) -> HostSaved {
-        HostSaved {
-            fingerprint: layout.fingerprint.clone(),
-            pos,
-            total: regions.iter().map(|(_, v)| v.len()).sum(),
-            regions: (0..regions.len())
-                .map(|i| (regions[i].0, vec![(0, i)]))
-                .collect(),
-            parts: vec![regions],
-        }
-    }
-
-    /// Wrap region bytes already in layout order (every state region once, each of exactly
-    /// [`Buffer::used_bytes`]`(pos)` bytes) without copying them; otherwise as
-    /// [`HostSaved::new`], which sorts and checks a copy.
-    pub fn shared(
-        layout: &Layout,
-        pos: usize,
-        regions: Arc<Vec<(BufferId, Vec<u8>)>>,
-    ) -> Result<HostSaved> {
-        let in_order = pos <= layout.max_seq
-            && regions.len() == layout.state_buffers().count()
-            && layout
-                .state_buffers()
-                .zip(regions.iter())
-                .all(|(b, (id, v))| b.id == *id && v.len() == b.used_bytes(pos));
-        if !in_order {
-            return HostSaved::new(layout, pos, regions.as_ref().clone());
-        }
-        Ok(HostSaved::whole(layout, pos, regions))
+        HostSaved::chained(layout, pos, vec![Arc::new(out)])
     }
 
     /// A state at `pos` whose KV regions are the rows of `links` one after the other (root
-    /// first: each link holds the rows from where the previous one ends) and whose other
-    /// regions are the last link's; nothing is copied. Every link holds every state region
+    /// first: each link holds the rows from where the previous one ends; one link: a state
+    /// held whole) and whose other regions are the last link's; nothing is copied. Every link holds every state region
     /// in layout order, and the rows add up to each KV region's used bytes at `pos`.
     pub fn chained(layout: &Layout, pos: usize, links: Vec<Arc<Regions>>) -> Result<HostSaved> {
         let n = layout.state_buffers().count();

@@ -151,7 +151,7 @@ pub(super) fn free_later<T: Send + 'static>(x: T) {
 }
 
 fn lost() -> Error {
-    Error::Capsule("the demotion thread ended without a result".into())
+    Error::Capsule("a background store job ended without a result".into())
 }
 
 /// What a job needs to know of the layout.
@@ -251,17 +251,7 @@ fn run(
     let base = decided.unwrap_or(chosen);
     let t3 = Instant::now();
     let full_bytes = full.iter().map(|(_, v)| v.len() as u64).sum();
-    let start = base.as_ref().map_or(0, |b| b.pos);
-    let regions = full
-        .into_iter()
-        .map(|(b, mut bytes)| {
-            if let Some(&(_, per_token)) = shape.kv.iter().find(|k| k.0 == b) {
-                // In place: the rows past the base move down, no second allocation.
-                bytes.drain(..(start * per_token).min(bytes.len()));
-            }
-            (b, bytes)
-        })
-        .collect();
+    let regions = super::sharing::delta(&shape.kv, full, &base);
     let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
     tracing::debug!(
         "demotion job: {full_bytes} bytes copied in {:.1} ms, hashed in {:.1} ms, candidates {:.1} ms, delta {:.1} ms",

@@ -30,8 +30,9 @@
 //! stored capsule whose token history is the longest prefix of this one's (earlier in the
 //! order (position, insertion), so chains never loop). If the base's KV rows equal this
 //! capsule's first rows (checked with per-region XXH64 hashes of the base's rows, cached), the
-//! capsule keeps only the rows past the base's position. A restore walks the chain and
-//! concatenates the rows: the result is byte-identical to the capsule as it was snapshotted.
+//! capsule keeps only the rows past the base's position. A restore walks the chain and copies
+//! each link's rows into place one after the other (a chained [`HostSaved`]): the result is
+//! byte-identical to the capsule as it was snapshotted.
 //! A base is pinned while any capsule depends on it; deleting it only hides it until its
 //! dependents are gone.
 //!
@@ -81,7 +82,7 @@ pub use background::MAX_IN_FLIGHT;
 use crate::capsule::{Capsule, CapsuleMeta};
 use crate::capsule_file::{self, BaseRef, FileMeta};
 use crate::error::{Error, Result};
-use crate::host_state::HostSaved;
+use crate::host_state::{HostSaved, Regions};
 use crate::session::{Model, Session};
 use background::{Demotion, Spill};
 use files::FileParts;
@@ -235,9 +236,6 @@ pub struct RestoreInfo {
     pub pos: usize,
 }
 
-/// Region bytes by buffer id.
-type Regions = Vec<(BufferId, Vec<u8>)>;
-
 /// Host-tier bytes: fixed regions whole, KV regions from the base's position on.
 struct HostCopy {
     meta: CapsuleMeta,
@@ -382,7 +380,7 @@ impl std::fmt::Debug for CapsuleStore {
 
 impl CapsuleStore {
     /// A store for `model`. With a directory, its capsule files of this model are loaded
-    /// (each one fully verified), leftovers of interrupted writes are deleted, and corrupt or
+    /// (header, metadata and region table verified; region bytes when first read), leftovers of interrupted writes are deleted, and corrupt or
     /// orphaned files are renamed `*.corrupt` / `*.orphan` and never loaded.
     pub fn open(model: Model, cfg: StoreConfig) -> Result<CapsuleStore> {
         let mut store = CapsuleStore {

@@ -131,12 +131,8 @@ impl CapsuleStore {
         }
         // The links' bytes as they are stored: a restore copies each piece into place.
         let (meta, mut links) = self.links(id)?;
-        let saved = if links.len() == 1 {
-            HostSaved::shared(self.layout(), meta.pos, links.pop().expect("one link"))?
-        } else {
-            links.reverse();
-            HostSaved::chained(self.layout(), meta.pos, links)?
-        };
+        links.reverse();
+        let saved = HostSaved::chained(self.layout(), meta.pos, links)?;
         Capsule::from_parts(meta, Arc::new(saved), self.model.compiled().clone())
     }
 
@@ -259,24 +255,8 @@ impl CapsuleStore {
     }
 
     /// The regions `id` stores given its base: KV rows from the base's position on.
-    pub(super) fn delta_of(
-        &self,
-        full: Vec<(BufferId, Vec<u8>)>,
-        base: &Option<BaseRef>,
-    ) -> Vec<(BufferId, Vec<u8>)> {
-        let start = base.as_ref().map_or(0, |b| b.pos);
-        if start == 0 {
-            return full;
-        }
-        full.into_iter()
-            .map(|(rid, mut bytes)| {
-                let b = self.layout().buffer(rid);
-                if b.state.is_some_and(|k| k.per_token()) {
-                    bytes.drain(..start * b.bytes_per_token());
-                }
-                (rid, bytes)
-            })
-            .collect()
+    pub(super) fn delta_of(&self, full: Regions, base: &Option<BaseRef>) -> Regions {
+        delta(&self.kv_regions(), full, base)
     }
 
     /// Device -> host: the capsule's bytes on the host, KV shared with its base.
@@ -309,6 +289,23 @@ impl CapsuleStore {
             bytes,
         }))
     }
+}
+
+/// The regions `full` (every region whole) keep given their `base`: the KV regions (`kv`) from
+/// the base's position on, cut in place; the others whole.
+pub(super) fn delta(kv: &[KvRegion], full: Regions, base: &Option<BaseRef>) -> Regions {
+    let start = base.as_ref().map_or(0, |b| b.pos);
+    if start == 0 {
+        return full;
+    }
+    full.into_iter()
+        .map(|(rid, mut bytes)| {
+            if let Some(&(_, per_token)) = kv.iter().find(|k| k.0 == rid) {
+                bytes.drain(..(start * per_token).min(bytes.len()));
+            }
+            (rid, bytes)
+        })
+        .collect()
 }
 
 /// The regions of `a`, moved out when nothing else holds them, else copied.
