@@ -424,6 +424,14 @@ impl CapsuleStore {
         Ok(())
     }
 
+    /// [`CapsuleStore::poll`] at the start of an operation: what went wrong applying another
+    /// capsule's job (its own fallback failing) is logged, not made this operation's error.
+    pub(super) fn poll_quietly(&mut self) {
+        if let Err(e) = self.poll() {
+            tracing::warn!("capsule store: applying a background job: {e}");
+        }
+    }
+
     /// Apply the background jobs that have finished, then enforce the budgets again (the
     /// tiers below grew); returns how many were applied. Cheap when none is in flight; every
     /// operation of the store starts with it, and an owner that waits for other work (a

@@ -478,7 +478,7 @@ impl CapsuleStore {
         owner: &str,
         trusted: bool,
     ) -> Result<String> {
-        self.poll()?;
+        self.poll_quietly();
         if capsule.fingerprint() != self.model.fingerprint() {
             return Err(Error::Fingerprint {
                 capsule_model: capsule.meta.model.clone(),
@@ -638,7 +638,7 @@ impl CapsuleStore {
     /// The capsule, materialised from whatever tier holds it (host and disk: reassembled
     /// through its chain of bases, every file checksum verified).
     pub fn get(&mut self, id: &str) -> Result<Capsule> {
-        self.poll()?;
+        self.poll_quietly();
         self.visible(id)?;
         self.touch(id);
         self.materialize(id)
@@ -647,7 +647,7 @@ impl CapsuleStore {
     /// Restore `session` to capsule `id`, then promote the capsule to the device tier
     /// (re-snapshotted from the restored session) if it came from a lower tier.
     pub fn restore_into(&mut self, id: &str, session: &mut Session) -> Result<RestoreInfo> {
-        self.poll()?;
+        self.poll_quietly();
         let t0 = Instant::now();
         let tier = *self
             .visible(id)?
