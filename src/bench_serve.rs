@@ -564,18 +564,18 @@ fn newcomer(
     let streams = clients
         .join()
         .map_err(|_| "the clients' thread panicked".to_string())??;
-    let during: Vec<f64> = streams
-        .iter()
-        .flat_map(gaps)
-        .filter(|(end, _)| *end > sent && *end <= first + Duration::from_millis(1))
-        .map(|g| g.1)
-        .collect();
-    let after: Vec<f64> = streams
-        .iter()
-        .flat_map(gaps)
-        .filter(|(end, _)| *end > first + Duration::from_millis(1))
-        .map(|g| g.1)
-        .collect();
+    // The clients' gaps ending in (from, to]: while the newcomer waits, and after its first.
+    let cut = first + Duration::from_millis(1);
+    let gaps_in = |from: Instant, to: Option<Instant>| -> Vec<f64> {
+        streams
+            .iter()
+            .flat_map(gaps)
+            .filter(|(end, _)| *end > from && to.is_none_or(|t| *end <= t))
+            .map(|g| g.1)
+            .collect()
+    };
+    let during = gaps_in(sent, Some(cut));
+    let after = gaps_in(cut, None);
     let r = NewcomerResult {
         prompt_tokens: len,
         ttft_ms: (first - nc.start).as_secs_f64() * 1e3,
