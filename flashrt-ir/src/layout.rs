@@ -172,6 +172,14 @@ impl Buffer {
             _ => 0,
         }
     }
+    /// Bytes of the first `rows` positions of a per-position (KV) region; 0 for any other
+    /// region (a restore may skip rows a session holds already, never part of a non-KV one).
+    pub fn rows_bytes(&self, rows: usize) -> usize {
+        match self.state {
+            Some(k) if k.per_token() => self.bytes_per_token() * rows.min(self.shape[0]),
+            _ => 0,
+        }
+    }
     /// Bytes of this region a capsule must hold at position `pos`.
     pub fn used_bytes(&self, pos: usize) -> usize {
         match self.state {

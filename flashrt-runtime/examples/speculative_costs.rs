@@ -164,7 +164,9 @@ fn main() {
             std::hint::black_box(d.save(p, RegionSet::NonKv).unwrap());
         });
         let saved = dev.save(p, RegionSet::NonKv).unwrap();
-        let restore = time(dev, reps, |d| d.restore(&*saved, RegionSet::NonKv).unwrap());
+        let restore = time(dev, reps, |d| {
+            d.restore(&*saved, RegionSet::NonKv, 0).unwrap()
+        });
         let floor = Duration::from_secs_f64(backend.copy_seconds(non_kv, reps).unwrap());
         let full = time(dev, reps, |d| {
             std::hint::black_box(d.save(p, RegionSet::All).unwrap());
@@ -215,7 +217,7 @@ fn main() {
                         Phase::Verify { k: a }
                     };
                     time(dev, reps, |d| {
-                        d.restore(&*saved, RegionSet::NonKv).unwrap();
+                        d.restore(&*saved, RegionSet::NonKv, 0).unwrap();
                         d.step(phase, &rows[..=a], p).unwrap();
                     })
                 };

@@ -194,6 +194,25 @@ pub struct Capsule {
     pub meta: CapsuleMeta,
     saved: Arc<dyn SavedState>,
     compiled: Arc<Compiled>,
+    /// Names the KV rows' content ([`Capsule::kv_rows`]).
+    kv: KvRows,
+}
+
+/// What a state's per-position (KV) rows are, as `(id, rows)` pairs: rows `[0, rows)` are
+/// those of every capsule named `id` over the rows it has. Ids are handed out by
+/// [`fresh_kv_id`] to snapshots whose rows are new; all capsules of one id hold prefixes of
+/// one sequence of rows. A capsule's own pair is the last; the pairs before it name the
+/// capsules its rows continue (at most [`MAX_KV_PAIRS`]).
+pub type KvRows = Arc<[(u64, usize)]>;
+
+/// Pairs a [`KvRows`] keeps (the most recent): a session restored to one checkpoint, then
+/// moved on and snapshotted a few times, still knows it holds the checkpoint's rows.
+pub const MAX_KV_PAIRS: usize = 8;
+
+/// A fresh kv id (never 0, never reused within a process).
+pub(crate) fn fresh_kv_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl fmt::Debug for Capsule {
@@ -233,10 +252,37 @@ impl Capsule {
             )));
         }
         Ok(Capsule {
+            kv: Arc::new([(fresh_kv_id(), meta.pos)]),
             meta,
             saved,
             compiled,
         })
+    }
+
+    /// The id of this capsule's per-position (KV) rows ([`KvRows`]): two capsules with the
+    /// same id hold the same bytes in every per-position region over the rows both have. A
+    /// snapshot of a session whose rows all came from a capsule (restored, then nothing
+    /// written below the snapshot's position) keeps that capsule's id; anything else gets a
+    /// fresh one. A session remembers whose rows it holds, so restoring a capsule whose rows
+    /// it holds already copies only the rest (the recurrent, conv and other non-KV regions,
+    /// and the rows past what it holds): a reset to a checkpoint, or the next turn of a
+    /// conversation on the same session, moves megabytes instead of a gigabyte.
+    pub fn kv_id(&self) -> u64 {
+        self.kv.last().map_or(0, |p| p.0)
+    }
+
+    /// This capsule's rows as [`KvRows`] pairs: its own id last, before it the capsules its
+    /// rows continue (a session restored to them and moved on before this snapshot).
+    pub fn kv_rows(&self) -> &KvRows {
+        &self.kv
+    }
+
+    /// The same capsule under other [`KvRows`] (the store keeps an entry's pairs across
+    /// the tiers it moves through; a snapshot names its rows after the session's). The
+    /// caller guarantees the rows are those the pairs name.
+    pub(crate) fn with_kv_rows(mut self, kv: KvRows) -> Capsule {
+        self.kv = kv;
+        self
     }
 
     pub fn meta(&self) -> &CapsuleMeta {
@@ -249,6 +295,7 @@ impl Capsule {
             meta,
             saved: self.saved.clone(),
             compiled: self.compiled.clone(),
+            kv: self.kv.clone(),
         }
     }
     pub fn pos(&self) -> usize {

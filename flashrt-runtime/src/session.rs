@@ -15,7 +15,9 @@
 //! those of one cold prefill of the concatenated tokens, bit for bit.
 
 use crate::backend::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, StepLogits};
-use crate::capsule::{Capsule, CapsuleMeta, Counters, LogitsRow, SamplerState};
+use crate::capsule::{
+    Capsule, CapsuleMeta, Counters, KvRows, LogitsRow, MAX_KV_PAIRS, SamplerState,
+};
 use crate::chunking::{ChunkCosts, CostSource, PlanCost, token_plans};
 use crate::error::{Error, Result};
 use crate::loader;
@@ -412,6 +414,7 @@ impl Model {
             counters: Counters::default(),
             poisoned: false,
             row_states: true,
+            held: HeldRows::default(),
         })
     }
 
@@ -577,6 +580,66 @@ impl From<BufferId> for RegionKey<'_> {
     }
 }
 
+/// Whether restores skip the rows a session holds already (`FLASHRT_RESTORE_REUSE=0` copies
+/// every row, for measuring what the skip saves).
+fn reuse_held_rows() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FLASHRT_RESTORE_REUSE").map_or(true, |v| v != "0"))
+}
+
+/// The per-position (KV) rows a session's state holds, as [`KvRows`] pairs: for each
+/// `(id, rows)`, rows `[0, rows)` are those of the capsules named `id`. Set by a restore to
+/// the capsule's pairs and extended by a snapshot; every step (decode, prefill, verify,
+/// batched) writes rows at or past the position only, and the position goes back only
+/// through a reset or a restore, which set this anew — so the rows stay held while the
+/// session moves on. Behind a lock because [`Session::snapshot`] takes `&self`.
+#[derive(Default)]
+struct HeldRows(std::sync::Mutex<Vec<(u64, usize)>>);
+
+impl HeldRows {
+    fn pairs(&self) -> std::sync::MutexGuard<'_, Vec<(u64, usize)>> {
+        // A panic while holding it leaves a valid list (every update is one assignment).
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    fn forget(&self) {
+        self.pairs().clear();
+    }
+    fn set(&self, kv: &KvRows) {
+        let mut p = self.pairs();
+        p.clear();
+        p.extend_from_slice(kv);
+    }
+    /// Leading rows of `c` the state holds already.
+    fn of(&self, c: &Capsule) -> usize {
+        let held = self.pairs();
+        let mut best = 0;
+        for &(id, rows) in held.iter() {
+            for &(cid, crows) in c.kv_rows().iter() {
+                if id == cid {
+                    best = best.max(rows.min(crows));
+                }
+            }
+        }
+        best.min(c.pos())
+    }
+    /// The pairs of a snapshot at `pos`: the session's, with the snapshot's own last — the
+    /// id of a pair holding all `pos` rows, or a fresh one.
+    fn snapshot_at(&self, pos: usize) -> KvRows {
+        let mut p = self.pairs();
+        let own = match p.iter().rev().find(|&&(_, r)| r == pos) {
+            Some(&(id, _)) => id,
+            None => crate::capsule::fresh_kv_id(),
+        };
+        p.retain(|&(id, _)| id != own);
+        p.push((own, pos));
+        if p.len() > MAX_KV_PAIRS {
+            let extra = p.len() - MAX_KV_PAIRS;
+            p.drain(..extra);
+        }
+        p.as_slice().into()
+    }
+}
+
 /// One stream of tokens through a model, with its own state arenas.
 pub struct Session {
     model: Model,
@@ -595,6 +658,8 @@ pub struct Session {
     /// Speculative rounds roll back through the backend's per-row states where it keeps
     /// them ([`Session::set_row_states`]).
     row_states: bool,
+    /// Whose per-position rows the state holds, and how many ([`Capsule::kv_rows`]).
+    held: HeldRows,
 }
 
 impl fmt::Debug for Session {
@@ -921,6 +986,7 @@ impl Session {
     /// prefill chunk's capture costs about one more step). ~2 steps of every plan.
     pub fn warm_plans(&mut self) -> Result<()> {
         let compiled = self.model.inner.compiled.clone();
+        self.held.forget();
         for phase in token_plans(&compiled) {
             self.dev.reset()?;
             let tokens = vec![0u32; phase.rows()];
@@ -933,6 +999,7 @@ impl Session {
 
     /// Zero the state: position 0, empty history.
     pub fn reset(&mut self) -> Result<()> {
+        self.held.forget();
         self.dev.reset()?;
         self.pos = 0;
         self.tokens.clear();
@@ -966,7 +1033,11 @@ impl Session {
             counters: self.counters,
             last_logits: last,
         };
-        Capsule::from_parts(meta, saved, self.model.compiled().clone())
+        let c = Capsule::from_parts(meta, saved, self.model.compiled().clone())?;
+        // Rows all restored from one capsule (nothing written below `pos` since) are that
+        // capsule's: the snapshot keeps its id, so restoring either into a session holding
+        // the other's rows skips them; the pairs before name the rows it continues.
+        Ok(c.with_kv_rows(self.held.snapshot_at(self.pos)))
     }
 
     fn check_capsule(&self, c: &Capsule) -> Result<()> {
@@ -1018,12 +1089,26 @@ impl Session {
 
     /// Return to the capsule's boundary: afterwards every state byte equals the snapshot's,
     /// and decoding continues exactly as it would have from there.
+    ///
+    /// Per-position rows the session already holds from this capsule's content
+    /// ([`Capsule::kv_id`]: it was restored from or snapshotted into a capsule of the same
+    /// rows, and has written only past them since) are not copied again.
     pub fn restore(&mut self, capsule: &Capsule) -> Result<()> {
         self.check_capsule(capsule)?;
-        if let Err(e) = self.dev.restore(capsule.saved().as_ref(), RegionSet::All) {
+        let held = if reuse_held_rows() {
+            self.held.of(capsule)
+        } else {
+            0
+        };
+        self.held.forget();
+        if let Err(e) = self
+            .dev
+            .restore(capsule.saved().as_ref(), RegionSet::All, held)
+        {
             self.poisoned = true;
             return Err(e);
         }
+        self.held.set(capsule.kv_rows());
         self.poisoned = false;
         self.adopt_meta(capsule);
         Ok(())
@@ -1044,14 +1129,23 @@ impl Session {
         self.restore(capsule)
     }
 
+    /// Leading per-position (KV) rows of `capsule` this session holds already, which a
+    /// [`Session::restore`] of it does not copy ([`Capsule::kv_id`]): all of them right after
+    /// restoring or snapshotting it, the rows below the session's position once it moved on,
+    /// none after a reset or another capsule's restore.
+    pub fn rows_held(&self, capsule: &Capsule) -> usize {
+        self.held.of(capsule)
+    }
+
     /// **Experiment API** (the KV-only ablation): restore only the attention K/V regions and
     /// the position/history, leaving conv and recurrent state as they are. The session is then
     /// deliberately inconsistent; this exists to show that recurrent state is load-bearing.
     pub fn restore_kv_only(&mut self, capsule: &Capsule) -> Result<()> {
         self.check_capsule(capsule)?;
         self.check_usable()?;
+        self.held.forget();
         self.dev
-            .restore(capsule.saved().as_ref(), RegionSet::KvOnly)?;
+            .restore(capsule.saved().as_ref(), RegionSet::KvOnly, 0)?;
         self.adopt_meta(capsule);
         Ok(())
     }

@@ -563,7 +563,7 @@ fn round(
         Ok(d) => d,
         Err(e) => {
             // Undo what the drafter did to `mtp.hidden`; its K/V rows from `pos - 1` on are dead.
-            if dev.restore(&*saved, saved_set).is_err() {
+            if dev.restore(&*saved, saved_set, 0).is_err() {
                 s.spec_poison();
             }
             return Err(e);
@@ -610,7 +610,7 @@ fn round(
         row(&logits, a)
     } else if a < kk {
         // Rejected tail: back to the boundary's non-KV state, then replay the committed rows.
-        let replayed = dev.restore(&*saved, RegionSet::NonKv).and_then(|()| {
+        let replayed = dev.restore(&*saved, RegionSet::NonKv, 0).and_then(|()| {
             dev.step_read(
                 target_phase(compiled, a + 1),
                 &fed[..=a],

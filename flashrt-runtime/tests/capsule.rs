@@ -592,3 +592,88 @@ fn a_warmed_session_is_a_fresh_session() {
         assert_eq!(state_of(&warmed), state_of(&fresh), "{name}");
     }
 }
+
+/// A restore skips the KV rows the session holds already ([`Session::rows_held`]): over a
+/// seeded walk of appends, decodes, batched steps, snapshots, resets and restores, every
+/// restore leaves exactly the bytes a fresh session restored from the same capsule holds
+/// (which copies every row), and the rows skipped are those the walk says are held.
+#[test]
+fn restores_skip_only_rows_the_session_holds() {
+    for (name, m) in models() {
+        let v = m.vocab();
+        let mut s = m.session().unwrap();
+        let mut other = m.session().unwrap();
+        other.append(&tokens(90, 5, v)).unwrap();
+        // A checkpoint, a step past it and a snapshot there, back to the checkpoint: the
+        // session still holds the checkpoint's rows (a reset loop; a server's stored prefix
+        // with a new suffix each time).
+        s.append(&tokens(91, 23, v)).unwrap();
+        let cp = s.snapshot().unwrap();
+        s.append(&tokens(92, 3, v)).unwrap();
+        let later = s.snapshot().unwrap();
+        assert_eq!((s.rows_held(&cp), s.rows_held(&later)), (23, 26), "{name}");
+        s.restore(&cp).unwrap();
+        assert_eq!((s.rows_held(&cp), s.rows_held(&later)), (23, 23), "{name}");
+        assert_eq!(state_of(&s), state_of(&m.fork(&cp).unwrap()), "{name}");
+        s.reset().unwrap();
+        let mut caps: Vec<flashrt_runtime::Capsule> = Vec::new();
+        let mut rng = 0x9e37_79b9_u64;
+        let mut next = |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        let mut skipped = 0usize;
+        for step in 0..60 {
+            let room = 200usize.saturating_sub(s.pos());
+            match next(7) {
+                0 | 1 if room > 20 => {
+                    let n = 1 + next(19) as usize;
+                    s.append(&tokens(1000 + step, n, v)).unwrap();
+                }
+                2 if room > 4 && s.pos() > 0 => {
+                    s.decode_greedy(1 + next(3) as usize).unwrap();
+                }
+                3 if room > 2 && s.pos() > 0 && other.pos() < 190 => {
+                    let t = [
+                        flashrt_runtime::argmax(s.last_logits()).unwrap(),
+                        flashrt_runtime::argmax(other.last_logits()).unwrap(),
+                    ];
+                    m.step_batch(&mut [&mut s, &mut other], &t).unwrap();
+                }
+                4 => {
+                    let c = s.snapshot().unwrap();
+                    assert_eq!(
+                        s.rows_held(&c),
+                        c.pos(),
+                        "{name}: a snapshot's rows are held"
+                    );
+                    caps.push(c);
+                }
+                5 if next(3) == 0 => {
+                    s.reset().unwrap();
+                    assert!(caps.iter().all(|c| s.rows_held(c) == 0), "{name}: reset");
+                }
+                _ if !caps.is_empty() => {
+                    let c = caps[next(caps.len() as u64) as usize].clone();
+                    let held = s.rows_held(&c);
+                    assert!(held <= c.pos().min(s.pos()), "{name}: step {step}");
+                    skipped += held;
+                    s.restore(&c).unwrap();
+                    let fresh = m.fork(&c).unwrap();
+                    assert_eq!(
+                        state_of(&s),
+                        state_of(&fresh),
+                        "{name}: step {step}: restore skipping {held} held rows"
+                    );
+                    assert_eq!(s.rows_held(&c), c.pos());
+                    // Another session's rows are never taken for this one's.
+                    assert_eq!(other.rows_held(&c), 0);
+                }
+                _ => {}
+            }
+        }
+        assert!(skipped > 0, "{name}: the walk never restored held rows");
+    }
+}

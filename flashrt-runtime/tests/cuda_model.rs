@@ -629,7 +629,10 @@ fn capsules_on_gpu() {
     assert_state_equals(&s, &cap, "right after snapshot");
     let (t1, l1) = greedy(&mut s, 12);
 
-    // Restore into the dirty session: byte-exact state, identical continuation.
+    // Restore into the dirty session: byte-exact state, identical continuation. It holds
+    // the capsule's 41 KV rows still (it only wrote past them), so the restore copies the
+    // rest (`Session::rows_held`); a fresh session's fork below copies them all.
+    assert_eq!(s.rows_held(&cap), 41);
     s.restore(&cap).unwrap();
     assert_state_equals(&s, &cap, "after restore");
     let (t2, l2) = greedy(&mut s, 12);

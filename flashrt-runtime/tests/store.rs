@@ -647,3 +647,29 @@ fn a_chained_host_state_equals_the_joined_one() {
     // The root alone does not reach position 29.
     assert!(HostSaved::chained(layout, 29, vec![Arc::new(root)]).is_err());
 }
+
+/// A capsule keeps what names its KV rows on whatever tier holds it (`Capsule::kv_rows`): a
+/// session that restored it from the host tier and moved on still holds its rows, and those
+/// of the capsule before it in the conversation, when it comes back; a fresh session holds
+/// none. Restores skipping the held rows stay byte-exact.
+#[test]
+fn stored_capsules_keep_their_rows_names_across_tiers() {
+    let m = load("qwen35-public", &BUCKETS);
+    let mut store = CapsuleStore::open(m.clone(), cfg(0, 1 << 30, 0, None)).unwrap();
+    let caps = conversation(&m, &mut store, &[20, 9], 60);
+    let mut s = m.session().unwrap();
+    store.restore_into(&caps[1].0, &mut s).unwrap();
+    s.append(&tokens(70, 5, m.vocab())).unwrap();
+    let (c0, c1) = (
+        store.get(&caps[0].0).unwrap(),
+        store.get(&caps[1].0).unwrap(),
+    );
+    assert_eq!(store.info(&caps[1].0).unwrap().tiers, vec![Tier::Host]);
+    assert_eq!((s.rows_held(&c0), s.rows_held(&c1)), (20, 29));
+    assert_eq!(m.session().unwrap().rows_held(&c1), 0);
+    for (id, want) in [&caps[1], &caps[0], &caps[1]] {
+        store.restore_into(id, &mut s).unwrap();
+        assert_eq!(&state_of(&s), want, "capsule {id}");
+        s.append(&tokens(71, 3, m.vocab())).unwrap();
+    }
+}

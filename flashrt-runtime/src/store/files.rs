@@ -106,6 +106,7 @@ impl CapsuleStore {
                     last_used: 0,
                     hidden: hidden.contains(&id),
                     kv_hash: None,
+                    kv: std::sync::Arc::new([(crate::capsule::fresh_kv_id(), meta.pos)]),
                 },
             );
         }

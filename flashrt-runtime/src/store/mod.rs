@@ -277,6 +277,9 @@ struct Entry {
     hidden: bool,
     /// XXH64 of each KV region's rows `[0, pos)`, in layout order (once known).
     kv_hash: Option<Vec<u64>>,
+    /// The inserted capsule's [`Capsule::kv_rows`], kept on whatever tier holds it, so a
+    /// session holding its rows skips them on restore.
+    kv: crate::capsule::KvRows,
 }
 
 impl Entry {
@@ -502,6 +505,7 @@ impl CapsuleStore {
             label,
             base: None,
             pins: 0,
+            kv: capsule.kv_rows().clone(),
             mem: Some(Mem::Device(capsule)),
             disk: None,
             last_used: 0,

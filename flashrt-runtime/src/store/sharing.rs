@@ -133,7 +133,8 @@ impl CapsuleStore {
         let (meta, mut links) = self.links(id)?;
         links.reverse();
         let saved = HostSaved::chained(self.layout(), meta.pos, links)?;
-        Capsule::from_parts(meta, Arc::new(saved), self.model.compiled().clone())
+        let c = Capsule::from_parts(meta, Arc::new(saved), self.model.compiled().clone())?;
+        Ok(c.with_kv_rows(self.entries[id].kv.clone()))
     }
 
     /// KV hashes (rows `[0, pos)`) of `id`, computed and cached on first use.

@@ -279,11 +279,15 @@ async fn method_not_allowed() -> Response {
 
 /// Read the body (bounded) and parse it as JSON; an empty body is `{}`.
 async fn parse<T: DeserializeOwned>(st: &AppState, body: Body) -> Result<T, ApiError> {
-    let bytes = read_body(st, body).await?;
+    parse_bytes(&read_body(st, body).await?)
+}
+
+/// A JSON body (an empty one reads as `{}`), with the API's answers for what it is not.
+fn parse_bytes<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
         b"{}"
     } else {
-        &bytes
+        bytes
     };
     serde_json::from_slice(text).map_err(|e| {
         let m = e.to_string();

@@ -449,6 +449,20 @@ fn completion_req(st: &AppState, b: &CompletionBody, chat: bool) -> Result<GenRe
 /// Most choices one completion request may ask for (`n`).
 pub const MAX_CHOICES: usize = 16;
 
+/// `/v1/completions`' body; a prompt of token ids through the fast path
+/// ([`super::prompt::split_ids`]), anything else (and any body the fast path's rest does not
+/// parse) through serde whole, so answers and errors are serde's.
+async fn completion_body(st: &AppState, body: Body) -> Result<CompletionBody, ApiError> {
+    let bytes = read_body(st, body).await?;
+    if let Some((ids, rest)) = super::prompt::split_ids(&bytes)
+        && let Ok(mut b) = serde_json::from_slice::<CompletionBody>(&rest)
+    {
+        b.prompt = Some(Prompt::Ids(ids));
+        return Ok(b);
+    }
+    parse_bytes(&bytes)
+}
+
 pub(super) async fn completions(State(st): St, body: Body) -> Response {
     openai(st, body, false).await
 }
@@ -460,7 +474,11 @@ pub(super) async fn chat_completions(State(st): St, body: Body) -> Response {
 pub(super) async fn openai(st: Arc<AppState>, body: Body, chat: bool) -> Response {
     let t0 = std::time::Instant::now();
     let r = async {
-        let b: CompletionBody = parse(&st, body).await?;
+        let b = if chat {
+            parse(&st, body).await?
+        } else {
+            completion_body(&st, body).await?
+        };
         // Each endpoint's own parameters only.
         let misplaced = if chat {
             [

@@ -181,6 +181,140 @@ fn read_items<'de, A: SeqAccess<'de>>(mut seq: A) -> Result<Items, A::Error> {
     Ok((ids, prompts, invalid))
 }
 
+/// The fast path of a completion body whose top-level `prompt` is an array of plain integers
+/// (what a client sending token ids writes): the ids, read by a scanner that only has to
+/// recognise digits, commas and whitespace, and the body with that array replaced by `null`
+/// for serde to read the rest. A 16k-id prompt takes ~24 ns an id through the serde visitor
+/// above on a build machine's core (0.4 ms, on every stored-prefix request's time to first
+/// token) and a few here. `None` (anything else: text, a batch, a number serde would refuse or
+/// report, no `prompt` key) leaves the body to serde whole, so errors read as before.
+pub(super) fn split_ids(body: &[u8]) -> Option<(Vec<u32>, Vec<u8>)> {
+    let mut i = ws(body, 0);
+    if body.get(i) != Some(&b'{') {
+        return None;
+    }
+    i += 1;
+    loop {
+        i = ws(body, i);
+        if body.get(i) != Some(&b'"') {
+            return None;
+        }
+        let key_end = string_end(body, i)?;
+        let key = &body[i + 1..key_end - 1];
+        i = ws(body, key_end);
+        if body.get(i) != Some(&b':') {
+            return None;
+        }
+        i = ws(body, i + 1);
+        if key == b"prompt" {
+            let (ids, end) = id_array(body, i)?;
+            let mut rest = Vec::with_capacity(body.len() - (end - i) + 4);
+            rest.extend_from_slice(&body[..i]);
+            rest.extend_from_slice(b"null");
+            rest.extend_from_slice(&body[end..]);
+            return Some((ids, rest));
+        }
+        i = ws(body, value_end(body, i)?);
+        match body.get(i) {
+            Some(b',') => i += 1,
+            _ => return None,
+        }
+    }
+}
+
+fn ws(b: &[u8], mut i: usize) -> usize {
+    while matches!(b.get(i), Some(b' ' | b'\n' | b'\r' | b'\t')) {
+        i += 1;
+    }
+    i
+}
+
+/// Past the closing quote of the string opening at `i`.
+fn string_end(b: &[u8], i: usize) -> Option<usize> {
+    let mut j = i + 1;
+    loop {
+        match b.get(j)? {
+            b'"' => return Some(j + 1),
+            b'\\' => j += 2,
+            _ => j += 1,
+        }
+    }
+}
+
+/// Past the value starting at `i` (validated later by serde: this only has to find its end).
+fn value_end(b: &[u8], i: usize) -> Option<usize> {
+    match b.get(i)? {
+        b'"' => string_end(b, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            loop {
+                match b.get(j)? {
+                    b'"' => {
+                        j = string_end(b, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        _ => {
+            let mut j = i;
+            while !matches!(
+                b.get(j),
+                None | Some(b',' | b'}' | b']' | b' ' | b'\n' | b'\r' | b'\t')
+            ) {
+                j += 1;
+            }
+            Some(j)
+        }
+    }
+}
+
+/// The array of plain JSON integers in `0..2^32` at `i`, and the index past its `]`.
+fn id_array(b: &[u8], i: usize) -> Option<(Vec<u32>, usize)> {
+    if b.get(i) != Some(&b'[') {
+        return None;
+    }
+    // An id and its comma take at least 2 bytes.
+    let mut ids = Vec::with_capacity(b.len().saturating_sub(i) / 7);
+    let mut j = ws(b, i + 1);
+    if b.get(j) == Some(&b']') {
+        return Some((ids, j + 1));
+    }
+    loop {
+        let start = j;
+        let mut v = 0u64;
+        while let Some(&c) = b.get(j).filter(|c| c.is_ascii_digit()) {
+            v = v * 10 + u64::from(c - b'0');
+            j += 1;
+            // Past 10 digits it is not an id (serde reports it).
+            if j - start > 10 {
+                return None;
+            }
+        }
+        // No digits, or a leading zero (not JSON): serde's to report.
+        if j == start || (b[start] == b'0' && j - start > 1) {
+            return None;
+        }
+        ids.push(u32::try_from(v).ok()?);
+        j = ws(b, j);
+        match b.get(j)? {
+            b',' => j = ws(b, j + 1),
+            b']' => return Some((ids, j + 1)),
+            _ => return None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -230,5 +364,92 @@ mod tests {
         assert_eq!(code(r#"[{"a": [1]}, "b"]"#).0, "invalid_prompt");
         // Still strict JSON: a syntax error is the body's error, not a prompt's.
         assert!(serde_json::from_str::<Prompt>("[1,").is_err());
+    }
+
+    /// The fast path reads what serde reads: the ids of `prompt`, and the rest of the body
+    /// unchanged but for `null` in the array's place; and leaves everything else to serde.
+    #[test]
+    fn the_id_fast_path_reads_what_serde_reads() {
+        struct Rng(u64);
+        impl Rng {
+            fn n(&mut self, n: u64) -> u64 {
+                self.0 = self
+                    .0
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (self.0 >> 33) % n
+            }
+            fn sp(&mut self) -> &'static str {
+                ["", " ", "\n", " \t\r\n "][self.n(4) as usize]
+            }
+        }
+        let mut r = Rng(7);
+        let others = [
+            r#""model": "m""#,
+            r#""stop": ["]", "\"prompt\": [1]", "{"]"#,
+            r#""logit_bias": {"5": -1.5e2, "7": [true, null, {"x": "}"}]}"#,
+            r#""max_tokens": 16"#,
+            r#""temperature": 0.7"#,
+            r#""stream": false"#,
+            r#""user": "a \\\" b""#,
+        ];
+        for case in 0..400 {
+            let n = [0, 1, 2, 17, 300][r.n(5) as usize];
+            let ids: Vec<u64> = (0..n)
+                .map(|_| match r.n(4) {
+                    0 => r.n(10),
+                    1 => u64::from(u32::MAX) - r.n(3),
+                    _ => r.n(250_000),
+                })
+                .collect();
+            let mut arr = format!("[{}", r.sp());
+            for (k, id) in ids.iter().enumerate() {
+                if k > 0 {
+                    arr += &format!("{},{}", r.sp(), r.sp());
+                }
+                arr += &id.to_string();
+            }
+            arr += &format!("{}]", r.sp());
+            let mut fields: Vec<String> = (0..r.n(4))
+                .map(|_| others[r.n(others.len() as u64) as usize].to_string())
+                .collect();
+            let at = r.n(fields.len() as u64 + 1) as usize;
+            let (a, b) = (r.sp(), r.sp());
+            fields.insert(at, format!(r#""prompt"{a}:{b}{arr}"#));
+            let sep = format!(",{}", r.sp());
+            let body = format!("{}{{{}{}}}{}", r.sp(), r.sp(), fields.join(&sep), r.sp());
+            let whole: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let (got, rest) =
+                split_ids(body.as_bytes()).unwrap_or_else(|| panic!("case {case}: {body}"));
+            let want: Prompt = serde_json::from_value(whole["prompt"].clone()).unwrap();
+            assert_eq!(Prompt::Ids(got), want, "case {case}: {body}");
+            let mut nulled = whole.clone();
+            nulled["prompt"] = serde_json::Value::Null;
+            let rest: serde_json::Value = serde_json::from_slice(&rest).unwrap();
+            assert_eq!(rest, nulled, "case {case}: {body}");
+        }
+        // Anything but plain ids in 0..2^32 is serde's (its answers and errors stay as they
+        // were), as is a body with no `prompt` key or not an object.
+        for body in [
+            r#"{"prompt": "text"}"#,
+            r#"{"prompt": [[1, 2]]}"#,
+            r#"{"prompt": [1.5]}"#,
+            r#"{"prompt": [1e3]}"#,
+            r#"{"prompt": [-1]}"#,
+            r#"{"prompt": [01]}"#,
+            r#"{"prompt": [4294967296]}"#,
+            r#"{"prompt": [12345678901]}"#,
+            r#"{"prompt": [1 2]}"#,
+            r#"{"prompt": [1,]}"#,
+            r#"{"prompt": [1, "a"]}"#,
+            r#"{"prompt": null}"#,
+            r#"{"pro\u006dpt": [1]}"#,
+            r#"{"messages": []}"#,
+            r#"[1, 2]"#,
+            r#"{"prompt" [1]}"#,
+            "",
+        ] {
+            assert!(split_ids(body.as_bytes()).is_none(), "{body}");
+        }
     }
 }

@@ -901,7 +901,7 @@ impl DeviceSession for CpuSession {
         }))
     }
 
-    fn restore(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
+    fn restore(&mut self, saved: &dyn SavedState, set: RegionSet, held: usize) -> Result<()> {
         self.rows.clear();
         let Some(saved) = saved.as_any().downcast_ref::<CpuSaved>() else {
             // Not this backend's own saved state (a capsule file, a store tier): the generic
@@ -946,7 +946,11 @@ impl DeviceSession for CpuSession {
                     Self::used_len(b, saved.pos)
                 )));
             }
-            self.state[l.off..l.off + r.len].copy_from_slice(&saved.data[r.start..r.start + r.len]);
+            // Rows the session holds already are not copied (the held rows of every
+            // per-position region; nothing of the others).
+            let skip = (b.rows_bytes(held) / 4).min(r.len);
+            self.state[l.off + skip..l.off + r.len]
+                .copy_from_slice(&saved.data[r.start + skip..r.start + r.len]);
         }
         Ok(())
     }

@@ -194,10 +194,7 @@ impl SavedState for CudaSaved {
         match &self.storage {
             Storage::Device(src) => {
                 self.bind()?;
-                // One thread takes the fresh buffer's first-touch page faults (~0.8 s a GiB on
-                // the H200 host): touching them on 8 threads was 25 % faster but took the
-                // CPU from the HTTP threads (benches/RESULTS.md, 2026-12-05).
-                let mut out = vec![0u8; r.bytes];
+                let mut out = host_buffer(r.bytes);
                 if r.bytes > 0 {
                     if let Some(ev) = &self.ready {
                         ev.synchronize().map_err(drv("read saved region"))?;
@@ -220,6 +217,37 @@ impl SavedState for CudaSaved {
     fn as_any(&self) -> &dyn Any {
         self
     }
+}
+
+/// A zeroed host buffer of `n` bytes whose pages exist before it is written. A fresh
+/// buffer's first-touch page faults, one per 4 KiB taken by the thread that writes it, cost
+/// ~0.8 s a GiB on the H200 host (benches/RESULTS.md, 2026-12-05: most of a demotion's time;
+/// faulting on 8 threads was 25 % faster but took the CPU from the HTTP threads). Large
+/// buffers ask for transparent huge pages (2 MiB: 512x fewer faults) and have the kernel
+/// populate them in one call; both are hints (an older kernel, or huge pages off, falls back
+/// to faults as they come).
+fn host_buffer(n: usize) -> Vec<u8> {
+    let mut out = vec![0u8; n];
+    #[cfg(target_os = "linux")]
+    if n >= 4 << 20 {
+        // The whole 4 KiB pages inside the buffer (the allocator's header page stays as is).
+        let start = (out.as_mut_ptr() as usize).next_multiple_of(4096);
+        let end = (out.as_mut_ptr() as usize + n) & !4095;
+        if end > start {
+            // SAFETY: advice only, on pages inside this live allocation; neither call changes
+            // their contents (the buffer is zero either way).
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+                // Linux 5.14 and later: every page faulted in now, by the kernel, in one call.
+                libc::madvise(
+                    start as *mut libc::c_void,
+                    end - start,
+                    libc::MADV_POPULATE_WRITE,
+                );
+            }
+        }
+    }
+    out
 }
 
 /// Bytes of one staging buffer of [`read_staged`].
@@ -373,7 +401,12 @@ impl CudaSession {
         }))
     }
 
-    pub(super) fn restore_locked(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
+    pub(super) fn restore_locked(
+        &mut self,
+        saved: &dyn SavedState,
+        set: RegionSet,
+        held: usize,
+    ) -> Result<()> {
         self.bind()?;
         self.restore_timed = false;
         let Some(s) = saved.as_any().downcast_ref::<CudaSaved>() else {
@@ -419,14 +452,18 @@ impl CudaSession {
                     self.stream.wait(ev).map_err(drv("restore"))?;
                 }
                 let base = dptr(src);
+                // Rows the session holds already (every per-position region's first `held`)
+                // are not copied: a restore of the capsule a session came from moves its
+                // non-KV state and the rows past what it holds.
                 let segments: Vec<(u64, u64, u64)> = copies
                     .iter()
-                    .filter(|(_, r)| r.bytes > 0)
-                    .map(|(b, r)| {
+                    .map(|(b, r)| (b, r, b.rows_bytes(held).min(r.bytes)))
+                    .filter(|(_, r, skip)| r.bytes > *skip)
+                    .map(|(b, r, skip)| {
                         (
-                            base + r.offset as u64,
-                            self.state_base + b.offset as u64,
-                            r.bytes as u64,
+                            base + (r.offset + skip) as u64,
+                            self.state_base + (b.offset + skip) as u64,
+                            (r.bytes - skip) as u64,
                         )
                     })
                     .collect();

@@ -686,10 +686,10 @@ impl DeviceSession for CudaSession {
         self.save_locked(pos, set)
     }
 
-    fn restore(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
+    fn restore(&mut self, saved: &dyn SavedState, set: RegionSet, held: usize) -> Result<()> {
         let exec = self.exec.clone();
         let _g = exec.lock()?;
-        self.restore_locked(saved, set)
+        self.restore_locked(saved, set, held)
     }
 
     fn read_region(&self, id: BufferId, pos: usize) -> Result<Vec<u8>> {

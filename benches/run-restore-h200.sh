@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU half of the 2026-12-05 21:20 UTC session's work (built and checked on the CPU first:
+# benches/RESULTS.md), one device call of under 600 s:
+#
+#   1. the CUDA test suites (scripts/gpu-check.sh), among them `capsules_on_gpu`, whose
+#      restore into the session that took the capsule now skips the KV rows it holds;
+#   2. the served path at 2k and 16k (stored prefix + 1 / + 32, exact repeat, streamed decode)
+#      with restores skipping held rows (the default) and copying every row
+#      (`FLASHRT_RESTORE_REUSE=0`), in one command: issue 13's "stored 16k + 1 <= 15 ms".
+#      Both variants also have the token-id prompt fast path (parse_ms in the server timings).
+#   STORE=1 instead (~250 s): 4 clients streaming at 16k while a 16k newcomer arrives, the
+#      device tier held to 4G so 1.2 GiB capsules move down the tiers, with the demotion job's
+#      phases logged (its read-back now into host buffers populated up front, huge pages
+#      asked for): issue 15's "16k prompt while 4 stream" bar and the worker's wait per store.
+#
+# Built here first (git-ignored .gpu/, carried packed in .gpupack/p.tar.xz):
+#   cargo build --release --features cuda && strip --strip-debug target/release/flashrt -o .gpu/flashrt
+#   bash scripts/gpu-check.sh --collect
+#   tar -cJf .gpupack/p.tar.xz .gpu/bin .gpu/flashrt
+#
+# Usage (repository root on the GPU machine): bash benches/run-restore-h200.sh OUT
+set -uo pipefail
+OUT="${1:-${OUT:-benches/results/latest-restore}}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+FLASHRT="$ROOT/.gpu/flashrt"
+if [ ! -x "$FLASHRT" ] && [ -f "$ROOT/.gpupack/p.tar.xz" ]; then
+  tar -xJf "$ROOT/.gpupack/p.tar.xz" -C "$ROOT"
+fi
+mkdir -p "$OUT"
+export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/device.txt" 2>&1
+date -u +"%Y-%m-%dT%H:%M:%SZ" >>"$OUT/device.txt"
+status=0
+bench27() { # name, env..., then extra args after --
+  local name="$1"
+  shift
+  local envs=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  env "${envs[@]}" timeout 280 "$FLASHRT" bench "$ROOT/models/qwen36-27b.toml" --random-weights \
+    --backend cuda "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
+  echo "== $name (${envs[*]})"
+  grep -E 'per step|restored TTFT [0-9]' "$OUT/$name.log" | head -6
+  grep -E '^\[bench --serve\] prefix' "$OUT/$name.log" | head -14
+}
+if [ "${STORE:-0}" = 1 ]; then
+  RUST_LOG=info,flashrt_runtime::store=debug bench27 serve-store -- --lengths 16384 --iters 1 \
+    --decode-steps 64 --batch 1 --serve --serve-suffixes 1 --serve-runs 3 --serve-clients 4 \
+    --serve-newcomer 16384 --serve-budget-device 4G
+  grep -E 'clients at once|newcomer|capsule store' "$OUT/serve-store.log" | head -6
+  grep -E 'demotion job' "$OUT/serve-store.log" | head -12
+  exit $status
+fi
+if [ "${TESTS:-1}" = 1 ]; then
+  OUT="$OUT/gpu-check" bash "$ROOT/scripts/gpu-check.sh" >"$OUT/gpu-check.log" 2>&1 || status=1
+  tail -8 "$OUT/gpu-check.log"
+fi
+for v in 1 0; do
+  bench27 "serve-reuse-$v" FLASHRT_RESTORE_REUSE=$v -- --lengths 2048,16384 --iters 1 \
+    --decode-steps 16 --batch 1 --serve --serve-suffixes 1,32 --serve-runs 3
+done
+exit $status
