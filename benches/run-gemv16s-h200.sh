@@ -36,30 +36,8 @@
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-gemv16s}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-BIN="$ROOT/.gpu/bin"
-FLASHRT="$ROOT/.gpu/flashrt"
-# Carried packed (`tar -cJf .gpupack/p.tar.xz .gpu/bin .gpu/flashrt .gpu/extra/gemvm_micro*`,
-# ~45 MB; the device call carries `.gpupack`): unpacked here when .gpu is missing.
-if [ ! -x "$FLASHRT" ] && [ -f "$ROOT/.gpupack/p.tar.xz" ]; then
-  tar -xJf "$ROOT/.gpupack/p.tar.xz" -C "$ROOT"
-fi
-mkdir -p "$OUT"
-export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/device.txt" 2>&1
-date -u +"%Y-%m-%dT%H:%M:%SZ" >>"$OUT/device.txt"
-status=0
-bench27() { # name, env..., then extra args after --
-  local name="$1"
-  shift
-  local envs=()
-  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
-  shift
-  env "${envs[@]}" timeout 280 "$FLASHRT" bench "$ROOT/models/qwen36-27b.toml" --random-weights \
-    --backend cuda "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
-  echo "== $name (${envs[*]})"
-  grep -E 'per step|restored TTFT [0-9]|^ +[0-9]+ +[1248] ' "$OUT/$name.log" | head -12
-  grep -E '^\[bench --serve\] (prefix|chat)' "$OUT/$name.log" | head -14
-}
+# shellcheck source=benches/h200-common.sh
+source "$ROOT/benches/h200-common.sh"
 if [ "${PART:-1}" = 1 ]; then
   if [ -x "$ROOT/.gpu/extra/gemvm_micro" ]; then
     timeout 150 "$ROOT/.gpu/extra/gemvm_micro" >"$OUT/micro.log" 2>&1 || status=1

@@ -22,29 +22,10 @@
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-restore}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-FLASHRT="$ROOT/.gpu/flashrt"
-if [ ! -x "$FLASHRT" ] && [ -f "$ROOT/.gpupack/p.tar.xz" ]; then
-  tar -xJf "$ROOT/.gpupack/p.tar.xz" -C "$ROOT"
-fi
-mkdir -p "$OUT"
-export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/device.txt" 2>&1
-date -u +"%Y-%m-%dT%H:%M:%SZ" >>"$OUT/device.txt"
-status=0
-bench27() { # name, env..., then extra args after --
-  local name="$1"
-  shift
-  local envs=()
-  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
-  shift
-  env "${envs[@]}" timeout 280 "$FLASHRT" bench "$ROOT/models/qwen36-27b.toml" --random-weights \
-    --backend cuda "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
-  echo "== $name (${envs[*]})"
-  grep -E 'per step|restored TTFT [0-9]' "$OUT/$name.log" | head -6
-  grep -E '^\[bench --serve\] prefix' "$OUT/$name.log" | head -14
-}
+# shellcheck source=benches/h200-common.sh
+source "$ROOT/benches/h200-common.sh"
 if [ "${STORE:-0}" = 1 ]; then
-  RUST_LOG=info,flashrt_runtime::store=debug bench27 serve-store -- --lengths 16384 --iters 1 \
+  bench27 serve-store RUST_LOG=info,flashrt_runtime::store=debug -- --lengths 16384 --iters 1 \
     --decode-steps 64 --batch 1 --serve --serve-suffixes 1 --serve-runs 3 --serve-clients 4 \
     --serve-newcomer 16384 --serve-budget-device 4G
   grep -E 'clients at once|newcomer|capsule store' "$OUT/serve-store.log" | head -6

@@ -1,0 +1,30 @@
+# Sourced by the benches/run-*-h200.sh scripts (after they set OUT and ROOT): unpack the
+# carried binaries, record the device, and `bench27` for the 27B shape's `flashrt bench` runs.
+#
+# The binaries travel packed (`tar -cJf .gpupack/p.tar.xz .gpu/bin .gpu/flashrt [...]`; the
+# device call carries `.gpupack`) and are unpacked here when .gpu is missing.
+BIN="$ROOT/.gpu/bin"
+FLASHRT="$ROOT/.gpu/flashrt"
+if [ ! -x "$FLASHRT" ] && [ -f "$ROOT/.gpupack/p.tar.xz" ]; then
+  tar -xJf "$ROOT/.gpupack/p.tar.xz" -C "$ROOT"
+fi
+mkdir -p "$OUT"
+export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/device.txt" 2>&1
+date -u +"%Y-%m-%dT%H:%M:%SZ" >>"$OUT/device.txt"
+status=0
+# bench27 NAME [VAR=value ...] -- ARGS...: `flashrt bench` on models/qwen36-27b.toml with random
+# weights on the GPU, log and JSON under $OUT/NAME.*, its headline lines printed; a failure
+# sets status=1.
+bench27() {
+  local name="$1"
+  shift
+  local envs=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  env "${envs[@]}" timeout 280 "$FLASHRT" bench "$ROOT/models/qwen36-27b.toml" --random-weights \
+    --backend cuda "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
+  echo "== $name (${envs[*]})"
+  grep -E 'per step|restored TTFT [0-9]|^ +[0-9]+ +[1248] ' "$OUT/$name.log" | head -12
+  grep -E '^\[bench --serve\] (prefix|chat)' "$OUT/$name.log" | head -14
+}
