@@ -213,6 +213,21 @@ fn state_buffer(layout: &Layout, id: BufferId) -> Result<&Buffer> {
 /// A region's bytes as pieces to copy one after the other.
 pub type Pieces<'s> = Vec<Cow<'s, [u8]>>;
 
+/// The pieces of a region past its first `skip` bytes (rows a session holds already), each
+/// with its byte offset in the region.
+pub fn pieces_past<'p>(
+    pieces: &'p [Cow<'_, [u8]>],
+    skip: usize,
+) -> impl Iterator<Item = (usize, &'p [u8])> {
+    let mut at = 0;
+    pieces.iter().filter_map(move |p| {
+        let start = at;
+        at += p.len();
+        let from = skip.max(start);
+        (from < at).then(|| (from, &p[from - start..]))
+    })
+}
+
 /// The generic restore path of every backend: the host bytes of each state region in `set`
 /// as pieces to copy one after the other (borrowed from a [`HostSaved`], where they are; one
 /// piece read through [`SavedState::region_bytes`] from any other [`SavedState`]), each

@@ -909,13 +909,11 @@ impl DeviceSession for CpuSession {
             let m = self.model.clone();
             for (b, pieces) in crate::host_state::host_regions(&m.compiled.layout, saved, set)? {
                 let (l, _) = self.state_loc(b.id)?;
-                let mut at = l.off;
-                for bytes in pieces {
-                    let dst = &mut self.state[at..at + bytes.len() / 4];
+                for (at, bytes) in crate::host_state::pieces_past(&pieces, b.rows_bytes(held)) {
+                    let dst = &mut self.state[l.off + at / 4..l.off + (at + bytes.len()) / 4];
                     for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
                         *d = f32::from_le_bytes(c.try_into().expect("4 bytes"));
                     }
-                    at += bytes.len() / 4;
                 }
             }
             return Ok(());

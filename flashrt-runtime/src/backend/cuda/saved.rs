@@ -410,7 +410,7 @@ impl CudaSession {
         self.bind()?;
         self.restore_timed = false;
         let Some(s) = saved.as_any().downcast_ref::<CudaSaved>() else {
-            return self.restore_host(saved, set);
+            return self.restore_host(saved, set, held);
         };
         let layout = self.layout();
         if s.fingerprint != layout.fingerprint {

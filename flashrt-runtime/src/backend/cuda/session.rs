@@ -261,29 +261,31 @@ impl CudaSession {
 
     /// The generic restore path for a saved state of another type (a capsule file's host
     /// bytes, another backend's copy): validated region bytes from
-    /// [`crate::host_state::host_regions`], copied host-to-device on the copy stream.
+    /// [`crate::host_state::host_regions`], copied host-to-device on the copy stream, but for
+    /// the first `held` rows of each per-position region (the session holds them already).
     /// Blocks until the copies are done (the bytes are pageable and dropped on return).
-    pub(super) fn restore_host(&mut self, saved: &dyn SavedState, set: RegionSet) -> Result<()> {
+    pub(super) fn restore_host(
+        &mut self,
+        saved: &dyn SavedState,
+        set: RegionSet,
+        held: usize,
+    ) -> Result<()> {
         let regions = crate::host_state::host_regions(&self.model.compiled.layout, saved, set)?;
         self.copy_after_compute("restore")?;
         for (b, pieces) in &regions {
-            let mut at = b.offset as u64;
-            for bytes in pieces {
-                if bytes.is_empty() {
-                    continue;
-                }
+            for (at, bytes) in crate::host_state::pieces_past(pieces, b.rows_bytes(held)) {
                 // SAFETY: the pieces fill the used prefix of a state region one after the other
-                // (host_regions checked their total against the layout); `regions` outlives the
-                // copy because the copy stream is synchronised before this function returns.
+                // (host_regions checked their total against the layout), `at` is this piece's
+                // offset in it; `regions` outlives the copy because the copy stream is
+                // synchronised before this function returns.
                 unsafe {
                     cudarc::driver::result::memcpy_htod_async(
-                        self.state_base + at,
+                        self.state_base + (b.offset + at) as u64,
                         bytes,
                         self.copy.cu_stream(),
                     )
                 }
                 .map_err(drv(&format!("restore `{}`", b.name)))?;
-                at += bytes.len() as u64;
             }
         }
         self.copy.synchronize().map_err(drv("restore"))
