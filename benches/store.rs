@@ -4,7 +4,8 @@
 //! `flashrt serve` does: then also the `poll`s that apply the finished jobs), and how long
 //! it takes to land: on the host, and with a store directory and no host budget, on disk (its
 //! file written and fsynced in the system's temporary directory); then a restore from the host
-//! tier (a capsule stored whole, one chained to it), and what opening a store directory of
+//! tier (a capsule stored whole, one chained to it; into a session holding other rows, and
+//! into one holding the capsule's KV rows already), and what opening a store directory of
 //! such files costs.
 //!
 //! The capsules have the 27B shape's KV bytes per token (16 attention layers x 2 x 4 KV heads
@@ -255,17 +256,29 @@ fn main() {
         let mut row = serde_json::Map::new();
         for (name, id) in [("A (whole)", &ia), ("B (chained to A)", &ib)] {
             let _ = store.restore_into(id, &mut s).expect("warm-up");
-            let ms: Vec<f64> = (0..runs)
-                .map(|_| {
-                    let t = Instant::now();
-                    let info = store.restore_into(id, &mut s).expect("restore");
-                    assert_eq!(info.tier, flashrt::runtime::Tier::Host);
-                    t.elapsed().as_secs_f64() * 1e3
-                })
-                .collect();
-            let med = median(ms.clone());
-            println!("restore of {name} from the host tier: {med:.1} ms (median of {runs})");
-            row.insert(name.into(), serde_json::json!({"ms_median": med, "ms": ms}));
+            // Into a session holding other rows (reset first: every row is copied), and into
+            // the one that restored it last (its KV rows held: only the rest is copied).
+            for (how, reset) in [("", true), (", rows held", false)] {
+                let ms: Vec<f64> = (0..runs)
+                    .map(|_| {
+                        if reset {
+                            s.reset().expect("reset");
+                        }
+                        let t = Instant::now();
+                        let info = store.restore_into(id, &mut s).expect("restore");
+                        assert_eq!(info.tier, flashrt::runtime::Tier::Host);
+                        t.elapsed().as_secs_f64() * 1e3
+                    })
+                    .collect();
+                let med = median(ms.clone());
+                println!(
+                    "restore of {name} from the host tier{how}: {med:.1} ms (median of {runs})"
+                );
+                row.insert(
+                    format!("{name}{how}"),
+                    serde_json::json!({"ms_median": med, "ms": ms}),
+                );
+            }
         }
         out.insert("restore_from_host".into(), serde_json::Value::Object(row));
     }
