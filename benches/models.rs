@@ -137,12 +137,14 @@ fn bench_models(c: &mut Criterion) {
                         )
                     })
                 }),
+                // Into a session holding other rows (reset first): a restore into the session
+                // that holds the capsule's KV rows copies only the rest (`Session::rows_held`).
                 BenchKind::Restore => group.bench_function(&target.name, |b| {
                     b.iter_custom(|iters| {
                         measure(
                             &mut session,
                             iters,
-                            |_| {},
+                            |s| s.reset().expect("reset"),
                             |s| s.restore(&capsule).expect("restore"),
                         )
                     })
