@@ -22,7 +22,7 @@ bench27() {
   local envs=()
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
-  env "${envs[@]}" timeout 280 "$FLASHRT" bench "$ROOT/models/qwen36-27b.toml" --random-weights \
+  env "${envs[@]}" timeout "${BENCH_TIMEOUT:-280}" "$FLASHRT" bench "$ROOT/models/qwen36-27b.toml" --random-weights \
     --backend cuda "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
   echo "== $name (${envs[*]})"
   grep -E 'per step|restored TTFT [0-9]|^ +[0-9]+ +[1248] ' "$OUT/$name.log" | head -12
