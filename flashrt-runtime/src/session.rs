@@ -589,10 +589,13 @@ fn reuse_held_rows() -> bool {
 
 /// The per-position (KV) rows a session's state holds, as [`KvRows`] pairs: for each
 /// `(id, rows)`, rows `[0, rows)` are those of the capsules named `id`. Set by a restore to
-/// the capsule's pairs and extended by a snapshot; every step (decode, prefill, verify,
-/// batched) writes rows at or past the position only, and the position goes back only
-/// through a reset or a restore, which set this anew — so the rows stay held while the
-/// session moves on. Behind a lock because [`Session::snapshot`] takes `&self`.
+/// the capsule's pairs and extended by a snapshot; every step of the model (decode,
+/// prefill, verify, batched) writes rows at or past the position only, and the position goes
+/// back only through a reset or a restore, which set this anew — so the rows stay held while
+/// the session moves on. The MTP drafter is the exception: its step for the token at
+/// position `p` writes its own K/V row `p - 1` (the row it could not write before that token
+/// was known), so a speculative round gives up the row below the position
+/// ([`HeldRows::written_from`]). Behind a lock because [`Session::snapshot`] takes `&self`.
 #[derive(Default)]
 struct HeldRows(std::sync::Mutex<Vec<(u64, usize)>>);
 
@@ -603,6 +606,12 @@ impl HeldRows {
     }
     fn forget(&self) {
         self.pairs().clear();
+    }
+    /// Something writes rows from `row` on: rows past it are held no more.
+    fn written_from(&self, row: usize) {
+        for p in self.pairs().iter_mut() {
+            p.1 = p.1.min(row);
+        }
     }
     fn set(&self, kv: &KvRows) {
         let mut p = self.pairs();
@@ -1190,6 +1199,8 @@ impl Session {
     /// failed half-way earlier.
     pub(crate) fn spec_parts(&mut self) -> Result<(&mut dyn DeviceSession, &[u32], bool)> {
         self.check_usable()?;
+        // The drafter's step for the token at `pos` writes its K/V row `pos - 1`.
+        self.held.written_from(self.pos.saturating_sub(1));
         Ok((&mut *self.dev, &self.tokens, self.row_states))
     }
 

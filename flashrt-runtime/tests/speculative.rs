@@ -397,6 +397,11 @@ fn capsule_mid_run_restores_the_drafter_state() {
     dirty.append_with_mtp(&tokens(13, 30, v)).unwrap();
     dirty.decode_speculative(20, 4, &mut MtpDrafter).unwrap();
     let forked = m.fork(&cap).unwrap();
+    // Restored, a round run (its first draft writes the drafter's row at the position
+    // before), restored again: the second restore holds the capsule's rows but that one.
+    let mut again = m.fork(&cap).unwrap();
+    again.decode_speculative(5, k, &mut MtpDrafter).unwrap();
+    again.restore(&cap).unwrap();
     s.reset().unwrap();
     s.append(&tokens(14, 40, v)).unwrap();
     s.restore(&cap).unwrap();
@@ -405,6 +410,7 @@ fn capsule_mid_run_restores_the_drafter_state() {
         ("fork", forked),
         ("restored", s),
         ("restored over another run", dirty),
+        ("restored over its own continuation", again),
     ] {
         assert!(
             state_of(&t, false) == at_snapshot,
