@@ -43,6 +43,7 @@ pub mod capsule;
 pub mod capsule_file;
 pub mod chunking;
 pub mod error;
+mod held_rows;
 pub mod host_state;
 pub mod init;
 pub mod loader;

@@ -15,11 +15,10 @@
 //! those of one cold prefill of the concatenated tokens, bit for bit.
 
 use crate::backend::{Backend, DeviceModel, DeviceSession, HostWeights, RegionSet, StepLogits};
-use crate::capsule::{
-    Capsule, CapsuleMeta, Counters, KvRows, LogitsRow, MAX_KV_PAIRS, SamplerState,
-};
+use crate::capsule::{Capsule, CapsuleMeta, Counters, LogitsRow, SamplerState};
 use crate::chunking::{ChunkCosts, CostSource, PlanCost, token_plans};
 use crate::error::{Error, Result};
+use crate::held_rows::{HeldRows, reuse_held_rows};
 use crate::loader;
 use flashrt_ir::hf::{HfOptions, ir_from_hf_config};
 use flashrt_ir::{BufferId, Compiled, ModelIr, Phase, Role, compile};
@@ -577,75 +576,6 @@ impl<'a> From<&'a String> for RegionKey<'a> {
 impl From<BufferId> for RegionKey<'_> {
     fn from(id: BufferId) -> Self {
         RegionKey::Id(id)
-    }
-}
-
-/// Whether restores skip the rows a session holds already (`FLASHRT_RESTORE_REUSE=0` copies
-/// every row, for measuring what the skip saves).
-fn reuse_held_rows() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FLASHRT_RESTORE_REUSE").map_or(true, |v| v != "0"))
-}
-
-/// The per-position (KV) rows a session's state holds, as [`KvRows`] pairs: for each
-/// `(id, rows)`, rows `[0, rows)` are those of the capsules named `id`. Set by a restore to
-/// the capsule's pairs and extended by a snapshot; every step of the model (decode,
-/// prefill, verify, batched) writes rows at or past the position only, and the position goes
-/// back only through a reset or a restore, which set this anew — so the rows stay held while
-/// the session moves on. The MTP drafter is the exception: its step for the token at
-/// position `p` writes its own K/V row `p - 1` (the row it could not write before that token
-/// was known), so a speculative round gives up the row below the position
-/// ([`HeldRows::written_from`]). Behind a lock because [`Session::snapshot`] takes `&self`.
-#[derive(Default)]
-struct HeldRows(std::sync::Mutex<Vec<(u64, usize)>>);
-
-impl HeldRows {
-    fn pairs(&self) -> std::sync::MutexGuard<'_, Vec<(u64, usize)>> {
-        // A panic while holding it leaves a valid list (every update is one assignment).
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-    fn forget(&self) {
-        self.pairs().clear();
-    }
-    /// Something writes rows from `row` on: rows past it are held no more.
-    fn written_from(&self, row: usize) {
-        for p in self.pairs().iter_mut() {
-            p.1 = p.1.min(row);
-        }
-    }
-    fn set(&self, kv: &KvRows) {
-        let mut p = self.pairs();
-        p.clear();
-        p.extend_from_slice(kv);
-    }
-    /// Leading rows of `c` the state holds already.
-    fn of(&self, c: &Capsule) -> usize {
-        let held = self.pairs();
-        let mut best = 0;
-        for &(id, rows) in held.iter() {
-            for &(cid, crows) in c.kv_rows().iter() {
-                if id == cid {
-                    best = best.max(rows.min(crows));
-                }
-            }
-        }
-        best.min(c.pos())
-    }
-    /// The pairs of a snapshot at `pos`: the session's, with the snapshot's own last — the
-    /// id of a pair holding all `pos` rows, or a fresh one.
-    fn snapshot_at(&self, pos: usize) -> KvRows {
-        let mut p = self.pairs();
-        let own = match p.iter().rev().find(|&&(_, r)| r == pos) {
-            Some(&(id, _)) => id,
-            None => crate::capsule::fresh_kv_id(),
-        };
-        p.retain(|&(id, _)| id != own);
-        p.push((own, pos));
-        if p.len() > MAX_KV_PAIRS {
-            let extra = p.len() - MAX_KV_PAIRS;
-            p.drain(..extra);
-        }
-        p.as_slice().into()
     }
 }
 
