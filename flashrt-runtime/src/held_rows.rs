@@ -19,7 +19,8 @@ pub(crate) fn reuse_held_rows() -> bool {
 /// the session moves on. The MTP drafter is the exception: its step for the token at
 /// position `p` writes its own K/V row `p - 1` (the row it could not write before that token
 /// was known), so a speculative round gives up the row below the position
-/// ([`HeldRows::written_from`]). Behind a lock because [`crate::Session::snapshot`] takes `&self`.
+/// ([`HeldRows::written_from`]). Behind a lock because [`crate::Session::snapshot`] takes
+/// `&self`.
 #[derive(Default)]
 pub(crate) struct HeldRows(std::sync::Mutex<Vec<(u64, usize)>>);
 
