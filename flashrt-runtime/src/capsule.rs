@@ -200,9 +200,9 @@ pub struct Capsule {
 
 /// What a state's per-position (KV) rows are, as `(id, rows)` pairs: rows `[0, rows)` are
 /// those of every capsule named `id` over the rows it has. Fresh ids go to snapshots whose
-/// rows are new; all capsules of one id hold prefixes of
-/// one sequence of rows. A capsule's own pair is the last; the pairs before it name the
-/// capsules its rows continue (at most [`MAX_KV_PAIRS`]).
+/// rows are new; all capsules of one id hold prefixes of one sequence of rows. A capsule's
+/// own pair is the last; the pairs before it name the capsules its rows continue (at most
+/// [`MAX_KV_PAIRS`]).
 pub type KvRows = Arc<[(u64, usize)]>;
 
 /// Pairs a [`KvRows`] keeps (the most recent): a session restored to one checkpoint, then
