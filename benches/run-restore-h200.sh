@@ -25,6 +25,17 @@ OUT="${1:-${OUT:-benches/results/latest-restore}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=benches/h200-common.sh
 source "$ROOT/benches/h200-common.sh"
+if [ "${MINI:-0}" = 1 ]; then
+  # What fits a short device call: the capsule and speculative GPU tests, the 16k served path
+  # with and without the held rows.
+  "$BIN/cuda_model" --test-threads=1 capsules_on_gpu speculative >"$OUT/cuda_model.log" 2>&1 || status=1
+  grep -E '^test |test result' "$OUT/cuda_model.log"
+  bench27 serve-mini -- --lengths 16384 --iters 1 --decode-steps 16 --batch 1 --serve \
+    --serve-suffixes 1,32 --serve-runs 3
+  bench27 serve-mini-reuse-0 FLASHRT_RESTORE_REUSE=0 -- --lengths 16384 --iters 1 \
+    --decode-steps 16 --batch 1 --serve --serve-suffixes 1 --serve-runs 3
+  exit $status
+fi
 if [ "${TESTS:-1}" = 1 ]; then
   OUT="$OUT/gpu-check" bash "$ROOT/scripts/gpu-check.sh" >"$OUT/gpu-check.log" 2>&1 || status=1
   tail -8 "$OUT/gpu-check.log"
