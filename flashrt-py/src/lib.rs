@@ -716,6 +716,14 @@ impl PySession {
         on_device(py, &self.inner, move |s| s.restore(&c))
     }
 
+    /// K/V rows of `capsule` this session holds already, which `restore(capsule)` does not
+    /// copy: all of them after restoring or snapshotting it, while the session only moved on
+    /// (a reset to a checkpoint costs its non-KV state, not its K/V); none after `reset`.
+    fn rows_held(&self, py: Python<'_>, capsule: &PyCapsule) -> PyResult<usize> {
+        let c = capsule.inner.clone();
+        on_device(py, &self.inner, move |s| Ok(s.rows_held(&c)))
+    }
+
     /// Back to an earlier boundary of this session's own history.
     fn rollback(&self, py: Python<'_>, capsule: &PyCapsule) -> PyResult<()> {
         let c = capsule.inner.clone();

@@ -84,6 +84,16 @@ def test_restore_is_byte_exact_after_dirtying(model):
     assert s.pos == 37 and s.tokens == tokens(1, 37, v)
     assert np.array_equal(logits(s), before_logits)
 
+    # The session now holds the capsule's K/V rows: a reset to it after moving on copies
+    # only the rest, and still leaves every byte the capsule holds.
+    assert s.rows_held(cap) == 37
+    s.decode_greedy(4)
+    assert s.rows_held(cap) == 37
+    s.restore(cap)
+    assert state(s) == before
+    s.reset()
+    assert s.rows_held(cap) == 0
+
 
 def test_two_forks_equal_two_cold_runs(model):
     v = model.vocab
