@@ -183,7 +183,7 @@ impl Buffer {
     /// Bytes of this region a capsule must hold at position `pos`.
     pub fn used_bytes(&self, pos: usize) -> usize {
         match self.state {
-            Some(k) if k.per_token() => self.bytes_per_token() * pos.min(self.shape[0]),
+            Some(k) if k.per_token() => self.rows_bytes(pos),
             _ => self.bytes,
         }
     }

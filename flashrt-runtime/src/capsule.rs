@@ -259,20 +259,15 @@ impl Capsule {
         })
     }
 
-    /// The id of this capsule's per-position (KV) rows ([`KvRows`]): two capsules with the
-    /// same id hold the same bytes in every per-position region over the rows both have. A
-    /// snapshot of a session whose rows all came from a capsule (restored, then nothing
-    /// written below the snapshot's position) keeps that capsule's id; anything else gets a
-    /// fresh one. A session remembers whose rows it holds, so restoring a capsule whose rows
-    /// it holds already copies only the rest (the recurrent, conv and other non-KV regions,
-    /// and the rows past what it holds): a reset to a checkpoint, or the next turn of a
-    /// conversation on the same session, moves megabytes instead of a gigabyte.
-    pub fn kv_id(&self) -> u64 {
-        self.kv.last().map_or(0, |p| p.0)
-    }
-
-    /// This capsule's rows as [`KvRows`] pairs: its own id last, before it the capsules its
-    /// rows continue (a session restored to them and moved on before this snapshot).
+    /// This capsule's per-position (KV) rows as [`KvRows`] pairs: its own id last, before it
+    /// the capsules its rows continue. Two capsules with the same id hold the same bytes in
+    /// every per-position region over the rows both have. A snapshot of a session whose rows
+    /// all came from a capsule (restored, then nothing written below the snapshot's position)
+    /// keeps that capsule's id; anything else gets a fresh one. A session remembers whose rows
+    /// it holds, so restoring a capsule whose rows it holds already copies only the rest (the
+    /// recurrent, conv and other non-KV regions, and the rows past what it holds): a reset to
+    /// a checkpoint, or the next turn of a conversation on the same session, moves megabytes
+    /// instead of a gigabyte.
     pub fn kv_rows(&self) -> &KvRows {
         &self.kv
     }

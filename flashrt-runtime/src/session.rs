@@ -1030,7 +1030,7 @@ impl Session {
     /// and decoding continues exactly as it would have from there.
     ///
     /// Per-position rows the session already holds from this capsule's content
-    /// ([`Capsule::kv_id`]: it was restored from or snapshotted into a capsule of the same
+    /// ([`Capsule::kv_rows`]: it was restored from or snapshotted into a capsule of the same
     /// rows, and has written only past them since) are not copied again.
     pub fn restore(&mut self, capsule: &Capsule) -> Result<()> {
         self.check_capsule(capsule)?;
@@ -1069,7 +1069,7 @@ impl Session {
     }
 
     /// Leading per-position (KV) rows of `capsule` this session holds already, which a
-    /// [`Session::restore`] of it does not copy ([`Capsule::kv_id`]): all of them right after
+    /// [`Session::restore`] of it does not copy ([`Capsule::kv_rows`]): all of them right after
     /// restoring or snapshotting it, the rows below the session's position once it moved on,
     /// none after a reset or another capsule's restore.
     pub fn rows_held(&self, capsule: &Capsule) -> usize {

@@ -687,7 +687,7 @@ pub trait DeviceSession: Send {
     fn save(&self, pos: usize, set: RegionSet) -> Result<Arc<dyn SavedState>>;
     /// Copy saved regions back; regions outside `set` are left as they are. The first `held`
     /// rows of every per-position (KV) region already hold the saved bytes (the caller knows:
-    /// [`crate::Capsule::kv_id`]); a backend may skip copying them.
+    /// [`crate::Capsule::kv_rows`]); a backend may skip copying them.
     fn restore(&mut self, saved: &dyn SavedState, set: RegionSet, held: usize) -> Result<()>;
     /// The current bytes of one state region, up to position `pos` for KV, on the host.
     fn read_region(&self, id: BufferId, pos: usize) -> Result<Vec<u8>>;
