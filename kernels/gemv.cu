@@ -27,6 +27,15 @@
 // decode (R = 1) and verify (R = 2..5) steps of a model with verify plans round identically
 // without sharing a shape (the host launches each phase at its own rows).
 //
+// Several rows (verify passes, batched decode steps) change where the operands come from, not
+// the arithmetic: with a fused norm the block's prologue normalises its R rows once into
+// shared memory and the resident blocks loop over the tiles (`GEMV_STAGED`), and past two rows
+// each thread requests its next chunk of weights (across a block's tiles) before this chunk's
+// R x 4 x 8 multiply-adds (`GEMV_PIPELINED`), two blocks resident per SM. Before, at R = 8 a
+// fused-norm tile normalised its rows again (as many instructions as its multiply-adds) and
+// one resident block per SM waited on each chunk's loads: 6x a one-row launch at the 27B
+// shape's gate/up (benches/RESULTS.md).
+//
 // Traffic: n * k * 2 bytes of weights (the step's floor), R * k input elements per warp from
 // L1/L2, R * n outputs. Requires k % 8 == 0, 16-byte aligned weight and input rows (the host
 // checks and falls back to cuBLASLt otherwise).
@@ -61,7 +70,8 @@ struct GemvParams {
     int out_f32;
     int glu; // 1: matrices 0/1 are gate/up, glu_out = act(gate) * up
     int act;
-    // `gemv8m_*` without the norm: 1 when the input rows are staged in dynamic shared memory.
+    // 1 when the input rows are staged in dynamic shared memory: `gemv8m_*` without the norm
+    // (with it they always are), `gemv_norm_r<R>` at R > 1 (GEMV_STAGED).
     int stage;
     void* glu_out;
     int ld_glu;
@@ -238,13 +248,53 @@ static __device__ __forceinline__ void gemv_finish(const GemvParams& p, const fl
     }
 }
 
+// Several rows of 16-bit weights with the fused norm read their inputs normalised from shared
+// memory (`xs`: R rows of k elements, staged once per block by `gemv_impl`), not normalised
+// again per tile: at R rows and 4 features a block, normalising the rows per tile cost as many
+// instructions as the tile's multiply-adds, and the per-block prologue re-read R x k inputs
+// from L2 per tile (the host launches these as resident blocks looping over tiles, with
+// R * k * sizeof(T) bytes of dynamic shared memory).
+// (`p.stage` = 1; otherwise each tile normalises the chunks it reads, as at one row.)
+#define GEMV_STAGED(R, NORM, FP8) ((R) > 1 && (NORM) && !(FP8))
+// More than two rows of 16-bit weights: the next chunk's weights are requested while this
+// chunk's multiply-adds run (see gemv_tile).
+#define GEMV_PIPELINED(R, FP8) ((R) > 2 && !(FP8))
+
 // One tile: GEMV_FEATS outputs of every row (see gemv_impl), `tile` counted over the launch's
-// matrices in order. `inv`: the rows' norm scales (NORM). Ends after a block barrier; threads
-// return early only after it.
+// matrices in order. `inv`: the rows' norm scales (NORM); `xs`: the staged rows
+// (GEMV_STAGED). Ends after a block barrier; threads return early only after it.
+// Resident blocks looping over tiles (GEMV_PIPELINED): the last chunk of a tile requests the
+// first of the block's next tile, which the next call takes from `carry`, so a block's stream
+// of weights does not stop at its tiles' reductions (`-DGEMV_XTILE=0`: each tile starts its own).
+#ifndef GEMV_XTILE
+#define GEMV_XTILE 1
+#endif
+
+// Weight row i (< F) of tile `tile` of a 16-bit launch: its address (row 0 past n) and whether
+// it exists (as gemv_tile's own, below).
+template <int F>
+static __device__ __forceinline__ void gemv_rows16(const GemvParams& p, int tile, int wsize, const char* (&wr)[F],
+                                                   bool (&ok)[F]) {
+    constexpr int HALF = F / 2;
+    int b = tile, mi = 0;
+    while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
+        b -= p.m[mi].blocks;
+        ++mi;
+    }
+#pragma unroll
+    for (int i = 0; i < F; ++i) {
+        const int j = p.glu ? b * HALF + (i % HALF) : b * F + i;
+        const GemvMat& m = p.glu ? p.m[i / HALF] : p.m[mi];
+        ok[i] = j < (p.glu ? p.m[0].n : m.n);
+        wr[i] = static_cast<const char*>(m.w) + (size_t)(ok[i] ? j : 0) * p.k * wsize;
+    }
+}
+
 template <typename T, int R, int GEMV_FEATS, bool NORM, bool FP8>
-static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, const T* x, int row0,
+static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, const T* x, const T* xs, int row0,
                                                  const float (&inv)[R],
-                                                 float (&red)[GEMV_WARPS][R][GEMV_FEATS]) {
+                                                 float (&red)[GEMV_WARPS][R][GEMV_FEATS], int next = -1,
+                                                 uint4* carry = nullptr, bool* carried = nullptr) {
     constexpr int WARPS = GEMV_WARPS;
     // Bytes per weight element; a 16-byte chunk holds CH of them.
     constexpr int WSIZE = FP8 ? 1 : (int)sizeof(T);
@@ -286,8 +336,15 @@ static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, 
             sr[i] = FP8 ? m.scale + (size_t)((ok[i] ? j0 + i : 0) / p.qbr) * m.scale_ld : nullptr;
         }
     }
-    // Input chunk c of row r as f32: the raw input, or its normalised, rounded value.
+    // Input chunk c of row r as f32: the raw input, or its normalised, rounded value (staged
+    // rows: as the block's prologue stored it in shared memory, the same value).
     auto load_x = [&](int r, int c, float (&xf)[8]) {
+        if constexpr (GEMV_STAGED(R, NORM, FP8)) {
+            if (p.stage) {
+                flashrt::unpack16<T>(*reinterpret_cast<const uint4*>(xs + (size_t)r * k + (size_t)c * 8), xf);
+                return;
+            }
+        }
         flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
         if (NORM) gemv_norm_chunk<T>(p, inv[r], c, xf);
     };
@@ -300,6 +357,56 @@ static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, 
 
     // Thread t takes chunks t, t + blockDim, ...: every 16-byte weight chunk is loaded once,
     // and each input chunk serves all GEMV_FEATS rows.
+    if constexpr (GEMV_PIPELINED(R, FP8)) {
+        // Several rows (compute-heavy per chunk): the next chunk's weights are requested as
+        // soon as this chunk's are unpacked (into the same registers), so each thread keeps a
+        // chunk of every weight row in flight while it does this chunk's R x GEMV_FEATS x 8
+        // multiply-adds. The same products in the same order as the loop below.
+        constexpr int STRIDE = WARPS * 32;
+        // The block's next tile's rows (GEMV_XTILE), whose first chunk the last one requests.
+        const char* nw[GEMV_FEATS];
+        bool nok[GEMV_FEATS];
+#pragma unroll
+        for (int i = 0; i < GEMV_FEATS; ++i) nw[i] = wr[i], nok[i] = false;
+        if (GEMV_XTILE && carry && next >= 0) gemv_rows16<GEMV_FEATS>(p, next, WSIZE, nw, nok);
+        uint4 wv[GEMV_FEATS];
+        int c = threadIdx.x;
+        if (GEMV_XTILE && carry && *carried) {
+#pragma unroll
+            for (int i = 0; i < GEMV_FEATS; ++i) wv[i] = carry[i];
+        } else if (c < wchunks) {
+#pragma unroll
+            for (int i = 0; i < GEMV_FEATS; ++i)
+                wv[i] = ok[i] ? load_stream(wr[i] + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+        }
+        for (; c < wchunks; c += STRIDE) {
+            float wf[GEMV_FEATS][8];
+#pragma unroll
+            for (int i = 0; i < GEMV_FEATS; ++i) flashrt::unpack16<T>(wv[i], wf[i]);
+            // The next chunk of this tile, or the first of the next tile (predicated loads, no
+            // branch: so they issue here, ahead of the multiply-adds).
+            const bool more = c + STRIDE < wchunks;
+#pragma unroll
+            for (int i = 0; i < GEMV_FEATS; ++i) {
+                const char* src = more ? wr[i] + (size_t)(c + STRIDE) * 16 : nw[i] + (size_t)threadIdx.x * 16;
+                wv[i] = (more ? ok[i] : nok[i]) ? load_stream(src) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float xf[8];
+                load_x(r, c, xf);
+#pragma unroll
+                for (int i = 0; i < GEMV_FEATS; ++i)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[r][i] = fmaf(xf[e], wf[i][e], acc[r][i]);
+            }
+        }
+        if (GEMV_XTILE && carry) {
+#pragma unroll
+            for (int i = 0; i < GEMV_FEATS; ++i) carry[i] = wv[i];
+            *carried = next >= 0 && (int)threadIdx.x < wchunks;
+        }
+    } else {
     for (int c = threadIdx.x; c < wchunks; c += WARPS * 32) {
         uint4 wv[GEMV_FEATS];
 #pragma unroll
@@ -344,6 +451,7 @@ static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, 
             }
         }
     }
+    }
 
     // Fixed-order reduction: across the warp with shuffles, then the warps in order.
 #pragma unroll
@@ -371,18 +479,46 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
     x += (size_t)row0 * p.ld_x;
     float inv[R];
     if (NORM) gemv_norm_inv<T, R>(p, x, inv);
-    if (NORM && blockIdx.x == 0) gemv_norm_store<T, R>(p, x, inv);
+    extern __shared__ __align__(16) unsigned char gemv_xs_smem[];
+    T* xs = reinterpret_cast<T*>(gemv_xs_smem);
+    if (GEMV_STAGED(R, NORM, FP8) && p.stage) {
+        // The rows normalised and rounded once per block, as `gemv_norm_store` stores them
+        // (block 0 stores them too, for later readers).
+        const int k = p.k;
+        for (int c = threadIdx.x; c < (k >> 3); c += GEMV_WARPS * 32)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float xf[8];
+                flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
+                gemv_norm_chunk<T>(p, inv[r], c, xf);
+                T v[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[e] = flashrt::from_f32<T>(xf[e]);
+                *reinterpret_cast<uint4*>(xs + (size_t)r * k + (size_t)c * 8) = *reinterpret_cast<const uint4*>(v);
+                if (blockIdx.x == 0) {
+                    T* o = static_cast<T*>(p.norm_out) + (size_t)r * p.ld_norm_out + (size_t)c * 8;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) o[e] = v[e];
+                }
+            }
+        __syncthreads();
+    } else if (NORM && blockIdx.x == 0) {
+        gemv_norm_store<T, R>(p, x, inv);
+    }
     if constexpr (R == 1) {
         // One row: always one block per tile (and the loop's registers would spill in the FP8
         // kernels).
-        gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, blockIdx.x, x, row0, inv, red);
+        gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, blockIdx.x, x, xs, row0, inv, red);
         return;
     }
     int tiles = p.m[0].blocks;
     if (!p.glu)
         for (int mi = 1; mi < p.nmats; ++mi) tiles += p.m[mi].blocks;
+    uint4 carry[GEMV_FEATS];
+    bool carried = false;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, tile, x, row0, inv, red);
+        const int next = tile + (int)gridDim.x < tiles ? tile + (int)gridDim.x : -1;
+        gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, tile, x, xs, row0, inv, red, next, carry, &carried);
         // `red` is reused by the next tile.
         __syncthreads();
     }
@@ -649,7 +785,7 @@ FLASHRT_GEMVS_ENTRY(8)
 
 // Blocks per SM the register budget must allow: a decode step's single row streams with
 // many resident blocks; more rows need more registers.
-#define GEMV_MINB_OF(R) ((R) == 1 ? 4 : (R) == 2 ? 2 : 1)
+#define GEMV_MINB_OF(R) ((R) == 1 ? 4 : 2)
 
 // FP8 weights keep a scale pointer per feature and convert codes in registers: 8 features
 // for one row, 4 for more, and a register budget that holds them without spilling.

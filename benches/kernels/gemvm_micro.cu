@@ -13,7 +13,7 @@
 //
 //   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \
 //       -o gemvm_micro benches/kernels/gemvm_micro.cu
-//   ./gemvm_micro            (MB_STAGE=0: unstaged inputs where there is no norm; build with
+//   ./gemvm_micro            (MB_CORES=1: the CUDA-core cases only; MB_STAGE=0: unstaged inputs where there is no norm; build with
 //                             -DGEMVM8_RING=3 etc. for other ring depths; MB_PFS=steps: the
 //                             tensor-core kernels' L2 prefetch before the PDL wait, as
 //                             GemvParams::pf)
@@ -101,7 +101,9 @@ int main() {
     cudaEventCreate(&e1);
     printf("gemvm micro: %d SMs, GEMVM16_RING %d, GEMVM8_RING %d\n", sms, GEMVM16_RING, GEMVM8_RING);
 
-    for (int fp8 = 0; fp8 < 2; ++fp8)
+    // MB_CORES=1: the 16-bit shapes on the CUDA cores only (modes 1 and 3).
+    const bool cores_only = getenv("MB_CORES") && getenv("MB_CORES")[0] == '1';
+    for (int fp8 = 0; fp8 < (cores_only ? 1 : 2); ++fp8)
         for (auto& s : shapes) {
             const int nm = s.glu ? 2 : 1;
             const size_t welems = (size_t)s.n * s.k, wbytes = welems * (fp8 ? 1 : 2);
@@ -147,9 +149,13 @@ int main() {
             printf("%s %-34s read %7.2f us %5.2f TB/s\n", fp8 ? "fp8 " : "bf16", s.name, msr * 1e3 / iters,
                    nm * wbytes / (msr * 1e3 / iters) / 1e6);
             for (int R : rows_list)
-                for (int mode = 0; mode < 3; ++mode) {
-                    // mode 0: gemv16m / gemv8m (stream-K), 1: CUDA cores, 2: gemv16s.
-                    const int core = mode == 1;
+                for (int mode = 0; mode < 4; ++mode) {
+                    // mode 0: gemv16m / gemv8m (stream-K), 1: CUDA cores, 2: gemv16s, 3: CUDA
+                    // cores with staged rows launched one block per tile (not resident blocks
+                    // looping over tiles, as the host launches them): what the loop saves.
+                    const int core = mode == 1 || mode == 3;
+                    if (mode == 3 && !GEMV_STAGED(R, s.norm, fp8)) continue;
+                    if (cores_only && !core) continue;
                     if (mode == 2 && fp8) continue;
                     Kern f = nullptr;
                     int threads = mode ? 256 : GEMVM_WARPS * 32, grid;
@@ -178,6 +184,17 @@ int main() {
         f = fp8 ? (s.norm ? gemv8_norm_r##NR##_bf16 : gemv8_r##NR##_bf16)                          \
                 : (s.norm ? gemv_norm_r##NR##_bf16 : gemv_r##NR##_bf16);
                         CORE(1) CORE(2) CORE(4) CORE(8)
+                        // Several rows with the norm fused (GEMV_STAGED): the rows normalised
+                        // once per block in shared memory, resident blocks looping over tiles
+                        // (as the host launches them).
+                        if (GEMV_STAGED(R, s.norm, fp8)) {
+                            smem = (size_t)R * s.k * 2;
+                            CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    (int)smem));
+                            int per_sm = 0;
+                            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, threads, smem));
+                            if (mode == 1) grid = std::min(grid, std::max(per_sm, 1) * sms);
+                        }
                     } else {
                         blocks = tiles;
                         const long long steps = (long long)(s.glu ? tiles : tiles * nm) * (s.k / 128);
@@ -263,10 +280,15 @@ int main() {
                     CK(cudaDeviceSynchronize());
                     std::vector<unsigned short> h((size_t)R * s.n);
                     CK(cudaMemcpy(h.data(), s.glu ? go : o0, h.size() * 2, cudaMemcpyDeviceToHost));
-                    (mode == 2 ? smem_out : core ? core_out : mma_out)[R] = h;
+                    if (mode == 3) {
+                        if (h != core_out[R]) printf("   cores1 R=%d: outputs differ from the resident blocks'\n", R);
+                    } else {
+                        (mode == 2 ? smem_out : core ? core_out : mma_out)[R] = h;
+                    }
                     const double us = ms * 1e3 / iters;
                     printf("   %-6s R=%d grid=%5d smem=%6zu  %8.2f us %5.2f TB/s\n",
-                           mode == 2 ? "smem" : core ? "cores" : "mma", R, grid, smem, us, bytes / us / 1e6);
+                           mode == 3 ? "cores1" : mode == 2 ? "smem" : core ? "cores" : "mma", R, grid, smem, us,
+                           bytes / us / 1e6);
 #ifdef FLASHRT_PROBE
                     if (mode == 0) {
                         float mp = 0;
@@ -296,6 +318,12 @@ int main() {
                     diff = std::max(diff, (double)fabsf(bf(core_out[8][i]) - bf(mma_out[8][i])));
                 }
             printf("   rows-invariant %s, |mma - cores| max %.3g of max |out| %.3g\n", inv ? "yes" : "NO", diff, big);
+            // The CUDA cores' row 0 at every R, bit for bit (staged and pipelined or not).
+            bool cinv = true;
+            for (int R : rows_list)
+                if (!core_out[R].empty() && !core_out[1].empty())
+                    cinv = cinv && memcmp(core_out[R].data(), core_out[1].data(), (size_t)s.n * 2) == 0;
+            printf("   cores rows-invariant %s\n", cinv ? "yes" : "NO");
             if (!fp8) {
                 bool sinv = true;
                 for (int R : rows_list)

@@ -1305,21 +1305,26 @@ fn short_suffixes_run_as_verify_passes_on_gpu() {
 }
 
 /// `CudaOptions::gemv_tiles` (several rows' gemv launches as resident blocks looping over
-/// tiles) changes which block computes a tile, never the arithmetic: verify passes of 2..5
-/// rows give the same logits and state bit for bit with it on and off.
+/// tiles) changes which block computes a tile, and `CudaOptions::gemv_stage` (the fused norm's
+/// rows normalised once per block into shared memory) where a tile reads its normalised
+/// inputs, never the arithmetic: verify passes of 2..5 rows give the same logits and state bit
+/// for bit under every combination.
 #[test]
 fn gemv_tiles_compute_what_one_block_per_tile_computes() {
     let name = "gemv_tiles_compute_what_one_block_per_tile_computes";
-    let off = CudaOptions {
-        gemv_tiles: false,
+    let with = |gemv_tiles, gemv_stage| CudaOptions {
+        gemv_tiles,
+        gemv_stage,
         ..CudaOptions::default()
     };
-    let on = CudaOptions {
-        gemv_tiles: true,
-        ..CudaOptions::default()
-    };
-    if same_bits_with(name, QWEN_LIKE, &[off, on]) {
-        println!("gemv_tiles on and off: verify passes of 2..5 rows bit-identical");
+    let all = [
+        with(false, false),
+        with(true, false),
+        with(false, true),
+        with(true, true),
+    ];
+    if same_bits_with(name, QWEN_LIKE, &all) {
+        println!("gemv_tiles and gemv_stage on and off: verify passes of 2..5 rows bit-identical");
     }
 }
 

@@ -201,6 +201,11 @@ pub struct CudaOptions {
     /// (kernels/gemv.cu `gemv_impl`; same arithmetic per row). Off by default until measured;
     /// `FLASHRT_GEMV_TILES=1` turns it on.
     pub gemv_tiles: bool,
+    /// Several rows' 16-bit `gemv` launches with a fused RMSNorm read their input rows
+    /// normalised once per block from shared memory, as resident blocks looping over tiles,
+    /// instead of normalising them again in every tile (kernels/gemv.cu `GEMV_STAGED`; same
+    /// values, same arithmetic per row). Default on; `FLASHRT_GEMV_STAGE=0` turns it off.
+    pub gemv_stage: bool,
     /// Keep each row's Gated DeltaNet states in verify passes (the fused decode kernel writes
     /// the recurrent and conv states after every row to a model-wide area of `MAX_DRAFT + 1`
     /// rows of them), so that a speculative round whose drafts are rejected rolls back with
@@ -271,6 +276,7 @@ impl Default for CudaOptions {
             gemv16_smem: std::env::var("FLASHRT_GEMV16_SMEM").is_ok_and(|v| v == "1"),
             device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
             gemv_tiles: std::env::var("FLASHRT_GEMV_TILES").is_ok_and(|v| v == "1"),
+            gemv_stage: on("FLASHRT_GEMV_STAGE"),
             row_states: on("FLASHRT_ROW_STATES"),
             gemvm_prefetch: (
                 num("FLASHRT_GEMV16M_PREFETCH", 4),
@@ -719,6 +725,7 @@ fn builder<'a>(
         gemv16_mma: model.gemv16_mma,
         gemv16_smem: model.gemv16_smem,
         gemv_tiles: model.options.gemv_tiles,
+        gemv_stage: model.options.gemv_stage,
         gemvm_prefetch: model.options.gemvm_prefetch,
         gemv8m_max_splits: model.options.gemv8m_max_splits,
         gdn_col_blocks: model.options.gdn_col_blocks,

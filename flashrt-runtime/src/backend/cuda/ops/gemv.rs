@@ -11,6 +11,9 @@ pub(super) const GEMV_WARPS: usize = 8;
 /// columns must be), and the most shared memory its normalised input rows may take.
 const GEMVM_STEP: usize = 128;
 const GEMVM_MAX_SMEM: usize = 96 * 1024;
+/// kernels/gemv.cu: the most shared memory the CUDA-core kernel's staged rows may take (under
+/// the H100/H200 opt-in limit of 227 KiB less the kernel's static shared memory).
+const GEMV_MAX_SMEM: usize = 200 * 1024;
 /// kernels/gemv_mma.cu: warps per block, resident blocks per SM, steps in flight per warp (a
 /// launch needs `k >= ring x 128`), and the staged rows' padding (elements).
 const GEMVM_WARPS: usize = 8;
@@ -318,6 +321,20 @@ impl Builder<'_> {
         let smem_mma = !mma && self.gemv16_smem && first.weights == GemvWeights::Plain;
         let stage = mma && staged <= GEMVM_MAX_SMEM;
         let mma_smem = if stage { staged } else { 0 };
+        // The CUDA-core kernel at several rows with the norm fused (`GEMV_STAGED` in
+        // kernels/gemv.cu): resident blocks looping over tiles, each with its rows normalised
+        // once into `rows x k` elements of shared memory. Rows that do not fit leave the norm
+        // to its own op (the same values either way).
+        let cores_staged = self.gemv_stage
+            && !mma
+            && !smem_mma
+            && norm.is_some()
+            && shape_rows > 1
+            && first.weights == GemvWeights::Plain;
+        let cores_smem = shape_rows * k * t.size();
+        if cores_staged && cores_smem > GEMV_MAX_SMEM {
+            return Ok(None);
+        }
         // Features per block: the rows' default, or for one row fewer when the default leaves
         // the last wave of resident blocks mostly empty (see `gemv_r1f<F>`).
         let (prefix, feats, suffix) = if mma {
@@ -387,7 +404,7 @@ impl Builder<'_> {
             out_f32: first.out_f32 as i32,
             glu: glu.is_some() as i32,
             act,
-            stage: stage as i32,
+            stage: (stage || cores_staged) as i32,
             glu_out,
             ld_glu,
             last_row: 0,
@@ -427,12 +444,25 @@ impl Builder<'_> {
         );
         let func = self.kernels.typed(&kernel, t)?;
         let threads = 32 * warps as u32;
-        // Several rows of 16-bit weights, with `gemv_tiles` (opt-in until measured): as many
-        // blocks as are resident, each taking tiles in turn, so the fused norm's prologue (its
-        // rows' sums of squares, read from L2) runs once per block rather than once per tile
-        // (kernels/gemv.cu, `gemv_impl`). A tile computes the same whichever block runs it.
+        // (The occupancy of a staged launch counts its shared memory, which must be allowed
+        // first.)
+        if cores_staged {
+            self.allow_smem(&label, func, cores_smem as u32)?;
+        }
+        // Several rows of 16-bit weights with a fused norm (always), or without one with
+        // `gemv_tiles` (opt-in until measured): as many blocks as are resident, each taking
+        // tiles in turn, so the norm's prologue (its rows' sums of squares, read from L2, and
+        // the staged rows) runs once per block rather than once per tile (kernels/gemv.cu,
+        // `gemv_impl`). A tile computes the same whichever block runs it.
         let grid_blocks = if mma {
             mma_grid as u32
+        } else if cores_staged {
+            let resident = func
+                .occupancy_max_active_blocks_per_multiprocessor(threads, cores_smem, None)
+                .unwrap_or(1)
+                .max(1) as u32
+                * self.sms.max(1) as u32;
+            total_blocks.min(resident)
         } else if self.gemv_tiles
             && !smem_mma
             && shape_rows > 1
@@ -452,6 +482,8 @@ impl Builder<'_> {
             self.kernel_smem(&label, func, grid, threads, mma_smem as u32, &p)?
         } else if smem_mma {
             self.kernel_smem(&label, func, grid, threads, gemvs_smem(shape_rows), &p)?
+        } else if cores_staged {
+            self.kernel_smem(&label, func, grid, threads, cores_smem as u32, &p)?
         } else {
             self.kernel(&label, func, grid, threads, &p)
         });

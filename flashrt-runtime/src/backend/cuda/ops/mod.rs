@@ -393,6 +393,9 @@ pub struct Builder<'a> {
     /// Several rows' 16-bit `gemv` launches as resident blocks looping over tiles
     /// ([`Builder::gemv`]; `CudaOptions::gemv_tiles`).
     pub gemv_tiles: bool,
+    /// Several rows' fused-norm 16-bit `gemv` launches with their rows staged in shared
+    /// memory ([`Builder::gemv`]; `CudaOptions::gemv_stage`).
+    pub gemv_stage: bool,
     /// Steps per warp a tensor-core `gemv` launch asks of the L2 before its PDL wait, over
     /// 16-bit and FP8 weights (`CudaOptions::gemvm_prefetch`).
     pub gemvm_prefetch: (u32, u32),
@@ -561,8 +564,18 @@ impl Builder<'_> {
         shared: u32,
         p: &T,
     ) -> Result<Cmd> {
-        // Static plus dynamic shared memory past 48 KiB needs the opt-in; the limit only ever
-        // grows (programs of several phases set it for the same function, in any order).
+        self.allow_smem(label, func, shared)?;
+        let mut cmd = self.kernel(label, func, grid, block, p);
+        if let Cmd::Kernel(k) = &mut cmd {
+            k.shared = shared;
+        }
+        Ok(cmd)
+    }
+
+    /// Lets `func` launch with `shared` bytes of dynamic shared memory: static plus dynamic
+    /// past 48 KiB needs the opt-in; the limit only ever grows (programs of several phases
+    /// set it for the same function, in any order).
+    fn allow_smem(&self, label: &str, func: &CudaFunction, shared: u32) -> Result<()> {
         let attr = |a| {
             func.get_attribute(a).map_err(|e| Error::Backend {
                 op: label.to_string(),
@@ -584,11 +597,7 @@ impl Builder<'_> {
                 })?;
             }
         }
-        let mut cmd = self.kernel(label, func, grid, block, p);
-        if let Cmd::Kernel(k) = &mut cmd {
-            k.shared = shared;
-        }
-        Ok(cmd)
+        Ok(())
     }
 
     /// The program of one plan: the input scatter, then every op in order. `logits` says which

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU half of the 2026-12-06 session's work, one device call of under 600 s: the CUDA-core
+# `gemv` at several rows (kernels/gemv.cu: with a fused norm, the rows normalised once per
+# block into shared memory and resident blocks looping over tiles; past two rows, the next
+# chunk's weights in flight while a chunk's multiply-adds run, two resident blocks per SM). Each
+# row's arithmetic is unchanged, so decode, verify and batched steps keep rounding alike; what
+# should move is issue 15's batched step (b = 2 / 4 / 8 at 1.28 / 2.12 / 4.90x the b = 1 step
+# before) and issue 13's verify passes.
+#
+#   1. benches/kernels/gemvm_micro.cu (before: benches/results/2026-12-05-h200-gemv16s/
+#      micro-minb2.log): the CUDA cores at R = 1, 2, 4, 8, and row 0 bit for bit at every R;
+#   2. the GPU tests the kernel touches (cuda_ops `linear`, `gemv`; cuda_model batched rows
+#      against single steps, verify passes against decode steps, the tile loop, speculative
+#      decoding, capsules — the last also the held-rows restore of 2026-12-05);
+#   3. `flashrt bench --batch 1,2,4,8` at 2k and 16k with the served path in the same command
+#      (stored prefix + 1 / + 32, exact repeat, streamed decode, 8 clients, a 16k newcomer while
+#      4 stream).
+#
+# Built here first (git-ignored .gpu/, carried packed in .gpupack/p.tar.xz):
+#   cargo build --release --features cuda && strip --strip-debug target/release/flashrt -o .gpu/flashrt
+#   bash scripts/gpu-check.sh --collect
+#   .venv/nvcc/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels \
+#       -L .venv/nvcc/cuda/lib -o .gpu/extra/gemvm_micro benches/kernels/gemvm_micro.cu
+#   (and with -DGEMV_XTILE=0 into .gpu/extra/gemvm_micro_xtile0)
+#   tar -cJf .gpupack/p.tar.xz --exclude=.gpu/bin/cuda_fp8 --exclude=.gpu/bin/cuda_sample .gpu/bin .gpu/extra .gpu/flashrt
+#
+# Usage (repository root on the GPU machine): bash benches/run-gemv-rows-h200.sh OUT
+# (PART=micro|tests|bench runs one part.)
+set -uo pipefail
+OUT="${1:-${OUT:-benches/results/latest-gemv-rows}}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=benches/h200-common.sh
+source "$ROOT/benches/h200-common.sh"
+part() { [ -z "${PART:-}" ] || [ "$PART" = "$1" ]; }
+if part micro && [ -x "$ROOT/.gpu/extra/gemvm_micro" ]; then
+  timeout 150 "$ROOT/.gpu/extra/gemvm_micro" >"$OUT/micro.log" 2>&1 || status=1
+  grep -E '^(bf16|fp8)|cores1? +R=|invariant|differ' "$OUT/micro.log"
+  # The staged kernels' blocks without the next tile's first chunk requested early.
+  if [ -x "$ROOT/.gpu/extra/gemvm_micro_xtile0" ]; then
+    MB_CORES=1 timeout 100 "$ROOT/.gpu/extra/gemvm_micro_xtile0" >"$OUT/micro-xtile0.log" 2>&1 || status=1
+    echo "== GEMV_XTILE=0"; grep -E '^bf16|cores +R=' "$OUT/micro-xtile0.log"
+  fi
+fi
+if part tests; then
+  timeout 100 "$BIN/cuda_ops" --test-threads=1 linear gemv >"$OUT/cuda_ops.log" 2>&1 || status=1
+  grep -E '^test |test result' "$OUT/cuda_ops.log"
+  timeout 200 "$BIN/cuda_model" --test-threads=1 batched_decode short_suffixes gemv_tiles speculative \
+    capsules_on_gpu >"$OUT/cuda_model.log" 2>&1 || status=1
+  grep -E '^test |test result' "$OUT/cuda_model.log"
+fi
+if part bench; then
+  BENCH_TIMEOUT="${BENCH_TIMEOUT:-280}" bench27 batch-serve -- --lengths 2048,16384 --iters 1 \
+    --decode-steps 16 --batch 1,2,4,8 --serve --serve-suffixes 1,32 --serve-runs 3 \
+    --serve-clients 8 --serve-newcomer 16384
+  grep -E 'clients at once|newcomer|verify' "$OUT/batch-serve.log" | head -8
+fi
+exit $status
