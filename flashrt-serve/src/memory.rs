@@ -40,8 +40,16 @@ impl MemoryPlan {
         const GIB: u64 = 1 << 30;
         let reserve = 2 * GIB + free / 20;
         let usable = free.saturating_sub(reserve);
-        let budget_device = budget_device.unwrap_or((usable / 4).min(64 * GIB));
         let cost = (per_session + per_session / 10).max(1);
+        // The operator's session count comes first (and the server's own session): the tier
+        // takes at most what they leave, so that a capsule stored while every session is open
+        // still finds device memory (on an 80 GB card with 8 sessions of the 27B shape at 16k,
+        // a quarter of the free memory did not).
+        let left = match max_sessions {
+            Some(n) => usable.saturating_sub((n as u64 + 1) * cost),
+            None => usable,
+        };
+        let budget_device = budget_device.unwrap_or((usable / 4).min(64 * GIB).min(left));
         let max_sessions = max_sessions.unwrap_or_else(|| {
             let fit = usable.saturating_sub(budget_device) / cost;
             (fit.saturating_sub(1) as usize).clamp(1, MAX_DEFAULT_SESSIONS)
@@ -114,6 +122,28 @@ mod tests {
         // Everything planned fits in what was free.
         assert!(p.reserve + p.budget_device + (p.max_sessions as u64 + 1) * cost <= 82 * GIB);
         assert!(p.max_sessions >= 8, "8 sessions at 16k should fit: {p}");
+    }
+
+    #[test]
+    fn the_tier_takes_what_the_operators_sessions_leave() {
+        // The 27B shape on an 80 GB card: 22.2 GiB free, sessions of 2.27 GiB; 6 asked for
+        // (and the server's own) leave less than a quarter of the usable memory.
+        let free = 22 * GIB + GIB / 5;
+        let per = 2325u64 << 20;
+        let cost = per * 11 / 10;
+        let p = MemoryPlan::new(free, per, Some(6), None);
+        assert_eq!(p.max_sessions, 6);
+        assert!(p.budget_device > 0 && p.budget_device < (free - p.reserve) / 4);
+        assert!(
+            p.reserve + p.budget_device + 7 * cost <= free,
+            "over-committed: {p}"
+        );
+        // Sessions that take everything leave no tier (capsules go to the host tier).
+        let p = MemoryPlan::new(free, per, Some(64), None);
+        assert_eq!(p.budget_device, 0);
+        // Without a session count the tier keeps its quarter.
+        let p = MemoryPlan::new(82 * GIB, per, None, None);
+        assert_eq!(p.budget_device, (82 * GIB - p.reserve) / 4);
     }
 
     #[test]
