@@ -25,7 +25,7 @@
 #   tar -cJf .gpupack/p.tar.xz --exclude=.gpu/bin/cuda_fp8 --exclude=.gpu/bin/cuda_sample .gpu/bin .gpu/extra .gpu/flashrt
 #
 # Usage (repository root on the GPU machine): bash benches/run-gemv-rows-h200.sh OUT
-# (PART=micro|tests|bench runs one part.)
+# (PART=micro|tests|bench runs one part; PART=ab is a separate comparison, below.)
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-gemv-rows}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -53,5 +53,24 @@ if part bench; then
     --decode-steps 16 --batch 1,2,4,8 --serve --serve-suffixes 1,32 --serve-runs 3 \
     --serve-clients 8 --serve-newcomer 16384
   grep -E 'clients at once|newcomer|verify' "$OUT/batch-serve.log" | head -8
+fi
+# PART=ab: the same device before and after. The microbenchmark built from the kernels as they
+# were (commit 1e3993c: .gpu/extra/gemvm_micro_old), the 27B step with the staged rows off
+# (FLASHRT_GEMV_STAGE=0: the pipelined loop and two blocks per SM stay) and on, and the served
+# path at 16k with and without the held rows (the 2026-12-05 work; MINI of run-restore-h200.sh).
+if [ "${PART:-}" = ab ]; then
+  if [ -x "$ROOT/.gpu/extra/gemvm_micro_old" ]; then
+    timeout 150 "$ROOT/.gpu/extra/gemvm_micro_old" >"$OUT/micro-old.log" 2>&1 || status=1
+    echo "== before (1e3993c)"; grep -E '^bf16|cores +R=' "$OUT/micro-old.log"
+  fi
+  if [ -x "$ROOT/.gpu/extra/gemvm_micro" ]; then
+    MB_CORES=1 timeout 100 "$ROOT/.gpu/extra/gemvm_micro" >"$OUT/micro-new.log" 2>&1 || status=1
+    echo "== after"; grep -E '^bf16|cores +R=|invariant' "$OUT/micro-new.log"
+  fi
+  for st in 0 1; do
+    BENCH_TIMEOUT=150 bench27 batch-stage$st FLASHRT_GEMV_STAGE=$st -- --lengths 2048 --iters 1 \
+      --decode-steps 16 --batch 1,2,4,8
+  done
+  OUT="$OUT/restore" MINI=1 BENCH_TIMEOUT=120 bash "$ROOT/benches/run-restore-h200.sh" "$OUT/restore"
 fi
 exit $status
