@@ -59,6 +59,8 @@ fi
 # (FLASHRT_GEMV_STAGE=0: the pipelined loop and two blocks per SM stay) and on, and the served
 # path at 16k with and without the held rows (the 2026-12-05 work; MINI of run-restore-h200.sh).
 if [ "${PART:-}" = ab ]; then
+  timeout 100 "$BIN/cuda_model" --test-threads=1 batched_decode >"$OUT/cuda_model-batched.log" 2>&1 || status=1
+  grep -E '^test |test result' "$OUT/cuda_model-batched.log"
   if [ -x "$ROOT/.gpu/extra/gemvm_micro_old" ]; then
     timeout 150 "$ROOT/.gpu/extra/gemvm_micro_old" >"$OUT/micro-old.log" 2>&1 || status=1
     echo "== before (1e3993c)"; grep -E '^bf16|cores +R=' "$OUT/micro-old.log"
@@ -69,8 +71,10 @@ if [ "${PART:-}" = ab ]; then
   fi
   for st in 0 1; do
     BENCH_TIMEOUT=150 bench27 batch-stage$st FLASHRT_GEMV_STAGE=$st -- --lengths 2048 --iters 1 \
-      --decode-steps 16 --batch 1,2,4,8
+      --decode-steps 16 --batch 1,2,4,8 $([ $st = 1 ] && echo --profile)
   done
+  # Where the 8-row step's time goes, beside the one-row step's (`--profile`).
+  grep -E '^profile|^  ' "$OUT/batch-stage1.log" | grep -A14 -E '^profile: (decode at|decode\[8\])' | head -34
   OUT="$OUT/restore" MINI=1 BENCH_TIMEOUT=120 bash "$ROOT/benches/run-restore-h200.sh" "$OUT/restore"
 fi
 exit $status

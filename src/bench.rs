@@ -237,7 +237,7 @@ pub fn profile_group(label: &str) -> String {
     out.replace(['(', ')', '`'], "")
 }
 
-fn profile_of(step: String, times: &[(String, f64)]) -> Profile {
+pub fn profile_of(step: String, times: &[(String, f64)]) -> Profile {
     let mut groups: Vec<ProfileGroup> = Vec::new();
     for (label, ms) in times {
         let g = profile_group(label);

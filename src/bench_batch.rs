@@ -30,6 +30,8 @@ pub struct BatchReport {
     /// Why the backend steps these sessions one by one (`None`: one batched step).
     pub one_by_one: Option<String>,
     pub rows: Vec<BatchRow>,
+    /// With `--profile`: every command of the largest batched step, timed, at each context.
+    pub profiles: Vec<crate::bench::Profile>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -46,8 +48,17 @@ pub fn run(
     steps: usize,
     decode_bytes: usize,
     copy_gb_s: f64,
+    profile: bool,
 ) -> Result<BatchReport, String> {
     let one_by_one = model.batch_unsupported();
+    let mut profiles = Vec::new();
+    // The batched step profiled: the largest size asked for that the model batches.
+    let most = model.ir().batch_sizes().last().copied().unwrap_or(1);
+    let profiled = batches
+        .iter()
+        .copied()
+        .filter(|&b| b >= 2 && b <= most)
+        .max();
     let vocab = model.vocab();
     let layout = &model.compiled().layout;
     let mut rows = Vec::new();
@@ -81,6 +92,20 @@ pub fn run(
                     times.push(t0.elapsed().as_secs_f64() * 1e3);
                 }
             }
+            if profile && one_by_one.is_none() && Some(b) == profiled {
+                let toks: Vec<u32> = sessions
+                    .iter()
+                    .map(|s| argmax(s.last_logits()).unwrap_or(0))
+                    .collect();
+                let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+                let t = model
+                    .profile_step_batch(&mut refs, &toks)
+                    .map_err(|e| format!("batch {b}: profile: {e}"))?;
+                profiles.push(crate::bench::profile_of(
+                    format!("decode[{b}] at {len}"),
+                    &t,
+                ));
+            }
             let step_ms = median(times);
             let one_ms = *one.get_or_insert(if b == 1 { step_ms } else { f64::NAN });
             let bytes = decode_bytes + b * layout.capsule_bytes(len + steps / 2);
@@ -99,7 +124,11 @@ pub fn run(
             rows.push(row);
         }
     }
-    Ok(BatchReport { one_by_one, rows })
+    Ok(BatchReport {
+        one_by_one,
+        rows,
+        profiles,
+    })
 }
 
 pub fn render(r: &BatchReport) -> String {

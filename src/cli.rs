@@ -121,7 +121,8 @@ pub struct BenchArgs {
     /// Write the report as JSON
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
-    /// Also time every kernel of a decode step and of a prefill chunk (CUDA)
+    /// Also time every kernel of a decode step and of a prefill chunk (CUDA), and with
+    /// `--batch` of the largest batched step
     #[arg(long)]
     pub profile: bool,
     /// Also time every kernel of prefill chunks of these sizes (each in its smallest bucket),
@@ -430,8 +431,12 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
             a.decode_steps.max(4),
             report.decode_weight_bytes,
             report.copy_bandwidth_gb_s,
+            a.profile,
         )?;
         print!("\n{}", crate::bench_batch::render(&r));
+        for p in &r.profiles {
+            print!("\n{}", crate::bench::render_profile(p));
+        }
         Some(r)
     };
     let served = if a.serve {

@@ -493,6 +493,35 @@ impl Model {
         Ok(())
     }
 
+    /// [`Model::step_batch`] of 2 to the largest batch size's sessions, with every device
+    /// command of the batched step timed: `(label, ms)` in plan order (plain launches with an
+    /// event between commands, so each time includes what a replayed step pays per command).
+    /// The sessions advance as after `step_batch`. For benchmarks (`flashrt bench --batch ...
+    /// --profile`); backends that do not time commands (the CPU reference) say so.
+    pub fn profile_step_batch(
+        &self,
+        sessions: &mut [&mut Session],
+        tokens: &[u32],
+    ) -> Result<Vec<(String, f64)>> {
+        let most = self.ir().batch_sizes().last().copied().unwrap_or(1);
+        if sessions.len() < 2 || sessions.len() > most {
+            return Err(Error::Input(format!(
+                "profile_step_batch: a batched step of 2 to {most} sessions, not {}",
+                sessions.len()
+            )));
+        }
+        if let Some(why) = self.batch_unsupported() {
+            return Err(Error::Unsupported(format!(
+                "profile_step_batch: this model steps sessions one by one ({why})"
+            )));
+        }
+        self.inner.device.profile_next_batch()?;
+        let stepped = self.step_batch(sessions, tokens);
+        let times = self.inner.device.take_batch_profile();
+        stepped?;
+        times.ok_or_else(|| Error::Unsupported("profile_step_batch: the step was not timed".into()))
+    }
+
     /// Why [`Model::step_batch`] steps this model's sessions one by one (`None`: it batches
     /// them on the device).
     pub fn batch_unsupported(&self) -> Option<String> {

@@ -1413,8 +1413,8 @@ fn state_of(s: &Session) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-/// Batched decode (`Model::step_batch`): each row of a batched step is bit-identical to its
-/// session's own decode step — logits and every state byte — for sessions at different
+/// Batched decode (`Model::step_batch`, one round through `Model::profile_step_batch`): each
+/// row of a batched step is bit-identical to its session's own decode step — logits and every state byte — for sessions at different
 /// positions, sessions joining and leaving between steps (2..=8 rows, so the 2-, 4- and 8-row
 /// programs run with and without padding rows), forks of one capsule stepped in one batch, and
 /// a capsule taken from a batched session restored into another session and continued one by
@@ -1502,7 +1502,26 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
             let mut slots: Vec<Option<&mut Session>> = batch.iter_mut().map(Some).collect();
             let mut refs: Vec<&mut Session> =
                 who.iter().map(|&i| slots[i].take().unwrap()).collect();
-            model.step_batch(&mut refs, &toks).unwrap();
+            if k == 3 {
+                // One round timed per command (`flashrt bench --batch --profile`): plain
+                // launches of the program the graph replays, the same rows bit for bit.
+                match model.profile_step_batch(&mut refs, &toks) {
+                    Ok(times) => {
+                        assert!(batched, "{what}: a one-by-one model timed a batched step");
+                        assert!(
+                            !times.is_empty() && times.iter().all(|(_, ms)| *ms >= 0.0),
+                            "{what}: {} timed commands",
+                            times.len()
+                        );
+                    }
+                    Err(e) => {
+                        assert!(!batched, "{what}: profiling a batched step failed: {e}");
+                        model.step_batch(&mut refs, &toks).unwrap();
+                    }
+                }
+            } else {
+                model.step_batch(&mut refs, &toks).unwrap();
+            }
             drop(refs);
             for (&i, &t) in who.iter().zip(&toks) {
                 alone[i].append(&[t]).unwrap();

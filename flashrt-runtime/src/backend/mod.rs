@@ -577,6 +577,20 @@ pub trait DeviceModel: Send + Sync {
     fn batch_unsupported(&self) -> Option<String> {
         Some("this backend has no batched kernels".into())
     }
+    /// Time every device command of this model's next batched step (a step of 2 or more rows
+    /// through [`DeviceModel::step_batch`], run as plain launches with an event between
+    /// commands); [`DeviceModel::take_batch_profile`] then gives `(label, ms)` in plan order.
+    /// For benchmarks (`flashrt bench --batch ... --profile`).
+    fn profile_next_batch(&self) -> Result<()> {
+        Err(crate::error::Error::Unsupported(
+            "timing a batched step's commands needs the CUDA backend".into(),
+        ))
+    }
+    /// The times [`DeviceModel::profile_next_batch`] asked for, once that step has run (and
+    /// the request withdrawn if it has not).
+    fn take_batch_profile(&self) -> Option<Vec<(String, f64)>> {
+        None
+    }
 }
 
 /// One session's arenas on the device.

@@ -242,7 +242,26 @@ impl CudaModel {
         let bp = &mut batch.programs[idx];
         let label = format!("decode[{}]", bp.rows);
         let ws = dptr(&exec.workspace);
-        let launched = if !graphs || !bp.warm {
+        // Timed per command (`DeviceModel::profile_next_batch`): plain launches with an event
+        // between commands, the same program the graph replays.
+        let profile = inner
+            .batch_profile
+            .lock()
+            .map(|mut p| std::mem::take(&mut p.0))
+            .unwrap_or(false);
+        let launched = if profile {
+            // SAFETY: as below (plain launches of the same program).
+            let events = unsafe {
+                bp.program
+                    .enqueue_timed(&inner.ctx, &inner.blas, ws, &stream, false)
+            }?;
+            stream.synchronize().map_err(drv(&label))?;
+            let t = super::session::times(&bp.program, &events, &label)?;
+            if let Ok(mut p) = inner.batch_profile.lock() {
+                p.1 = Some(t);
+            }
+            Ok(())
+        } else if !graphs || !bp.warm {
             // The first step of a size runs as plain launches (warming lazily loaded modules),
             // so the second is captured with nothing but launches in it.
             bp.warm = true;

@@ -421,6 +421,7 @@ impl WeightSink for CudaSink {
                 row_layout,
                 exec: Mutex::new(None),
                 sessions: AtomicU64::new(1),
+                batch_profile: Mutex::new((false, None)),
             }),
         }))
     }

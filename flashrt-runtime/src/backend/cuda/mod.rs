@@ -618,7 +618,13 @@ struct ModelInner {
     exec: Mutex<Option<Arc<Exec>>>,
     /// Ids handed to sessions (from 1), for [`exec::ExecState::owner`].
     sessions: AtomicU64,
+    /// Whether the next batched step is timed per command, and the times of the last one
+    /// that was (`DeviceModel::profile_next_batch`).
+    batch_profile: Mutex<BatchProfile>,
 }
+
+/// Whether the next batched step is timed, and the `(label, ms)` times of the last one that was.
+type BatchProfile = (bool, Option<Vec<(String, f64)>>);
 
 impl ModelInner {
     /// Device bytes of the row-state area (`CudaOptions::row_states`): a row of kept states
@@ -667,6 +673,24 @@ impl DeviceModel for CudaModel {
 
     fn batch_unsupported(&self) -> Option<String> {
         CudaModel::batch_unsupported(self).unwrap_or_else(|e| Some(e.to_string()))
+    }
+
+    fn profile_next_batch(&self) -> Result<()> {
+        *self
+            .inner
+            .batch_profile
+            .lock()
+            .map_err(|_| Error::Backend {
+                op: "profile".into(),
+                msg: "a thread panicked while timing a batched step".into(),
+            })? = (true, None);
+        Ok(())
+    }
+
+    fn take_batch_profile(&self) -> Option<Vec<(String, f64)>> {
+        let mut p = self.inner.batch_profile.lock().ok()?;
+        p.0 = false;
+        p.1.take()
     }
 
     fn shared_bytes(&self) -> usize {
