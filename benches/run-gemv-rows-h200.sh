@@ -57,7 +57,8 @@ fi
 # PART=ab: the same device before and after. The microbenchmark built from the kernels as they
 # were (commit 1e3993c: .gpu/extra/gemvm_micro_old), the 27B step with the staged rows off
 # (FLASHRT_GEMV_STAGE=0: the pipelined loop and two blocks per SM stay) and on, and the served
-# path at 16k with and without the held rows (the 2026-12-05 work; MINI of run-restore-h200.sh).
+# path at 16k with and without the held rows (the 2026-12-05 work; MINI of run-restore-h200.sh;
+# RESTORE=0 leaves it out).
 if [ "${PART:-}" = ab ]; then
   timeout 100 "$BIN/cuda_model" --test-threads=1 batched_decode >"$OUT/cuda_model-batched.log" 2>&1 || status=1
   grep -E '^test |test result' "$OUT/cuda_model-batched.log"
@@ -75,6 +76,8 @@ if [ "${PART:-}" = ab ]; then
   done
   # Where the 8-row step's time goes, beside the one-row step's (`--profile`).
   grep -E '^profile|^  ' "$OUT/batch-stage1.log" | grep -A14 -E '^profile: (decode at|decode\[8\])' | head -34
-  OUT="$OUT/restore" MINI=1 BENCH_TIMEOUT=120 bash "$ROOT/benches/run-restore-h200.sh" "$OUT/restore"
+  if [ "${RESTORE:-1}" = 1 ]; then
+    OUT="$OUT/restore" MINI=1 BENCH_TIMEOUT=120 bash "$ROOT/benches/run-restore-h200.sh" "$OUT/restore"
+  fi
 fi
 exit $status
