@@ -323,18 +323,16 @@ impl Builder<'_> {
         let mma_smem = if stage { staged } else { 0 };
         // The CUDA-core kernel at several rows with the norm fused (`GEMV_STAGED` in
         // kernels/gemv.cu): resident blocks looping over tiles, each with its rows normalised
-        // once into `rows x k` elements of shared memory. Rows that do not fit leave the norm
-        // to its own op (the same values either way).
+        // once into `rows x k` elements of shared memory, where 8 rows fit (otherwise each tile
+        // normalises what it reads, as before: the same values either way).
         let cores_staged = self.gemv_stage
             && !mma
             && !smem_mma
             && norm.is_some()
             && shape_rows > 1
-            && first.weights == GemvWeights::Plain;
+            && first.weights == GemvWeights::Plain
+            && 8 * k * t.size() <= GEMV_MAX_SMEM;
         let cores_smem = shape_rows * k * t.size();
-        if cores_staged && cores_smem > GEMV_MAX_SMEM {
-            return Ok(None);
-        }
         // Features per block: the rows' default, or for one row fewer when the default leaves
         // the last wave of resident blocks mostly empty (see `gemv_r1f<F>`).
         let (prefix, feats, suffix) = if mma {
