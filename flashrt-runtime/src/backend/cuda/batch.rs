@@ -30,6 +30,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
 use flashrt_ir::Phase;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 /// The most sessions one batched step takes (the `gemv` kernels' row bound). The batch sizes
 /// with a program are the model's ladder ([`flashrt_ir::ModelIr::batch_sizes`], `decode_batches`
@@ -244,11 +245,7 @@ impl CudaModel {
         let ws = dptr(&exec.workspace);
         // Timed per command (`DeviceModel::profile_next_batch`): plain launches with an event
         // between commands, the same program the graph replays.
-        let profile = inner
-            .batch_profile
-            .lock()
-            .map(|mut p| std::mem::take(&mut p.0))
-            .unwrap_or(false);
+        let profile = inner.batch_profile_next.swap(false, Ordering::Relaxed);
         let launched = if profile {
             // SAFETY: as below (plain launches of the same program).
             let events = unsafe {
@@ -258,7 +255,7 @@ impl CudaModel {
             stream.synchronize().map_err(drv(&label))?;
             let t = super::session::times(&bp.program, &events, &label)?;
             if let Ok(mut p) = inner.batch_profile.lock() {
-                p.1 = Some(t);
+                *p = Some(t);
             }
             Ok(())
         } else if !graphs || !bp.warm {

@@ -421,7 +421,8 @@ impl WeightSink for CudaSink {
                 row_layout,
                 exec: Mutex::new(None),
                 sessions: AtomicU64::new(1),
-                batch_profile: Mutex::new((false, None)),
+                batch_profile_next: AtomicBool::new(false),
+                batch_profile: Mutex::new(None),
             }),
         }))
     }

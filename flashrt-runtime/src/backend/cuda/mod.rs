@@ -101,7 +101,7 @@ use gemm::{Blas, GemmShape};
 use kernels::Kernels;
 use ops::{Arenas, Builder, Program};
 use std::any::Any;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// f32 elements of each pinned bounce buffer of a session (4 MiB).
@@ -618,13 +618,11 @@ struct ModelInner {
     exec: Mutex<Option<Arc<Exec>>>,
     /// Ids handed to sessions (from 1), for [`exec::ExecState::owner`].
     sessions: AtomicU64,
-    /// Whether the next batched step is timed per command, and the times of the last one
-    /// that was (`DeviceModel::profile_next_batch`).
-    batch_profile: Mutex<BatchProfile>,
+    /// Whether the next batched step is timed per command (`DeviceModel::profile_next_batch`;
+    /// one relaxed load per batched step), and the `(label, ms)` times of the last one that was.
+    batch_profile_next: AtomicBool,
+    batch_profile: Mutex<Option<Vec<(String, f64)>>>,
 }
-
-/// Whether the next batched step is timed, and the `(label, ms)` times of the last one that was.
-type BatchProfile = (bool, Option<Vec<(String, f64)>>);
 
 impl ModelInner {
     /// Device bytes of the row-state area (`CudaOptions::row_states`): a row of kept states
@@ -676,21 +674,18 @@ impl DeviceModel for CudaModel {
     }
 
     fn profile_next_batch(&self) -> Result<()> {
-        *self
-            .inner
-            .batch_profile
-            .lock()
-            .map_err(|_| Error::Backend {
-                op: "profile".into(),
-                msg: "a thread panicked while timing a batched step".into(),
-            })? = (true, None);
+        if let Ok(mut p) = self.inner.batch_profile.lock() {
+            *p = None;
+        }
+        self.inner.batch_profile_next.store(true, Ordering::Relaxed);
         Ok(())
     }
 
     fn take_batch_profile(&self) -> Option<Vec<(String, f64)>> {
-        let mut p = self.inner.batch_profile.lock().ok()?;
-        p.0 = false;
-        p.1.take()
+        self.inner
+            .batch_profile_next
+            .store(false, Ordering::Relaxed);
+        self.inner.batch_profile.lock().ok()?.take()
     }
 
     fn shared_bytes(&self) -> usize {
