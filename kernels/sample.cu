@@ -25,6 +25,7 @@
 //     (12 x 5 + 4 bits) resolve the whole key: the first from the workspace's histogram, the
 //     second over the row while it lists the candidates of the first digit, the rest over
 //     that list only.
+// Greedy draws take one launch instead (`sample_argmax`, at the end of this file).
 //
 // Penalties (step 0 of sampling.rs) come first, on a copy of the row: the host copies the row
 // into the workspace and lists the tokens they change (`PenaltyList`: distinct ids, each with
@@ -338,6 +339,21 @@ extern "C" __global__ void __launch_bounds__(kThreads) sample_pick(const SampleP
     const unsigned long long target = (hi << 11) | (lo >> 53);
     const unsigned long long key = select_rank(p, m, hist0, target, &above, sh);
     if (threadIdx.x == 0) p.out[0] = 0xffffffffu - (unsigned)key;
+}
+
+// Greedy (sampling.rs `argmax`): the largest value that is not NaN (infinities included), the
+// smallest index holding it, both zeros equal. One launch, any grid: each thread's best
+// order_key (the value's total order with -0 read as +0, then the inverted index) goes into
+// `ws[0]` by a 64-bit atomicMax, which the host cleared; 0 (no key: every value NaN) means none.
+extern "C" __global__ void __launch_bounds__(256) sample_argmax(const SampleParams p) {
+    unsigned long long best = 0;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < p.n; i += gridDim.x * blockDim.x) {
+        const float v = p.logits[i];
+        if (!isnan(v)) best = max(best, order_key(v == 0.0f ? 0.0f : v, i));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+    if (threadIdx.x % 32 == 0 && best) atomicMax(&p.ws[0], best);
 }
 
 // Step 0 on the row copy at `row`: entries[i] = (id, count since penalty_from), ids distinct.

@@ -24,6 +24,7 @@ use flashrt_ir::hf::{HfOptions, ir_from_hf_config};
 use flashrt_ir::{BufferId, Compiled, ModelIr, Phase, Role, compile};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::sync::{Arc, RwLock};
 
 /// Where a model's weights come from.
@@ -481,7 +482,7 @@ impl Model {
                 }
             };
             for ((s, &t), (row, at)) in group.iter_mut().zip(toks).zip(rows) {
-                s.logits = KeptLogits::Device(row, at, s.dev.steps_run());
+                s.logits = KeptLogits::Device(OnceLock::from(Ok(row)), at, s.dev.steps_run());
                 s.logits_rows = 1;
                 s.pos += 1;
                 s.tokens.push(t);
@@ -537,9 +538,14 @@ enum KeptLogits {
     Shared(Arc<[f32]>),
     /// The last step's last row, which is also row `.1` of the device's I/O arena as long as
     /// the device session's [`DeviceSession::steps_run`] is still `.2` (a device sampler
-    /// may draw from it there).
-    Device(Vec<f32>, usize, u64),
+    /// may draw from it there). `.0` is its host copy: read with the step (a batched step's
+    /// rows), or when first wanted ([`DeviceSession::deferred_row`] of ticket `.2`, after a
+    /// [`DeviceSession::step_deferred`]), so a token drawn on the device never waits for it.
+    Device(HostRow, usize, u64),
 }
+
+/// A device row's host copy, once read (or why it could not be).
+type HostRow = OnceLock<std::result::Result<Vec<f32>, String>>;
 
 impl Default for KeptLogits {
     fn default() -> Self {
@@ -548,11 +554,31 @@ impl Default for KeptLogits {
 }
 
 impl KeptLogits {
-    fn as_slice(&self) -> &[f32] {
+    /// The rows on the host (a deferred device row is read from `dev` on first use).
+    fn rows(&self, dev: &dyn DeviceSession) -> Result<&[f32]> {
         match self {
-            KeptLogits::Own(v) | KeptLogits::Device(v, ..) => v,
-            KeptLogits::Shared(a) => a,
+            KeptLogits::Own(v) => Ok(v),
+            KeptLogits::Shared(a) => Ok(a),
+            KeptLogits::Device(host, _, ticket) => host
+                .get_or_init(|| dev.deferred_row(*ticket).map_err(|e| e.to_string()))
+                .as_deref()
+                .map_err(|msg| Error::Backend {
+                    op: "read logits".into(),
+                    msg: msg.clone(),
+                }),
         }
+    }
+
+    /// The last of `n` rows of `v` logits (empty when `n` is 0).
+    fn last(&self, dev: &dyn DeviceSession, n: usize, v: usize) -> Result<&[f32]> {
+        if n == 0 {
+            return Ok(&[]);
+        }
+        let rows = self.rows(dev)?;
+        rows.get((n - 1) * v..n * v).ok_or_else(|| Error::Backend {
+            op: "read logits".into(),
+            msg: format!("{} logits kept for {n} rows of {v}", rows.len()),
+        })
     }
 
     /// Empty, keeping an owned buffer's capacity.
@@ -725,20 +751,31 @@ impl Session {
 
     /// Logits kept from the last append, row-major `[logits_rows(), vocab]` (after a restore:
     /// the capsule's last row).
+    ///
+    /// On the CUDA backend the last row crosses to the host behind the step and this waits
+    /// for it; should that copy fail (a device error, which the next step reports too), this
+    /// is empty.
     pub fn logits(&self) -> &[f32] {
-        self.logits.as_slice()
+        self.logits.rows(&*self.dev).unwrap_or_else(|e| {
+            tracing::warn!("logits unavailable: {e}");
+            &[]
+        })
     }
     pub fn logits_rows(&self) -> usize {
         self.logits_rows
     }
     /// Logits after the last fed token (empty at position 0).
     pub fn last_logits(&self) -> &[f32] {
-        let v = self.model.vocab();
-        if self.logits_rows == 0 {
+        self.last_row().unwrap_or_else(|e| {
+            tracing::warn!("logits unavailable: {e}");
             &[]
-        } else {
-            &self.logits.as_slice()[(self.logits_rows - 1) * v..self.logits_rows * v]
-        }
+        })
+    }
+
+    /// [`Session::last_logits`], or why the row could not be read.
+    fn last_row(&self) -> Result<&[f32]> {
+        self.logits
+            .last(&*self.dev, self.logits_rows, self.model.vocab())
     }
 
     fn check_usable(&self) -> Result<()> {
@@ -798,6 +835,25 @@ impl Session {
             } else {
                 StepLogits::None
             };
+            // The last row stays on the device with its host copy on the way, where the
+            // backend defers it (a token drawn on the device does not wait for the copy).
+            if want == StepLogits::Last {
+                match self.dev.step_deferred(phase, chunk, self.pos) {
+                    Ok(Some(ticket)) => {
+                        self.logits = KeptLogits::Device(OnceLock::new(), chunk.len() - 1, ticket);
+                        self.logits_rows = 1;
+                        self.advance(phase, chunk);
+                        continue;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        self.poisoned = true;
+                        self.logits.clear();
+                        self.logits_rows = 0;
+                        return Err(e);
+                    }
+                }
+            }
             // Step and read as one operation: sessions of a model may share its I/O arena.
             let rows = match self.dev.step_read(phase, chunk, self.pos, want) {
                 Ok(rows) => rows,
@@ -813,22 +869,31 @@ impl Session {
                 self.logits_rows += chunk.len();
             } else if ci + 1 == n_chunks {
                 // Only the last position's row crosses to the host.
-                self.logits = KeptLogits::Device(rows, chunk.len() - 1, self.dev.steps_run());
+                self.logits = KeptLogits::Device(
+                    OnceLock::from(Ok(rows)),
+                    chunk.len() - 1,
+                    self.dev.steps_run(),
+                );
                 self.logits_rows = 1;
             }
-            self.pos += chunk.len();
-            self.tokens.extend_from_slice(chunk);
-            self.counters.steps += 1;
-            match phase {
-                Phase::Decode => self.counters.decode_tokens += 1,
-                // The planner never chooses the drafter's plan.
-                Phase::Prefill { .. } | Phase::Verify { .. } | Phase::MtpDraft => {
-                    self.counters.prefill_tokens += chunk.len() as u64
-                }
-            }
+            self.advance(phase, chunk);
         }
         self.pending = None;
         Ok(())
+    }
+
+    /// Position, history and counters after `chunk` was fed in a `phase` step.
+    fn advance(&mut self, phase: Phase, chunk: &[u32]) {
+        self.pos += chunk.len();
+        self.tokens.extend_from_slice(chunk);
+        self.counters.steps += 1;
+        match phase {
+            Phase::Decode => self.counters.decode_tokens += 1,
+            // The planner never chooses the drafter's plan.
+            Phase::Prefill { .. } | Phase::Verify { .. } | Phase::MtpDraft => {
+                self.counters.prefill_tokens += chunk.len() as u64
+            }
+        }
     }
 
     /// Feed one chunk (at most the largest prefill bucket) as the last chunk of a prompt whose
@@ -870,13 +935,53 @@ impl Session {
     pub fn decode_greedy(&mut self, n: usize) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let t = argmax(self.last_logits()).ok_or_else(|| {
-                Error::Input("no logits to decode from: append tokens first".into())
-            })?;
+            let t = self.argmax_next()?;
             self.append(&[t])?;
             out.push(t);
         }
         Ok(out)
+    }
+
+    /// The greedy choice from the last logits ([`argmax`] of [`Session::last_logits`]), taken
+    /// on the device where the row is still there (only the id crosses to the host).
+    pub fn argmax_next(&mut self) -> Result<u32> {
+        self.check_usable()?;
+        if self.logits_rows == 0 {
+            return Err(Error::Input(
+                "no logits to decode from: append tokens first".into(),
+            ));
+        }
+        if let Some(t) = self.device_argmax(None)? {
+            return Ok(t);
+        }
+        argmax(self.last_row()?).ok_or_else(|| Error::Backend {
+            op: "argmax".into(),
+            msg: "the logits row has no finite value".into(),
+        })
+    }
+
+    /// The greedy choice from the kept device row (a penalized copy of it with `penalties`):
+    /// `None` when the row is not on the device any more or the backend has no device
+    /// sampler (the host copy gives the same choice).
+    fn device_argmax(
+        &mut self,
+        penalties: Option<&crate::sampling::PenaltyList>,
+    ) -> Result<Option<u32>> {
+        let KeptLogits::Device(_, row, steps) = self.logits else {
+            return Ok(None);
+        };
+        if steps != self.dev.steps_run() {
+            return Ok(None);
+        }
+        match self.dev.argmax_row(row, penalties) {
+            Ok(Some(t)) => Ok(Some(t)),
+            Ok(None) => Err(Error::Backend {
+                op: "sample".into(),
+                msg: "the logits row has no finite value".into(),
+            }),
+            Err(Error::Unsupported(_) | Error::Input(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Choose the next token without feeding it: the pending token if there is one, else a
@@ -895,6 +1000,12 @@ impl Session {
         }
         // Step 0 of crate::sampling: the tokens the penalties change, if any.
         let penalties = self.sampler.penalty_list(&self.tokens, v);
+        // Greedy (crate::sampling: the argmax; no RNG draw) on the device, where the row is.
+        if (self.sampler.is_greedy() || self.sampler.top_k == 1)
+            && let Some(t) = self.device_argmax(penalties.as_ref())?
+        {
+            return Ok(t);
+        }
         // On the device where the row is still there: the same token as the host sampler's
         // (crate::sampling), without a host pass over the row; penalties go to a device copy.
         if let KeptLogits::Device(_, row, steps) = self.logits
@@ -919,15 +1030,14 @@ impl Session {
         }
         // On the host: a penalized copy of the row when there are penalties.
         if let Some(list) = &penalties {
-            let mut p =
-                self.logits.as_slice()[(self.logits_rows - 1) * v..self.logits_rows * v].to_vec();
+            let mut p = self.last_row()?.to_vec();
             list.apply(&mut p);
             return self.sampler.sample(&p).ok_or_else(|| Error::Backend {
                 op: "sample".into(),
                 msg: "the logits row has no finite value".into(),
             });
         }
-        let row = &self.logits.as_slice()[(self.logits_rows - 1) * v..self.logits_rows * v];
+        let row = self.logits.last(&*self.dev, self.logits_rows, v)?;
         self.sampler.sample(row).ok_or_else(|| Error::Backend {
             op: "sample".into(),
             msg: "the logits row has no finite value".into(),
@@ -987,7 +1097,7 @@ impl Session {
             // A restored row goes back into the next capsule without a copy.
             KeptLogits::Shared(row) if self.logits_rows == 1 => Some(LogitsRow(row.clone())),
             _ => {
-                let last = self.last_logits();
+                let last = self.last_row()?;
                 (!last.is_empty()).then(|| LogitsRow(last.into()))
             }
         };

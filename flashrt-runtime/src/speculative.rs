@@ -528,8 +528,7 @@ fn round(
 ) -> Result<Vec<u32>> {
     let vocab = compiled.ir.vocab;
     let max_seq = compiled.layout.max_seq;
-    let x = argmax(s.last_logits())
-        .ok_or_else(|| Error::Input("no logits to decode from: append tokens first".into()))?;
+    let x = s.argmax_next()?;
     let pos = s.pos();
     if pos >= max_seq {
         return Err(Error::Input(format!(

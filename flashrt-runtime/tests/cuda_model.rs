@@ -1355,6 +1355,61 @@ fn gdn_column_blocks_compute_what_one_block_per_head_computes() {
     }
 }
 
+/// A step's last logits row left on the device with its host copy deferred
+/// (`CudaOptions::defer_logits`, default) reads as the row read within the step, also when
+/// another session of the model has stepped since (the next step waits for the copy); greedy
+/// tokens taken on the device (`sample_argmax`) equal the host's argmax; and a capsule taken
+/// after another session's step carries the session's own row.
+#[test]
+fn deferred_logits_read_as_eager_ones_on_gpu() {
+    let name = "deferred_logits_read_as_eager_ones_on_gpu";
+    let eager = CudaOptions {
+        defer_logits: false,
+        device_sampler: false,
+        ..CudaOptions::default()
+    };
+    let deferred = CudaOptions {
+        defer_logits: true,
+        device_sampler: true,
+        ..CudaOptions::default()
+    };
+    if !same_bits_with(name, QWEN_LIKE, &[eager, deferred]) {
+        return;
+    }
+    let (Some(on), Some(off)) = (cuda_with(name, deferred), cuda_with(name, eager)) else {
+        return;
+    };
+    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 256);
+    let (m_on, m_off) = (model_on(on, &ir, None), model_on(off, &ir, None));
+    let vocab = m_on.vocab();
+    let p = prompt(23, vocab, 91);
+    let mut a = m_on.session().unwrap();
+    let mut other = m_on.session().unwrap();
+    let mut b = m_off.session().unwrap();
+    a.append(&p).unwrap();
+    b.append(&p).unwrap();
+    other.append(&prompt(9, vocab, 92)).unwrap();
+    for i in 0..12 {
+        // Another session's step between a's step and the read of a's row.
+        other.append(&[i as u32]).unwrap();
+        assert!(
+            a.last_logits() == b.last_logits(),
+            "step {i}: a's row after another step"
+        );
+        let ta = a.decode_greedy(1).unwrap();
+        let tb = b.decode_greedy(1).unwrap();
+        assert_eq!(ta, tb, "step {i}: device argmax against the host's");
+        other.append(&[i as u32 + 1]).unwrap();
+        let (ca, cb) = (a.snapshot().unwrap(), b.snapshot().unwrap());
+        assert!(
+            ca.meta.last_logits.as_ref().map(|l| &l.0[..])
+                == cb.meta.last_logits.as_ref().map(|l| &l.0[..]),
+            "step {i}: the capsule's row"
+        );
+    }
+    println!("deferred logits rows and device argmax equal eager reads over 12 steps");
+}
+
 /// Runs the same appends (a 40-token prompt, then chunks of 2, 5, 3, 4 and single tokens: verify
 /// passes and decode steps) on `json` under each of `options`, and asserts every logit and state
 /// byte equal to the first's. False (skipped, said so) without a GPU.

@@ -16,7 +16,7 @@ mod cuda_support;
 use cuda_support::*;
 use flashrt_runtime::backend::cuda::{CudaOptions, CudaSampler};
 use flashrt_runtime::sampling::xoshiro256ss_next;
-use flashrt_runtime::{LogitsMode, SamplerState};
+use flashrt_runtime::{LogitsMode, SamplerState, argmax};
 
 fn rows() -> Vec<(&'static str, Vec<f32>)> {
     let mut rng = [0x1234_5678_9abc_def0u64, 7, 11, 13];
@@ -136,6 +136,78 @@ fn device_sampler_chooses_what_the_host_sampler_chooses() {
     println!("device sampler: {checked} draws equal to the host sampler's");
 }
 
+/// Greedy on the device (`sample_argmax`, one launch) against the host's [`argmax`]: the
+/// largest value that is not NaN, infinities included, the smallest index holding it, both zeros
+/// equal; `None` only when every value is NaN.
+#[test]
+fn device_argmax_is_the_host_argmax() {
+    let Some(gpu) = cuda("device_argmax_is_the_host_argmax") else {
+        return;
+    };
+    let mut dev = CudaSampler::new(&gpu, 248_320).expect("device sampler");
+    let mut cases = rows();
+    let mut with = |name: &'static str, n: usize, set: &[(usize, f32)], fill: f32| {
+        let mut v = vec![fill; n];
+        for &(i, x) in set {
+            v[i] = x;
+        }
+        cases.push((name, v));
+    };
+    with("every value NaN", 300, &[], f32::NAN);
+    with("every value -inf", 300, &[], f32::NEG_INFINITY);
+    with(
+        "-inf and NaN",
+        300,
+        &[(0, f32::NAN), (299, f32::NEG_INFINITY)],
+        f32::NAN,
+    );
+    with(
+        "-0 before +0 (equal)",
+        1000,
+        &[(700, 0.0), (300, -0.0)],
+        -5.0,
+    );
+    with(
+        "+0 before -0 (equal)",
+        1000,
+        &[(300, 0.0), (700, -0.0)],
+        -5.0,
+    );
+    with(
+        "+inf twice",
+        5000,
+        &[(4999, f32::INFINITY), (1234, f32::INFINITY)],
+        1.0,
+    );
+    with(
+        "+inf after NaN",
+        5000,
+        &[(0, f32::NAN), (4, f32::INFINITY)],
+        1.0,
+    );
+    with("max at the last index", 248_320, &[(248_319, 3.0)], 2.0);
+    with(
+        "max at index 0, ties later",
+        248_320,
+        &[(0, 3.0), (9, 3.0), (248_000, 3.0)],
+        -1.0,
+    );
+    with(
+        "ulp apart",
+        4096,
+        &[(17, 1.0), (4000, f32::from_bits(1.0f32.to_bits() + 1))],
+        0.5,
+    );
+    for (name, row) in &cases {
+        let want = argmax(row);
+        assert_eq!(dev.argmax(row).unwrap(), want, "{name}");
+    }
+    println!(
+        "device argmax: {} rows equal to the host argmax",
+        cases.len()
+    );
+}
+
 /// Sampled generation through sessions: the device sampler (default) and the host sampler
 /// (`device_sampler: false`) on identical weights give identical tokens and RNG states,
 /// also across a snapshot / restore (the restored row is on the host, not the device).
@@ -188,7 +260,12 @@ fn sessions_sample_the_same_on_device_and_host() {
     let plain = SamplerState::seeded(77, 1.5, 0, 0.95).with_min_p(0.001);
     for (what, sampler) in [
         ("plain", plain.clone()),
-        ("penalties", plain.with_penalties(0.4, 0.3, 1.3)),
+        ("penalties", plain.clone().with_penalties(0.4, 0.3, 1.3)),
+        // Greedy: the device's argmax (of a penalized copy) against the host's.
+        (
+            "greedy with penalties",
+            SamplerState::greedy().with_penalties(0.4, 0.3, 1.3),
+        ),
     ] {
         let (a, ra) = run(on.clone(), sampler.clone());
         let (b, rb) = run(off.clone(), sampler);

@@ -662,6 +662,38 @@ pub trait DeviceSession: Send {
             "no device sampler on this backend".into(),
         ))
     }
+    /// The greedy choice ([`crate::argmax`]) from row `row` of the last step's logits, on the
+    /// device: [`DeviceSession::sample_row`]'s contract for the sampler's greedy draw (`None`
+    /// when every value is NaN).
+    fn argmax_row(
+        &mut self,
+        row: usize,
+        penalties: Option<&crate::sampling::PenaltyList>,
+    ) -> Result<Option<u32>> {
+        let _ = (row, penalties);
+        Err(crate::error::Error::Unsupported(
+            "no device sampler on this backend".into(),
+        ))
+    }
+    /// Step as [`DeviceSession::step_logits`] with the last row's logits left on the device,
+    /// and queue their copy to host memory behind the step, without waiting for either:
+    /// `Some(ticket)` (the session's [`DeviceSession::steps_run`] after this step), then
+    /// [`DeviceSession::deferred_row`] reads the row when it is wanted, so a step whose token is
+    /// drawn on the device ([`DeviceSession::sample_row`], [`DeviceSession::argmax_row`]) never
+    /// waits for the row's copy. `None`: the backend does not defer (nothing ran; the caller
+    /// uses [`DeviceSession::step_read`]).
+    fn step_deferred(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<Option<u64>> {
+        let _ = (phase, tokens, pos);
+        Ok(None)
+    }
+    /// The logits row of the [`DeviceSession::step_deferred`] that returned `ticket` (waits for
+    /// its copy); an error once a later deferred step has replaced it.
+    fn deferred_row(&self, ticket: u64) -> Result<Vec<f32>> {
+        let _ = ticket;
+        Err(crate::error::Error::Unsupported(
+            "no deferred logits on this backend".into(),
+        ))
+    }
     /// Block until every step, save and restore queued so far has completed (benchmarks stop
     /// their clocks after this). Synchronous backends need not override it.
     fn synchronize(&self) -> Result<()> {

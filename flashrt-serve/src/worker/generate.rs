@@ -160,9 +160,7 @@ impl Worker {
         };
         let n = (k + 1).min(req.max_tokens - g.out.len()).min(room);
         if k > 0 && n >= 2 {
-            let x = flashrt_runtime::argmax(s.last_logits()).ok_or_else(|| {
-                ApiError::new(500, "internal", "the logits row has no finite value")
-            })?;
+            let x = s.argmax_next()?;
             if self.emit(x, None, &req.stop, g, stream) {
                 // Stopped (or gone) at the round's first token: not fed, as in plain
                 // decoding.

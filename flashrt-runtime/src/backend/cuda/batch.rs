@@ -240,6 +240,10 @@ impl CudaModel {
             .record(&stream)
             .map_err(drv("batch staging"))?;
         let graphs = inner.options.graphs;
+        let batch = {
+            g.before_io_write(&stream)?;
+            batch_state(self, &exec, &mut g)?
+        };
         let bp = &mut batch.programs[idx];
         let label = format!("decode[{}]", bp.rows);
         let ws = dptr(&exec.workspace);

@@ -29,6 +29,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// The shared half of every session of one model (see the module docs).
 pub(super) struct Exec {
     pub stream: Arc<CudaStream>,
+    /// Where deferred logits rows cross to the host (`DeviceSession::step_deferred`): a
+    /// stream of its own, so the copy waits only for the step that wrote the row, never
+    /// behind a capsule's copy, and the compute stream runs on meanwhile.
+    pub readback: Arc<CudaStream>,
     _scratch: CudaSlice<u8>,
     _io: CudaSlice<u8>,
     pub workspace: CudaSlice<u8>,
@@ -57,6 +61,11 @@ pub(super) struct ExecState {
     pub batch: Option<super::batch::BatchExec>,
     /// Two pinned buffers (and their completion events) for reading many logits rows.
     pub bounce: ([PinnedHostSlice<f32>; 2], [CudaEvent; 2]),
+    /// Recorded on [`Exec::readback`] after the last deferred logits copy; while
+    /// `readback_pending`, the next command that writes the I/O arena must wait for it
+    /// ([`ExecState::before_io_write`]).
+    pub readback_done: CudaEvent,
+    pub readback_pending: bool,
 }
 
 impl Exec {
@@ -66,6 +75,7 @@ impl Exec {
         ctx.bind_to_thread().map_err(drv("bind context"))?;
         let layout = &model.compiled.layout;
         let stream = ctx.new_stream().map_err(drv("create compute stream"))?;
+        let readback = ctx.new_stream().map_err(drv("create readback stream"))?;
         let scratch_b = layout.arena_bytes(Role::Scratch);
         let io_b = layout.arena_bytes(Role::Io);
         let scratch = alloc_zeroed(&stream, scratch_b, "scratch arena")?;
@@ -105,6 +115,7 @@ impl Exec {
         };
         let event = || ctx.new_event(None).map_err(drv("create event"));
         let bounce = ([pinned()?, pinned()?], [event()?, event()?]);
+        let readback_done = event()?;
         stream
             .synchronize()
             .map_err(drv("allocate shared arenas"))?;
@@ -112,6 +123,7 @@ impl Exec {
             scratch_base: dptr(&scratch),
             io_base: dptr(&io),
             stream,
+            readback,
             _scratch: scratch,
             _io: io,
             workspace,
@@ -126,6 +138,8 @@ impl Exec {
                 rows_owners: Vec::new(),
                 batch: None,
                 bounce,
+                readback_done,
+                readback_pending: false,
             }),
         })
     }
@@ -144,6 +158,16 @@ impl ExecState {
     pub fn set_owner(&mut self, id: u64) {
         self.owner = id;
         self.rows_owners.clear();
+    }
+    /// Before a step (of any session, or a batched one) is queued on `stream`: make it wait
+    /// for the deferred logits copy still reading the I/O arena, if any.
+    pub fn before_io_write(&mut self, stream: &CudaStream) -> Result<()> {
+        if std::mem::take(&mut self.readback_pending) {
+            stream
+                .wait(&self.readback_done)
+                .map_err(drv("wait for the logits copy"))?;
+        }
+        Ok(())
     }
     /// Whether logits row `row` is session `id`'s (its last step wrote it).
     pub fn owns_row(&self, id: u64, row: usize) -> bool {

@@ -195,6 +195,7 @@ const PLAIN: &[&str] = &[
     "sample_best",
     "sample_weigh",
     "sample_pick",
+    "sample_argmax",
     "sample_penalize",
 ];
 

@@ -191,11 +191,19 @@ pub struct CudaOptions {
     /// decode, verify and batched steps. Not yet measured on the H200: off by default;
     /// `FLASHRT_GEMV16_SMEM=1` turns it on (and takes precedence over `gemv16_mma`).
     pub gemv16_smem: bool,
-    /// Sample non-greedy tokens on the device (kernels/sample.cu) from the row the step left
-    /// in the I/O arena (default): only the id crosses to the host. `false` samples on the
-    /// host from the copied row; both choose the same token. Default from
-    /// `FLASHRT_DEVICE_SAMPLER` (`0` = off).
+    /// Sample tokens on the device (kernels/sample.cu; greedy ones with one `sample_argmax`
+    /// launch) from the row the step left in the I/O arena (default): only the id crosses to
+    /// the host. `false` samples on the host from the copied row; both choose the same token.
+    /// Default from `FLASHRT_DEVICE_SAMPLER` (`0` = off).
     pub device_sampler: bool,
+    /// A step whose last row's logits are kept (the runtime's `Session::append`) leaves them on
+    /// the device and copies them to a pinned host row on a stream of their own behind the
+    /// step, without waiting (`DeviceSession::step_deferred`): a token drawn on the device
+    /// never waits for the 1 MB row (the 27B shape's vocabulary) to cross into pageable
+    /// memory, and whoever wants the row on the host (logprobs, the host sampler, a capsule)
+    /// waits for the copy then. Default on; `FLASHRT_DEFER_LOGITS=0` reads the row within the
+    /// step, as before.
+    pub defer_logits: bool,
     /// Run several rows' (verify) 16-bit `gemv` launches as the resident blocks looping over
     /// tiles, so the fused RMSNorm prologue runs once per block instead of once per tile
     /// (kernels/gemv.cu `gemv_impl`; same arithmetic per row). Off by default until measured;
@@ -275,6 +283,7 @@ impl Default for CudaOptions {
             gemv16_mma: std::env::var("FLASHRT_GEMV16_MMA").is_ok_and(|v| v == "1"),
             gemv16_smem: std::env::var("FLASHRT_GEMV16_SMEM").is_ok_and(|v| v == "1"),
             device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
+            defer_logits: on("FLASHRT_DEFER_LOGITS"),
             gemv_tiles: std::env::var("FLASHRT_GEMV_TILES").is_ok_and(|v| v == "1"),
             gemv_stage: on("FLASHRT_GEMV_STAGE"),
             row_states: on("FLASHRT_ROW_STATES"),

@@ -208,6 +208,67 @@ pub(super) unsafe fn sample_on(
     Ok((id[0] != u32::MAX).then_some(id[0]))
 }
 
+/// Greedy: [`crate::argmax`] of the `n` f32 logits at device address `row` on `stream`
+/// (kernels/sample.cu `sample_argmax`: one launch), with the workspace at `ws`. Blocks until
+/// the index is on the host. `None` when every value is NaN.
+///
+/// # Safety
+/// As [`sample_on`].
+pub(super) unsafe fn argmax_on(
+    kernels: &Kernels,
+    stream: &CudaStream,
+    row: u64,
+    n: usize,
+    ws: u64,
+    sms: usize,
+) -> Result<Option<u32>> {
+    if n == 0 || n > u32::MAX as usize - 1 {
+        return Err(Error::Input(format!("argmax: a row of {n} logits")));
+    }
+    let p = SampleParams {
+        logits: row,
+        out: 0,
+        inv_t: 1.0,
+        floor_w: 0,
+        top_p: 0,
+        draw: 0,
+        ws,
+        weights: 0,
+        list: 0,
+        n: n as u32,
+        top_k: 1,
+        use_top_p: 0,
+        pad: 0,
+    };
+    // SAFETY: the key slot is the workspace's first 8 bytes (this function's contract),
+    // cleared in stream order before the kernel's atomics.
+    unsafe { cudarc::driver::result::memset_d8_async(ws, 0, 8, stream.cu_stream()) }
+        .map_err(drv("argmax: clear the key"))?;
+    let func = kernels.get("sample_argmax")?;
+    let mut args = [&p as *const SampleParams as *mut std::ffi::c_void];
+    let grid = n.div_ceil(256).min(2 * sms.max(1)) as u32;
+    // SAFETY: one by-value `SampleParams` (the kernel reads `logits`, `n` and `ws[0]`), valid by
+    // this function's contract; `p` outlives the launch call.
+    unsafe {
+        cudarc::driver::result::launch_kernel(
+            func.cu_function(),
+            (grid, 1, 1),
+            (256, 1, 1),
+            0,
+            stream.cu_stream(),
+            &mut args,
+        )
+    }
+    .map_err(drv("sample_argmax"))?;
+    let mut key = [0u64; 1];
+    // SAFETY: the slot's 8 bytes were written by the kernel above, in stream order; a copy into
+    // pageable memory completes before this returns.
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut key, ws, stream.cu_stream()) }
+        .map_err(drv("argmax: read the key"))?;
+    stream.synchronize().map_err(drv("argmax"))?;
+    Ok((key[0] != 0).then(|| u32::MAX - key[0] as u32))
+}
+
 /// The device sampler on rows that come from the host: what the tests check against the host
 /// sampler bit for bit, and what a benchmark times. (Sessions sample the row their step left
 /// in the I/O arena instead: [`crate::backend::DeviceSession::sample_row`].)
@@ -250,14 +311,24 @@ impl CudaSampler {
         self.sample_penalized(row, spec, None)
     }
 
-    /// Copy `row` to the device, apply `penalties` to a copy of it there (step 0) and sample
-    /// that with `spec`.
-    pub fn sample_penalized(
-        &mut self,
-        row: &[f32],
-        spec: &DrawSpec,
-        penalties: Option<&PenaltyList>,
-    ) -> Result<Option<u32>> {
+    /// Copy `row` to the device and take its greedy choice there ([`argmax_on`]).
+    pub fn argmax(&mut self, row: &[f32]) -> Result<Option<u32>> {
+        let dst = self.upload(row)?;
+        // SAFETY: the row and workspace are this sampler's, used only on its stream.
+        unsafe {
+            argmax_on(
+                &self.kernels,
+                &self.stream,
+                dst,
+                row.len(),
+                dptr(&self.ws),
+                self.sms,
+            )
+        }
+    }
+
+    /// Copy `row` into the sampler's device row (its address).
+    fn upload(&mut self, row: &[f32]) -> Result<u64> {
         if row.len() > self.cap {
             return Err(Error::Input(format!(
                 "a row of {} logits, the sampler holds {}",
@@ -271,10 +342,22 @@ impl CudaSampler {
             .map_err(drv("bind context"))?;
         let dst = dptr(&self.row);
         // SAFETY: `dst` holds `cap >= row.len()` f32; the copy from pageable memory completes
-        // before the launch below reads it (same stream) and `row` outlives it (the sampler
+        // before a launch on the same stream reads it, and `row` outlives it (the sampler
         // synchronises before returning).
         unsafe { cudarc::driver::result::memcpy_htod_async(dst, row, self.stream.cu_stream()) }
             .map_err(drv("sampler: copy the row"))?;
+        Ok(dst)
+    }
+
+    /// Copy `row` to the device, apply `penalties` to a copy of it there (step 0) and sample
+    /// that with `spec`.
+    pub fn sample_penalized(
+        &mut self,
+        row: &[f32],
+        spec: &DrawSpec,
+        penalties: Option<&PenaltyList>,
+    ) -> Result<Option<u32>> {
+        let dst = self.upload(row)?;
         // SAFETY: the row, workspace and result buffers are this sampler's, used only on its
         // stream.
         unsafe {

@@ -50,6 +50,18 @@ pub struct CudaSession {
     pub(super) row_armed: bool,
     /// The step that kept them: its phase, rows and step count.
     pub(super) kept: Option<(Phase, usize, u64)>,
+    /// Where deferred logits rows land (`CudaOptions::defer_logits`).
+    pub(super) deferred: Option<DeferredRow>,
+}
+
+/// A session's last deferred logits row ([`DeviceSession::step_deferred`]): pinned host memory
+/// the readback stream copies it into, the events after the step that wrote it (the copy
+/// waits on it) and after the copy, and the ticket of the row it holds (0: none).
+pub(super) struct DeferredRow {
+    host: PinnedHostSlice<f32>,
+    stepped: CudaEvent,
+    copied: CudaEvent,
+    ticket: u64,
 }
 
 impl Drop for CudaSession {
@@ -147,6 +159,19 @@ impl CudaSession {
                 .map_err(drv("create event"))
         };
         let (restore_start, restore_done) = (timing()?, timing()?);
+        let deferred = if model.options.defer_logits {
+            let event = || ctx.new_event(None).map_err(drv("create event"));
+            Some(DeferredRow {
+                // SAFETY: the row is read only after a copy filled it (`copied` completed).
+                host: unsafe { ctx.alloc_pinned_with_flags::<f32>(model.compiled.ir.vocab, 0) }
+                    .map_err(drv("allocate pinned logits row"))?,
+                stepped: event()?,
+                copied: event()?,
+                ticket: 0,
+            })
+        } else {
+            None
+        };
         copy.synchronize().map_err(drv("allocate session state"))?;
 
         let builder = builder(&model, &exec, dptr(&state), dptr(&staging_dev), None);
@@ -182,6 +207,7 @@ impl CudaSession {
             warm: Vec::new(),
             row_armed: false,
             kept: None,
+            deferred,
         })
     }
 
@@ -429,6 +455,7 @@ impl DeviceSession for CudaSession {
         let exec = self.exec.clone();
         let mut g = exec.lock()?;
         let idx = self.stage(phase, tokens, pos, logits)?;
+        g.before_io_write(&self.stream)?;
         self.steps += 1;
         self.launch(idx)?;
         g.set_owner(self.id);
@@ -520,19 +547,8 @@ impl DeviceSession for CudaSession {
             return Err(Error::Unsupported("device sampler off".into()));
         }
         let g = self.exec.lock()?;
-        if !g.owns_row(self.id, row) {
-            return Err(exec::not_owner());
-        }
-        let max_rows = self.layout().max_rows;
-        if row >= max_rows {
-            return Err(Error::Input(format!(
-                "logits row {row} requested, buffer has {max_rows}"
-            )));
-        }
-        self.bind()?;
+        let src = self.owned_row(&g, row)?;
         let vocab = self.model.compiled.ir.vocab;
-        let b = self.layout().buffer(self.model.compiled.io.logits);
-        let src = self.io_base + b.offset as u64 + (4 * row * vocab) as u64;
         let ws = dptr(&self.exec.sample_ws);
         // SAFETY: row < max_rows, so the vocab f32 at `src` lie inside io.logits, which this
         // session's last step wrote (owner checked under the lock, which is held until the
@@ -558,6 +574,99 @@ impl DeviceSession for CudaSession {
         }
     }
 
+    fn argmax_row(
+        &mut self,
+        row: usize,
+        penalties: Option<&crate::sampling::PenaltyList>,
+    ) -> Result<Option<u32>> {
+        if !self.model.options.device_sampler {
+            return Err(Error::Unsupported("device sampler off".into()));
+        }
+        let g = self.exec.lock()?;
+        let src = self.owned_row(&g, row)?;
+        let vocab = self.model.compiled.ir.vocab;
+        let ws = dptr(&self.exec.sample_ws);
+        // SAFETY: as in `sample_row`: the row is this session's (checked under the lock, held
+        // until the index is read), the workspace the model's, used only under that lock.
+        unsafe {
+            let src = match penalties {
+                Some(list) => {
+                    sample::penalize_on(&self.model.kernels, &self.stream, src, vocab, ws, list)?
+                }
+                None => src,
+            };
+            sample::argmax_on(
+                &self.model.kernels,
+                &self.stream,
+                src,
+                vocab,
+                ws,
+                self.model.sms,
+            )
+        }
+    }
+
+    fn step_deferred(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<Option<u64>> {
+        if self.deferred.is_none() {
+            return Ok(None);
+        }
+        let exec = self.exec.clone();
+        let mut g = exec.lock()?;
+        let idx = self.stage(phase, tokens, pos, StepLogits::Last)?;
+        g.before_io_write(&self.stream)?;
+        self.steps += 1;
+        self.launch(idx)?;
+        g.set_owner(self.id);
+        let vocab = self.model.compiled.ir.vocab;
+        let b = self.layout().buffer(self.model.compiled.io.logits);
+        let src = self.io_base + b.offset as u64 + (4 * (tokens.len() - 1) * vocab) as u64;
+        let steps = self.steps;
+        let d = self.deferred.as_mut().expect("checked above");
+        d.ticket = 0;
+        d.stepped
+            .record(&self.stream)
+            .map_err(drv("defer logits"))?;
+        exec.readback
+            .wait(&d.stepped)
+            .map_err(drv("defer logits"))?;
+        let dst = d.host.as_mut_slice().map_err(drv("defer logits"))?;
+        // SAFETY: `src` is row `len - 1` of io.logits (len <= max_rows, checked by `stage`),
+        // which the step just queued writes; the readback stream waits for that step, and the
+        // next step of any session waits for `readback_done` (recorded below) before it writes
+        // the arena again. `dst` is this session's pinned row of `vocab` f32, read only after
+        // `copied` completes and rewritten only by this session's next deferred step.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, exec.readback.cu_stream()) }
+            .map_err(drv("defer logits"))?;
+        d.copied
+            .record(&exec.readback)
+            .map_err(drv("defer logits"))?;
+        g.readback_done
+            .record(&exec.readback)
+            .map_err(drv("defer logits"))?;
+        g.readback_pending = true;
+        d.ticket = steps;
+        Ok(Some(steps))
+    }
+
+    fn deferred_row(&self, ticket: u64) -> Result<Vec<f32>> {
+        let d = self
+            .deferred
+            .as_ref()
+            .ok_or_else(|| Error::Unsupported("deferred logits off".into()))?;
+        if ticket == 0 || d.ticket != ticket {
+            return Err(Error::Input(format!(
+                "the deferred logits row of step {ticket} was replaced by a later step"
+            )));
+        }
+        d.copied
+            .synchronize()
+            .map_err(drv("read deferred logits"))?;
+        Ok(d.host
+            .as_slice()
+            .map_err(drv("read deferred logits"))?
+            .to_vec())
+    }
+
     fn step_read(
         &mut self,
         phase: Phase,
@@ -568,6 +677,7 @@ impl DeviceSession for CudaSession {
         let exec = self.exec.clone();
         let mut g = exec.lock()?;
         let idx = self.stage(phase, tokens, pos, want)?;
+        g.before_io_write(&self.stream)?;
         self.steps += 1;
         self.launch(idx)?;
         g.set_owner(self.id);
@@ -588,6 +698,7 @@ impl DeviceSession for CudaSession {
         let exec = self.exec.clone();
         let mut g = exec.lock()?;
         let idx = self.stage(phase, tokens, pos, logits)?;
+        g.before_io_write(&self.stream)?;
         self.steps += 1;
         g.set_owner(self.id);
         let ws = dptr(&self.exec.workspace);
@@ -701,6 +812,24 @@ impl DeviceSession for CudaSession {
 }
 
 impl CudaSession {
+    /// The device address of logits row `row`, which this session's last step wrote (the
+    /// caller holds the stream's lock, `g`); binds the context.
+    fn owned_row(&self, g: &exec::ExecState, row: usize) -> Result<u64> {
+        if !g.owns_row(self.id, row) {
+            return Err(exec::not_owner());
+        }
+        let max_rows = self.layout().max_rows;
+        if row >= max_rows {
+            return Err(Error::Input(format!(
+                "logits row {row} requested, buffer has {max_rows}"
+            )));
+        }
+        self.bind()?;
+        let vocab = self.model.compiled.ir.vocab;
+        let b = self.layout().buffer(self.model.compiled.io.logits);
+        Ok(self.io_base + b.offset as u64 + (4 * row * vocab) as u64)
+    }
+
     /// Row `row` of `io.logits` (the caller holds the stream's lock).
     pub(super) fn read_logits_row(&self, row: usize) -> Result<Vec<f32>> {
         self.bind()?;
