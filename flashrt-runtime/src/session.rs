@@ -482,7 +482,9 @@ impl Model {
                 }
             };
             for ((s, &t), (row, at)) in group.iter_mut().zip(toks).zip(rows) {
-                s.logits = KeptLogits::Device(OnceLock::from(Ok(row)), at, s.dev.steps_run());
+                // A row whose copy is deferred is read when first wanted.
+                let host = row.map_or_else(OnceLock::new, |r| OnceLock::from(Ok(r)));
+                s.logits = KeptLogits::Device(host, at, s.dev.steps_run());
                 s.logits_rows = 1;
                 s.pos += 1;
                 s.tokens.push(t);

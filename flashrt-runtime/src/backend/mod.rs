@@ -548,8 +548,9 @@ pub trait DeviceModel: Send + Sync {
     }
     /// One decode step of several sessions of this model at once: session `r` feeds
     /// `tokens[r]` at its position `positions[r]`. Returns, per session, its logits row (a host
-    /// copy) and the row of the device's logits buffer that holds it until the next step of any
-    /// session ([`DeviceSession::sample_row`]). Every row equals, bit for bit, the session's own
+    /// copy, or `None` where its copy is deferred: [`DeviceSession::deferred_row`] of the
+    /// session's [`DeviceSession::steps_run`]) and the row of the device's logits buffer that
+    /// holds it until the next step of any session ([`DeviceSession::sample_row`]). Every row equals, bit for bit, the session's own
     /// decode step. The default (the CPU reference: it has no weights to share between rows)
     /// steps the sessions one after the other; the CUDA backend runs one batched graph
     /// (`backend/cuda/batch.rs`). On error the sessions' states are undefined.
@@ -558,7 +559,7 @@ pub trait DeviceModel: Send + Sync {
         sessions: &mut [&mut dyn DeviceSession],
         tokens: &[u32],
         positions: &[usize],
-    ) -> Result<Vec<(Vec<f32>, usize)>> {
+    ) -> Result<Vec<(Option<Vec<f32>>, usize)>> {
         if tokens.len() != sessions.len() || positions.len() != sessions.len() {
             return Err(crate::error::Error::Input(format!(
                 "a batched step of {} sessions needs as many tokens and positions, got {} and {}",
@@ -570,7 +571,12 @@ pub trait DeviceModel: Send + Sync {
         sessions
             .iter_mut()
             .zip(tokens.iter().zip(positions))
-            .map(|(s, (&t, &p))| Ok((s.step_read(Phase::Decode, &[t], p, StepLogits::Last)?, 0)))
+            .map(|(s, (&t, &p))| {
+                Ok((
+                    Some(s.step_read(Phase::Decode, &[t], p, StepLogits::Last)?),
+                    0,
+                ))
+            })
             .collect()
     }
     /// Why [`DeviceModel::step_batch`] runs sessions one by one on this model, if it does.

@@ -142,7 +142,7 @@ impl CudaModel {
         sessions: &mut [&mut dyn DeviceSession],
         tokens: &[u32],
         positions: &[usize],
-    ) -> Result<Vec<(Vec<f32>, usize)>> {
+    ) -> Result<Vec<(Option<Vec<f32>>, usize)>> {
         let n = sessions.len();
         if tokens.len() != n || positions.len() != n {
             return Err(Error::Input(format!(
@@ -195,9 +195,15 @@ impl CudaModel {
             return sessions
                 .iter_mut()
                 .zip(tokens.iter().zip(positions))
-                .map(|(s, (&t, &p))| {
-                    Ok((s.step_read(Phase::Decode, &[t], p, StepLogits::Last)?, 0))
-                })
+                .map(
+                    |(s, (&t, &p))| match s.step_deferred(Phase::Decode, &[t], p)? {
+                        Some(_) => Ok((None, 0)),
+                        None => Ok((
+                            Some(s.step_read(Phase::Decode, &[t], p, StepLogits::Last)?),
+                            0,
+                        )),
+                    },
+                )
                 .collect();
         };
         // The record: padding rows repeat row 0 (their blocks return before using them, but
@@ -298,11 +304,18 @@ impl CudaModel {
         }
         g.owner = 0;
         g.rows_owners = cuda.iter().map(|cs| cs.id).collect();
+        if cuda.iter().all(|cs| cs.deferred.is_some()) {
+            // Each row to its session's pinned row behind the step, read when wanted.
+            for (r, cs) in cuda.iter_mut().enumerate() {
+                cs.queue_readback(&mut g, &exec.readback, r)?;
+            }
+            return Ok((0..n).map(|r| (None, r)).collect());
+        }
         let all = cuda[0].read_logits(&mut g, n)?;
         Ok(all
             .chunks_exact(vocab)
             .enumerate()
-            .map(|(r, row)| (row.to_vec(), r))
+            .map(|(r, row)| (Some(row.to_vec()), r))
             .collect())
     }
 }

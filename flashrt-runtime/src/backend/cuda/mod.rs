@@ -674,7 +674,7 @@ impl DeviceModel for CudaModel {
         sessions: &mut [&mut dyn DeviceSession],
         tokens: &[u32],
         positions: &[usize],
-    ) -> Result<Vec<(Vec<f32>, usize)>> {
+    ) -> Result<Vec<(Option<Vec<f32>>, usize)>> {
         self.step_batch_cuda(sessions, tokens, positions)
     }
 

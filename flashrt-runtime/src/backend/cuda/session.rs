@@ -617,35 +617,8 @@ impl DeviceSession for CudaSession {
         self.steps += 1;
         self.launch(idx)?;
         g.set_owner(self.id);
-        let vocab = self.model.compiled.ir.vocab;
-        let b = self.layout().buffer(self.model.compiled.io.logits);
-        let src = self.io_base + b.offset as u64 + (4 * (tokens.len() - 1) * vocab) as u64;
-        let steps = self.steps;
-        let d = self.deferred.as_mut().expect("checked above");
-        d.ticket = 0;
-        d.stepped
-            .record(&self.stream)
-            .map_err(drv("defer logits"))?;
-        exec.readback
-            .wait(&d.stepped)
-            .map_err(drv("defer logits"))?;
-        let dst = d.host.as_mut_slice().map_err(drv("defer logits"))?;
-        // SAFETY: `src` is row `len - 1` of io.logits (len <= max_rows, checked by `stage`),
-        // which the step just queued writes; the readback stream waits for that step, and the
-        // next step of any session waits for `readback_done` (recorded below) before it writes
-        // the arena again. `dst` is this session's pinned row of `vocab` f32, read only after
-        // `copied` completes and rewritten only by this session's next deferred step.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, exec.readback.cu_stream()) }
-            .map_err(drv("defer logits"))?;
-        d.copied
-            .record(&exec.readback)
-            .map_err(drv("defer logits"))?;
-        g.readback_done
-            .record(&exec.readback)
-            .map_err(drv("defer logits"))?;
-        g.readback_pending = true;
-        d.ticket = steps;
-        Ok(Some(steps))
+        self.queue_readback(&mut g, &exec.readback, tokens.len() - 1)
+            .map(Some)
     }
 
     fn deferred_row(&self, ticket: u64) -> Result<Vec<f32>> {
@@ -812,6 +785,52 @@ impl DeviceSession for CudaSession {
 }
 
 impl CudaSession {
+    /// Queue the copy of logits row `row`, which the step just queued on the compute stream
+    /// writes for this session, into this session's pinned row on `readback` (the caller
+    /// holds the stream's lock, `g`); returns the row's ticket, the session's step count
+    /// ([`DeviceSession::step_deferred`]).
+    pub(super) fn queue_readback(
+        &mut self,
+        g: &mut exec::ExecState,
+        readback: &CudaStream,
+        row: usize,
+    ) -> Result<u64> {
+        let vocab = self.model.compiled.ir.vocab;
+        let max_rows = self.layout().max_rows;
+        if row >= max_rows {
+            return Err(Error::Input(format!(
+                "logits row {row} requested, buffer has {max_rows}"
+            )));
+        }
+        let b = self.layout().buffer(self.model.compiled.io.logits);
+        let src = self.io_base + b.offset as u64 + (4 * row * vocab) as u64;
+        let steps = self.steps;
+        let d = self
+            .deferred
+            .as_mut()
+            .ok_or_else(|| Error::Unsupported("deferred logits off".into()))?;
+        d.ticket = 0;
+        d.stepped
+            .record(&self.stream)
+            .map_err(drv("defer logits"))?;
+        readback.wait(&d.stepped).map_err(drv("defer logits"))?;
+        let dst = d.host.as_mut_slice().map_err(drv("defer logits"))?;
+        // SAFETY: `src` is row `row < max_rows` of io.logits, which the step just queued
+        // writes; the readback stream waits for that step, and the next step of any session
+        // waits for `readback_done` (recorded below) before it writes the arena again. `dst`
+        // is this session's pinned row of `vocab` f32, read only after `copied` completes and
+        // rewritten only by this session's next deferred step.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, readback.cu_stream()) }
+            .map_err(drv("defer logits"))?;
+        d.copied.record(readback).map_err(drv("defer logits"))?;
+        g.readback_done
+            .record(readback)
+            .map_err(drv("defer logits"))?;
+        g.readback_pending = true;
+        d.ticket = steps;
+        Ok(steps)
+    }
+
     /// The device address of logits row `row`, which this session's last step wrote (the
     /// caller holds the stream's lock, `g`); binds the context.
     fn owned_row(&self, g: &exec::ExecState, row: usize) -> Result<u64> {
