@@ -5,10 +5,11 @@
 //! tokens per second it gives against one session.
 //!
 //! The b sessions are forks of one prefilled capsule (all at the same context), each choosing
-//! its own greedy token every step; the timer covers `step_batch` alone (the step, and each
-//! row's logits crossing to the host as a one-session step's do), median over the steps.
+//! its own greedy token every step (on the device, untimed); the timer covers `step_batch`
+//! until the device has run it (each row's logits stay there, their host copies deferred, as a
+//! one-session step's are), median over the steps.
 
-use crate::runtime::{Model, Session, argmax};
+use crate::runtime::{Model, Session};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -79,24 +80,19 @@ pub fn run(
             let mut times = Vec::with_capacity(steps);
             // Two untimed steps first: the first runs as plain launches, the second is captured.
             for i in 0..steps + 2 {
-                let toks: Vec<u32> = sessions
-                    .iter()
-                    .map(|s| argmax(s.last_logits()).unwrap_or(0))
-                    .collect();
+                let toks = next_tokens(&mut sessions);
                 let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
                 let t0 = Instant::now();
                 model
                     .step_batch(&mut refs, &toks)
+                    .and_then(|()| sessions[0].synchronize())
                     .map_err(|e| format!("batch {b}: step: {e}"))?;
                 if i >= 2 {
                     times.push(t0.elapsed().as_secs_f64() * 1e3);
                 }
             }
             if profile && one_by_one.is_none() && Some(b) == profiled {
-                let toks: Vec<u32> = sessions
-                    .iter()
-                    .map(|s| argmax(s.last_logits()).unwrap_or(0))
-                    .collect();
+                let toks = next_tokens(&mut sessions);
                 let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
                 let t = model
                     .profile_step_batch(&mut refs, &toks)
@@ -144,4 +140,12 @@ pub fn render(r: &BatchReport) -> String {
         ));
     }
     out
+}
+
+/// Each session's greedy token (taken on the device where its row is; 0 without logits).
+fn next_tokens(sessions: &mut [Session]) -> Vec<u32> {
+    sessions
+        .iter_mut()
+        .map(|s| s.argmax_next().unwrap_or(0))
+        .collect()
 }

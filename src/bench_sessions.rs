@@ -59,9 +59,11 @@ pub fn run(model: &Model, sessions: usize, tokens: usize) -> Result<SessionsRepo
     let mut times = Vec::new();
     for round in 0..4 {
         for s in open.iter_mut() {
-            let t = crate::runtime::argmax(s.last_logits()).unwrap_or(0);
+            let t = s.argmax_next().unwrap_or(0);
             let t0 = Instant::now();
-            s.append(&[t]).map_err(|e| format!("decode: {e}"))?;
+            s.append(&[t])
+                .and_then(|()| s.synchronize())
+                .map_err(|e| format!("decode: {e}"))?;
             if round > 0 {
                 times.push(t0.elapsed().as_secs_f64() * 1e3);
             }

@@ -2,7 +2,7 @@
 //! fork two branches, roll back, the KV-only ablation — with every claim checked as it runs.
 
 use crate::runtime::{self, Backend, Capsule, Session};
-use crate::typed::{Model as _, TypedModel};
+use crate::typed::{Model as _, TypedModel, TypedSession};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -59,6 +59,16 @@ fn timed<T>(f: impl FnOnce() -> runtime::Result<T>) -> runtime::Result<(T, f64)>
     let t = Instant::now();
     let v = f()?;
     Ok((v, t.elapsed().as_secs_f64() * 1e3))
+}
+
+/// `f(session)`, returning once the device has run what it queued (a step returns before).
+fn synced<T>(
+    session: &mut TypedSession<Demo>,
+    f: impl FnOnce(&mut TypedSession<Demo>) -> runtime::Result<T>,
+) -> runtime::Result<T> {
+    let v = f(session)?;
+    session.untyped().synchronize()?;
+    Ok(v)
 }
 
 /// Every state byte of the session equals the capsule's.
@@ -134,7 +144,7 @@ pub fn run(backend: Arc<dyn Backend>, prompt_len: usize) -> runtime::Result<Demo
     );
 
     // The uninterrupted continuation.
-    let (reference, ms) = timed(|| session.decode_greedy(n_decode))?;
+    let (reference, ms) = timed(|| synced(&mut session, |s| s.decode_greedy(n_decode)))?;
     row(
         &format!("greedy decode {n_decode} tokens"),
         Some(ms),
@@ -153,7 +163,7 @@ pub fn run(backend: Arc<dyn Backend>, prompt_len: usize) -> runtime::Result<Demo
         Some(untyped_a.bytes()),
         Some((Some(exact), "every state byte equal".into())),
     );
-    let (again, ms) = timed(|| session.decode_greedy(n_decode))?;
+    let (again, ms) = timed(|| synced(&mut session, |s| s.decode_greedy(n_decode)))?;
     row(
         &format!("decode {n_decode} after restore"),
         Some(ms),
@@ -167,7 +177,7 @@ pub fn run(backend: Arc<dyn Backend>, prompt_len: usize) -> runtime::Result<Demo
     // Restored TTFT: restore + first token vs cold prefill.
     let (_, ms) = timed(|| {
         session.restore(&cap_a)?;
-        session.decode_greedy(1)
+        synced(&mut session, |s| s.decode_greedy(1))
     })?;
     row(
         "restored TTFT (restore + 1 token)",

@@ -122,6 +122,8 @@ pub fn generate(
     session.set_logits_mode(LogitsMode::Last);
     if !prompt.is_empty() {
         session.append(prompt)?;
+        // The step returns before the device has run it.
+        session.synchronize()?;
     }
     let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
     let mut g = Generated {

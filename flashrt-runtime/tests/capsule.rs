@@ -66,6 +66,46 @@ fn restore_is_byte_exact_after_dirtying() {
     }
 }
 
+/// `snapshot_to_host` (the fallback when the device has no room for a capsule's copy) holds
+/// the same bytes and metadata as `snapshot`, enters a store's host tier, and restores into a
+/// dirtied session exactly as the device capsule does.
+#[test]
+fn host_snapshots_equal_device_snapshots() {
+    for (name, m) in models() {
+        let v = m.vocab();
+        let mut s = m.session().unwrap();
+        s.append(&tokens(6, 33, v)).unwrap();
+        s.decode_greedy(2).unwrap();
+        let (dev, host) = (s.snapshot().unwrap(), s.snapshot_to_host().unwrap());
+        for r in dev.regions() {
+            assert_eq!(
+                host.region(r.name()).unwrap(),
+                dev.region(r.name()).unwrap(),
+                "{name}: region {}",
+                r.name()
+            );
+        }
+        assert_eq!(host.meta(), dev.meta(), "{name}: metadata");
+        assert_eq!(host.kv_rows(), dev.kv_rows(), "{name}: KV row ids");
+        let ids = s.decode_greedy(6).unwrap();
+        let mut t = m.session().unwrap();
+        t.append(&tokens(7, 21, v)).unwrap();
+        t.restore(&host).unwrap();
+        assert_eq!(t.decode_greedy(6).unwrap(), ids, "{name}: continuation");
+        let mut store = flashrt_runtime::CapsuleStore::open(
+            m.clone(),
+            flashrt_runtime::store::StoreConfig::default(),
+        )
+        .unwrap();
+        let id = store.insert(host, None).unwrap();
+        assert_eq!(
+            store.info(&id).unwrap().tiers,
+            vec![flashrt_runtime::store::Tier::Host],
+            "{name}: a host capsule is stored in the host tier"
+        );
+    }
+}
+
 #[test]
 fn decode_after_restore_equals_undisturbed_decode() {
     for (name, m) in models() {

@@ -1410,6 +1410,42 @@ fn deferred_logits_read_as_eager_ones_on_gpu() {
     println!("deferred logits rows and device argmax equal eager reads over 12 steps");
 }
 
+/// `snapshot_to_host` (what a server stores when the device has no room for a capsule's copy)
+/// reads the same bytes as a device snapshot, and restores on the GPU to the same continuation.
+#[test]
+fn host_snapshots_restore_like_device_ones_on_gpu() {
+    let Some(gpu) = cuda("host_snapshots_restore_like_device_ones_on_gpu") else {
+        return;
+    };
+    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 256);
+    let model = model_on(gpu, &ir, None);
+    let vocab = model.vocab();
+    let mut s = model.session().unwrap();
+    s.append(&prompt(45, vocab, 71)).unwrap();
+    let (dev, host) = (s.snapshot().unwrap(), s.snapshot_to_host().unwrap());
+    for r in dev.regions() {
+        assert!(
+            host.region(r.name()).unwrap() == dev.region(r.name()).unwrap(),
+            "region {}",
+            r.name()
+        );
+    }
+    let ids = s.decode_greedy(8).unwrap();
+    let mut t = model.session().unwrap();
+    t.append(&prompt(19, vocab, 72)).unwrap();
+    t.restore(&host).unwrap();
+    assert_eq!(
+        t.decode_greedy(8).unwrap(),
+        ids,
+        "continuation after a host restore"
+    );
+    assert!(t.last_logits() == s.last_logits(), "logits after 8 steps");
+    println!(
+        "host snapshot: {} bytes, restored and continued as the device capsule",
+        host.bytes()
+    );
+}
+
 /// Runs the same appends (a 40-token prompt, then chunks of 2, 5, 3, 4 and single tokens: verify
 /// passes and decode steps) on `json` under each of `options`, and asserts every logit and state
 /// byte equal to the first's. False (skipped, said so) without a GPU.

@@ -74,7 +74,7 @@ impl Worker {
                 persist,
                 label,
             } => {
-                let cap = self.session(&session, t)?.snapshot()?;
+                let cap = snapshot_anywhere(self.session(&session, t)?)?;
                 let id = self.store_computed(cap, label, t)?;
                 if persist {
                     // Durable or an error: the capsule itself stays in memory either way.
@@ -172,7 +172,7 @@ impl Worker {
                 ))
             }
             Cmd::Fork { session, n } => {
-                let cap = self.session(&session, t)?.snapshot()?;
+                let cap = snapshot_anywhere(self.session(&session, t)?)?;
                 let mut ids = Vec::new();
                 for i in 0..n.unwrap_or(1) {
                     let branch = self.new_session(t).and_then(|mut s| {

@@ -146,6 +146,9 @@ impl Worker {
             let t0 = Instant::now();
             s.append(&[prev])?;
             if g.speculate {
+                // The step returns before the device has run it: the tuner weighs what it
+                // costs (the token drawn next waits for it anyway).
+                s.synchronize()?;
                 self.tuner.plain_token(t0.elapsed().as_secs_f64());
             }
         }

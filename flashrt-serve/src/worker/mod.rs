@@ -528,7 +528,7 @@ impl Worker {
         t: &Tenant,
     ) -> WResult<()> {
         let start = Instant::now();
-        let mut cap = s.snapshot()?;
+        let mut cap = snapshot_anywhere(s)?;
         if let Some(sm) = sampler {
             cap.meta.sampler = sm;
         }
@@ -623,6 +623,22 @@ impl Worker {
 
     fn validate_tokens(&self, tokens: &[u32], at: usize) -> WResult<()> {
         check_tokens(tokens, at, self.model.vocab(), self.model.max_seq())
+    }
+}
+
+/// `s`'s boundary as a capsule: a device copy, or, when that fails (no device memory left for
+/// it), the state read into host memory — slower, but the capsule a client asked for or the
+/// prefix cache wants is not lost.
+pub(super) fn snapshot_anywhere(s: &Session) -> WResult<flashrt_runtime::Capsule> {
+    match s.snapshot() {
+        Ok(c) => Ok(c),
+        Err(e) => {
+            tracing::warn!(
+                "device snapshot at {} tokens failed ({e}); copying the state to host memory instead",
+                s.pos()
+            );
+            Ok(s.snapshot_to_host()?)
+        }
     }
 }
 

@@ -352,6 +352,9 @@ impl Worker {
     /// The prompt is in: the sampler, the stream's start, the automatic prompt capsule when
     /// nothing is generated, the boundary of several choices, and the generation state.
     fn ready(&mut self, a: &mut Active) -> WResult<()> {
+        // The last slice's step returns before the device has run it; `prompt_in` is when it
+        // has (the first token waits for it anyway).
+        a.s.synchronize()?;
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         tracing::debug!(
             "completion of {} prompt tokens ({} cached): admitted {:.2} ms after arrival, prompt in after {:.2} ms more",
@@ -371,7 +374,7 @@ impl Worker {
         // Several choices: the boundary each later one starts from (one device copy before
         // the first token).
         if a.req.n > 1 {
-            let boundary = a.s.snapshot()?;
+            let boundary = super::snapshot_anywhere(&a.s)?;
             // Side by side when a session per choice fits in the generating set (`a` is out
             // of the set while it advances: it counts itself).
             let room = self
