@@ -5,7 +5,8 @@
 #     `device_argmax_is_the_host_argmax`, the greedy-with-penalties session case and
 #     `deferred_logits_read_as_eager_ones_on_gpu` — then `flashrt bench --batch 1 --profile`
 #     at 2k (decode step and its profile).
-#   PART=serve (~300 s): the served path at 16k (stored prefix + 1 and + 32, exact repeat,
+#   PART=serve (~400 s): `host_snapshots_restore_like_device_ones_on_gpu`, the batched decode
+#     steps at 2k (rows' host copies deferred), the served path at 16k (stored prefix + 1 and + 32, exact repeat,
 #     streamed greedy and sampled decode, the bench's decode step) with greedy tokens drawn on
 #     the device from a row whose host copy is deferred (the default), then the same with
 #     both off (`FLASHRT_DEFER_LOGITS=0 FLASHRT_DEVICE_SAMPLER=0`: the row read within the
@@ -31,6 +32,10 @@ case "${PART:-tests}" in
       --profile
     ;;
   serve)
+    "$BIN/cuda_model" --test-threads=1 host_snapshots deferred_logits >"$OUT/cuda_model.log" 2>&1 \
+      || status=1
+    grep -E '^test |test result' "$OUT/cuda_model.log"
+    BENCH_TIMEOUT=120 bench27 batch2k -- --lengths 2048 --iters 1 --decode-steps 16 --batch 1,2,4,8
     BENCH_TIMEOUT=170 bench27 serve-defer -- --lengths 16384 --iters 1 --decode-steps 16 \
       --batch 1 --serve --serve-suffixes 1,32 --serve-runs 3
     BENCH_TIMEOUT=170 bench27 serve-eager FLASHRT_DEFER_LOGITS=0 FLASHRT_DEVICE_SAMPLER=0 -- \
