@@ -17,7 +17,11 @@
 #   bash scripts/gpu-check.sh --collect
 #   tar -cJf .gpupack/p.tar.xz .gpu/bin .gpu/flashrt
 #
-# Usage (repository root on the GPU machine): PART=tests|serve bash benches/run-defer-h200.sh OUT
+#   PART=bar (~250 s, an H200): the bars' command at 16k (stored + 1 / + 32, streamed decode,
+#     batched steps 1..8, 8 clients, a 16k newcomer while 4 stream), then the stored 16k + 1
+#     with both off.
+#
+# Usage (repository root on the GPU machine): PART=tests|serve|bar bash benches/run-defer-h200.sh OUT
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-defer}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,6 +44,16 @@ case "${PART:-tests}" in
       --batch 1 --serve --serve-suffixes 1,32 --serve-runs 3
     BENCH_TIMEOUT=170 bench27 serve-eager FLASHRT_DEFER_LOGITS=0 FLASHRT_DEVICE_SAMPLER=0 -- \
       --lengths 16384 --iters 1 --decode-steps 16 --batch 1 --serve --serve-suffixes 1,32 \
+      --serve-runs 3
+    ;;
+  bar)
+    # One H200 command for the bars at 16k (as the 2026-12-06 02:13 UTC serve16k command), then
+    # the stored 16k + 1 with the row read within the step and greedy on the host, as before.
+    BENCH_TIMEOUT=300 bench27 bar -- --lengths 16384 --iters 1 --decode-steps 16 --batch 1,2,4,8 \
+      --serve --serve-suffixes 1,32 --serve-runs 3 --serve-clients 8 --serve-newcomer 16384
+    grep -E 'clients at once|newcomer' "$OUT/bar.log" | head -4
+    BENCH_TIMEOUT=150 bench27 bar-eager FLASHRT_DEFER_LOGITS=0 FLASHRT_DEVICE_SAMPLER=0 -- \
+      --lengths 16384 --iters 1 --decode-steps 16 --batch 1 --serve --serve-suffixes 1 \
       --serve-runs 3
     ;;
 esac
