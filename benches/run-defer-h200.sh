@@ -52,7 +52,7 @@ case "${PART:-tests}" in
     BENCH_TIMEOUT=300 bench27 bar -- --lengths 16384 --iters 1 --decode-steps 16 --batch 1,2,4,8 \
       --serve --serve-suffixes 1,32 --serve-runs 3 --serve-clients 8 --serve-newcomer 16384
     grep -E 'clients at once|newcomer' "$OUT/bar.log" | head -4
-    BENCH_TIMEOUT=150 bench27 bar-eager FLASHRT_DEFER_LOGITS=0 FLASHRT_DEVICE_SAMPLER=0 -- \
+    [ "${EAGER:-1}" = 1 ] && BENCH_TIMEOUT=150 bench27 bar-eager FLASHRT_DEFER_LOGITS=0 FLASHRT_DEVICE_SAMPLER=0 -- \
       --lengths 16384 --iters 1 --decode-steps 16 --batch 1 --serve --serve-suffixes 1 \
       --serve-runs 3
     ;;
