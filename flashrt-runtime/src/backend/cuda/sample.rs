@@ -118,23 +118,41 @@ pub(super) unsafe fn penalize_on(
         counted: list.counted() as u32,
         pad: 0,
     };
-    let func = kernels.get("sample_penalize")?;
-    let mut args = [&p as *const PenalizeParams as *mut std::ffi::c_void];
     let blocks = list.entries.len().div_ceil(256).min(1024) as u32;
-    // SAFETY: one by-value `PenalizeParams` (same repr(C) layout as the kernel's struct); the
-    // addresses are the workspace's, valid by this function's contract; `p` outlives the call.
+    // SAFETY: `PenalizeParams` is the kernel's parameter struct; the addresses are the
+    // workspace's, valid by this function's contract.
+    unsafe { launch(kernels, "sample_penalize", blocks, 256, stream, &p)? };
+    Ok(copy)
+}
+
+/// Launch kernel `name` of the sampler with one by-value parameter struct `p`.
+///
+/// # Safety
+/// `P` must be the kernel's parameter struct (the same `repr(C)` layout) and every address in
+/// `p` valid for what the kernel reads and writes, until the stream has run it.
+unsafe fn launch<P>(
+    kernels: &Kernels,
+    name: &str,
+    grid: u32,
+    block: u32,
+    stream: &CudaStream,
+    p: &P,
+) -> Result<()> {
+    let func = kernels.get(name)?;
+    let mut args = [p as *const P as *mut std::ffi::c_void];
+    // SAFETY: one by-value parameter of the kernel's layout (this function's contract); `p`
+    // outlives the launch call, which copies it.
     unsafe {
         cudarc::driver::result::launch_kernel(
             func.cu_function(),
-            (blocks, 1, 1),
-            (256, 1, 1),
+            (grid, 1, 1),
+            (block, 1, 1),
             0,
             stream.cu_stream(),
             &mut args,
         )
     }
-    .map_err(drv("sample_penalize"))?;
-    Ok(copy)
+    .map_err(drv(name))
 }
 
 /// Sample from the `n` f32 logits at device address `row` on `stream`, with a workspace of
@@ -176,28 +194,15 @@ pub(super) unsafe fn sample_on(
     // contract); ordered on the stream before the kernels that accumulate into them.
     unsafe { cudarc::driver::result::memset_d8_async(ws, 0, WS_HEAD, stream.cu_stream()) }
         .map_err(drv("sample: clear the workspace"))?;
-    let grid = (n.div_ceil(256).min(2 * sms.max(1)) as u32, 1, 1);
+    let grid = n.div_ceil(256).min(2 * sms.max(1)) as u32;
     for (name, grid, block) in [
         ("sample_best", grid, 256),
         ("sample_weigh", grid, 256),
-        ("sample_pick", (1, 1, 1), 1024),
+        ("sample_pick", 1, 1024),
     ] {
-        let func = kernels.get(name)?;
-        let mut args = [&p as *const SampleParams as *mut std::ffi::c_void];
-        // SAFETY: each kernel takes one by-value `SampleParams` (same repr(C) layout as the
-        // kernel's struct); the addresses are valid by this function's contract; `p`
-        // outlives the launch call.
-        unsafe {
-            cudarc::driver::result::launch_kernel(
-                func.cu_function(),
-                grid,
-                (block, 1, 1),
-                0,
-                stream.cu_stream(),
-                &mut args,
-            )
-        }
-        .map_err(drv(name))?;
+        // SAFETY: each kernel takes one by-value `SampleParams`; the addresses are valid by
+        // this function's contract.
+        unsafe { launch(kernels, name, grid, block, stream, &p)? };
     }
     let mut id = [0u32; 1];
     // SAFETY: `out` holds 4 bytes written by the kernel above, in stream order; `id` is 4
@@ -244,22 +249,10 @@ pub(super) unsafe fn argmax_on(
     // cleared in stream order before the kernel's atomics.
     unsafe { cudarc::driver::result::memset_d8_async(ws, 0, 8, stream.cu_stream()) }
         .map_err(drv("argmax: clear the key"))?;
-    let func = kernels.get("sample_argmax")?;
-    let mut args = [&p as *const SampleParams as *mut std::ffi::c_void];
     let grid = n.div_ceil(256).min(2 * sms.max(1)) as u32;
-    // SAFETY: one by-value `SampleParams` (the kernel reads `logits`, `n` and `ws[0]`), valid by
-    // this function's contract; `p` outlives the launch call.
-    unsafe {
-        cudarc::driver::result::launch_kernel(
-            func.cu_function(),
-            (grid, 1, 1),
-            (256, 1, 1),
-            0,
-            stream.cu_stream(),
-            &mut args,
-        )
-    }
-    .map_err(drv("sample_argmax"))?;
+    // SAFETY: the kernel takes one by-value `SampleParams` and reads `logits`, `n` and `ws[0]`,
+    // valid by this function's contract.
+    unsafe { launch(kernels, "sample_argmax", grid, 256, stream, &p)? };
     let mut key = [0u64; 1];
     // SAFETY: the slot's 8 bytes were written by the kernel above, in stream order; a copy into
     // pageable memory completes before this returns.

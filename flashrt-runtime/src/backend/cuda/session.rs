@@ -543,35 +543,7 @@ impl DeviceSession for CudaSession {
         spec: &crate::sampling::DrawSpec,
         penalties: Option<&crate::sampling::PenaltyList>,
     ) -> Result<Option<u32>> {
-        if !self.model.options.device_sampler {
-            return Err(Error::Unsupported("device sampler off".into()));
-        }
-        let g = self.exec.lock()?;
-        let src = self.owned_row(&g, row)?;
-        let vocab = self.model.compiled.ir.vocab;
-        let ws = dptr(&self.exec.sample_ws);
-        // SAFETY: row < max_rows, so the vocab f32 at `src` lie inside io.logits, which this
-        // session's last step wrote (owner checked under the lock, which is held until the
-        // result is read); the workspace is the model's, sized for its vocabulary and used
-        // only under the same lock. Penalties go to the workspace's copy of the row: the
-        // arena's row (the capsule's logits) stays as the step wrote it.
-        unsafe {
-            let src = match penalties {
-                Some(list) => {
-                    sample::penalize_on(&self.model.kernels, &self.stream, src, vocab, ws, list)?
-                }
-                None => src,
-            };
-            sample::sample_on(
-                &self.model.kernels,
-                &self.stream,
-                src,
-                vocab,
-                ws,
-                self.model.sms,
-                spec,
-            )
-        }
+        self.draw_row(row, penalties, Some(spec))
     }
 
     fn argmax_row(
@@ -579,31 +551,7 @@ impl DeviceSession for CudaSession {
         row: usize,
         penalties: Option<&crate::sampling::PenaltyList>,
     ) -> Result<Option<u32>> {
-        if !self.model.options.device_sampler {
-            return Err(Error::Unsupported("device sampler off".into()));
-        }
-        let g = self.exec.lock()?;
-        let src = self.owned_row(&g, row)?;
-        let vocab = self.model.compiled.ir.vocab;
-        let ws = dptr(&self.exec.sample_ws);
-        // SAFETY: as in `sample_row`: the row is this session's (checked under the lock, held
-        // until the index is read), the workspace the model's, used only under that lock.
-        unsafe {
-            let src = match penalties {
-                Some(list) => {
-                    sample::penalize_on(&self.model.kernels, &self.stream, src, vocab, ws, list)?
-                }
-                None => src,
-            };
-            sample::argmax_on(
-                &self.model.kernels,
-                &self.stream,
-                src,
-                vocab,
-                ws,
-                self.model.sms,
-            )
-        }
+        self.draw_row(row, penalties, None)
     }
 
     fn step_deferred(&mut self, phase: Phase, tokens: &[u32], pos: usize) -> Result<Option<u64>> {
@@ -785,6 +733,40 @@ impl DeviceSession for CudaSession {
 }
 
 impl CudaSession {
+    /// A token from logits row `row` of this session's last step, on the device: drawn with
+    /// `spec` ([`DeviceSession::sample_row`]), or greedy without
+    /// ([`DeviceSession::argmax_row`]); from a penalized copy of the row with `penalties`.
+    fn draw_row(
+        &mut self,
+        row: usize,
+        penalties: Option<&crate::sampling::PenaltyList>,
+        spec: Option<&crate::sampling::DrawSpec>,
+    ) -> Result<Option<u32>> {
+        if !self.model.options.device_sampler {
+            return Err(Error::Unsupported("device sampler off".into()));
+        }
+        let g = self.exec.lock()?;
+        let src = self.owned_row(&g, row)?;
+        let vocab = self.model.compiled.ir.vocab;
+        let ws = dptr(&self.exec.sample_ws);
+        let (kernels, sms) = (&self.model.kernels, self.model.sms);
+        // SAFETY: row < max_rows, so the vocab f32 at `src` lie inside io.logits, which this
+        // session's last step wrote (owner checked under the lock, which is held until the
+        // result is read); the workspace is the model's, sized for its vocabulary and used
+        // only under the same lock. Penalties go to the workspace's copy of the row: the
+        // arena's row (the capsule's logits) stays as the step wrote it.
+        unsafe {
+            let src = match penalties {
+                Some(list) => sample::penalize_on(kernels, &self.stream, src, vocab, ws, list)?,
+                None => src,
+            };
+            match spec {
+                Some(spec) => sample::sample_on(kernels, &self.stream, src, vocab, ws, sms, spec),
+                None => sample::argmax_on(kernels, &self.stream, src, vocab, ws, sms),
+            }
+        }
+    }
+
     /// Queue the copy of logits row `row`, which the step just queued on the compute stream
     /// writes for this session, into this session's pinned row on `readback` (the caller
     /// holds the stream's lock, `g`); returns the row's ticket, the session's step count
