@@ -47,6 +47,11 @@ case "${PART:-tests}" in
       --serve-runs 3
     ;;
   bar)
+    # The sampler's GPU tests and the deferred-logits ones first (seconds).
+    "$BIN/cuda_sample" --test-threads=1 >"$OUT/cuda_sample.log" 2>&1 || status=1
+    "$BIN/cuda_model" --test-threads=1 deferred_logits host_snapshots batched_decode \
+      >"$OUT/cuda_model.log" 2>&1 || status=1
+    grep -hE '^test |test result' "$OUT/cuda_sample.log" "$OUT/cuda_model.log"
     # One H200 command for the bars at 16k (as the 2026-12-06 02:13 UTC serve16k command), then
     # the stored 16k + 1 with the row read within the step and greedy on the host, as before.
     BENCH_TIMEOUT=300 bench27 bar -- --lengths 16384 --iters 1 --decode-steps 16 --batch 1,2,4,8 \
