@@ -5,8 +5,7 @@
 //! A session owns only its state arena (`Model::session_bytes`: every position up to
 //! `max_seq` preallocated, as the capsule contract needs); scratch and I/O are shared by all
 //! sessions of the model (`Model::shared_bytes`). What is left after the shared arenas and a
-//! reserve (graphs, cuBLASLt, allocator slack, and the capsules still on the device while
-//! they move down the tiers: at most `store::MAX_IN_FLIGHT`) is split: a quarter (at most 64 GiB) for the
+//! reserve (graphs, cuBLASLt, allocator slack) is split: a quarter (at most 64 GiB) for the
 //! device tier, so that stored prompts at long context are restored at device copy speed and
 //! not from host memory; the rest for sessions, each counted at its state bytes + 10 %.
 

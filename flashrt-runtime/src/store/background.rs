@@ -24,8 +24,8 @@
 //! *demoting* / *spilling* rather than against that tier's budget
 //! ([`StoreStats::demoting_bytes`], [`StoreStats::spilling_bytes`]). At most [`MAX_IN_FLIGHT`]
 //! jobs of each kind run at once: one more waits for the oldest, so the memory held past a
-//! budget is bounded by two capsules (the server's memory plan holds back more than that: 2
-//! GiB + 5 % of the free memory; a 16k-token capsule of the 27B shape is 1.2 GiB).
+//! budget is bounded by one capsule, which is what the synchronous path holds too between the
+//! insertion that triggers it and its end.
 //!
 //! A finished job is applied only to the copy it was started for: if the entry was removed,
 //! or moved and brought back meanwhile, or got its file another way (a persist), the result is
@@ -51,12 +51,8 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Instant;
 
-/// Jobs of each kind in flight at once. Two: with one, a capsule stored while the previous
-/// demotion ran waited for it on the worker — on the H200 at the 27B shape a 16k prompt's
-/// automatic capsule, stored while 4 other streams' capsules moved down, stalled every stream
-/// for 702 ms (benches/RESULTS.md, 2026-12-06 04:46 UTC; a demotion of a 16k capsule takes
-/// ~0.8 s). Not measured with two yet.
-pub const MAX_IN_FLIGHT: usize = 2;
+/// Jobs of each kind in flight at once.
+pub const MAX_IN_FLIGHT: usize = 1;
 
 /// A candidate base, as the store knows it when the job starts.
 pub(super) struct Candidate {
