@@ -75,6 +75,10 @@ impl Drop for CudaSession {
         let _ = self.model.ctx.bind_to_thread();
         let _ = self.stream.synchronize();
         let _ = self.copy.synchronize();
+        // The pinned logits row is freed with the session: not while a copy still writes it.
+        if let Some(d) = &self.deferred {
+            let _ = d.copied.synchronize();
+        }
     }
 }
 
