@@ -550,8 +550,8 @@ pub trait DeviceModel: Send + Sync {
     /// `tokens[r]` at its position `positions[r]`. Returns, per session, its logits row (a host
     /// copy, or `None` where its copy is deferred: [`DeviceSession::deferred_row`] of the
     /// session's [`DeviceSession::steps_run`]) and the row of the device's logits buffer that
-    /// holds it until the next step of any session ([`DeviceSession::sample_row`]). Every row equals, bit for bit, the session's own
-    /// decode step. The default (the CPU reference: it has no weights to share between rows)
+    /// holds it until the next step of any session ([`DeviceSession::sample_row`]). Every row
+    /// equals, bit for bit, the session's own decode step. The default (the CPU reference: it has no weights to share between rows)
     /// steps the sessions one after the other; the CUDA backend runs one batched graph
     /// (`backend/cuda/batch.rs`). On error the sessions' states are undefined.
     fn step_batch(

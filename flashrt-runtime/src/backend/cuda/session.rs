@@ -781,15 +781,7 @@ impl CudaSession {
         readback: &CudaStream,
         row: usize,
     ) -> Result<u64> {
-        let vocab = self.model.compiled.ir.vocab;
-        let max_rows = self.layout().max_rows;
-        if row >= max_rows {
-            return Err(Error::Input(format!(
-                "logits row {row} requested, buffer has {max_rows}"
-            )));
-        }
-        let b = self.layout().buffer(self.model.compiled.io.logits);
-        let src = self.io_base + b.offset as u64 + (4 * row * vocab) as u64;
+        let src = self.logits_row_addr(row)?;
         let steps = self.steps;
         let d = self
             .deferred
@@ -801,7 +793,7 @@ impl CudaSession {
             .map_err(drv("defer logits"))?;
         readback.wait(&d.stepped).map_err(drv("defer logits"))?;
         let dst = d.host.as_mut_slice().map_err(drv("defer logits"))?;
-        // SAFETY: `src` is row `row < max_rows` of io.logits, which the step just queued
+        // SAFETY: `src` is row `row` of io.logits (`logits_row_addr`), which the step just queued
         // writes; the readback stream waits for that step, and the next step of any session
         // waits for `readback_done` (recorded below) before it writes the arena again. `dst`
         // is this session's pinned row of `vocab` f32, read only after `copied` completes and
@@ -823,13 +815,19 @@ impl CudaSession {
         if !g.owns_row(self.id, row) {
             return Err(exec::not_owner());
         }
+        self.bind()?;
+        self.logits_row_addr(row)
+    }
+
+    /// The device address of row `row` of `io.logits` (`vocab` f32), checked against the
+    /// buffer's rows.
+    fn logits_row_addr(&self, row: usize) -> Result<u64> {
         let max_rows = self.layout().max_rows;
         if row >= max_rows {
             return Err(Error::Input(format!(
                 "logits row {row} requested, buffer has {max_rows}"
             )));
         }
-        self.bind()?;
         let vocab = self.model.compiled.ir.vocab;
         let b = self.layout().buffer(self.model.compiled.io.logits);
         Ok(self.io_base + b.offset as u64 + (4 * row * vocab) as u64)
@@ -838,20 +836,12 @@ impl CudaSession {
     /// Row `row` of `io.logits` (the caller holds the stream's lock).
     pub(super) fn read_logits_row(&self, row: usize) -> Result<Vec<f32>> {
         self.bind()?;
-        let max_rows = self.layout().max_rows;
-        if row >= max_rows {
-            return Err(Error::Input(format!(
-                "logits row {row} requested, buffer has {max_rows}"
-            )));
-        }
-        let vocab = self.model.compiled.ir.vocab;
-        let b = self.layout().buffer(self.model.compiled.io.logits);
-        let src = self.io_base + b.offset as u64 + (4 * row * vocab) as u64;
-        let mut out = vec![0f32; vocab];
+        let src = self.logits_row_addr(row)?;
+        let mut out = vec![0f32; self.model.compiled.ir.vocab];
         self.stream
             .synchronize()
             .map_err(drv("step (asynchronous error)"))?;
-        // SAFETY: row < max_rows, so [src, src + 4 * vocab) lies inside io.logits; `out` holds
+        // SAFETY: [src, src + 4 * vocab) lies inside io.logits (`logits_row_addr`); `out` holds
         // vocab f32; the stream is idle and the copy into pageable memory completes before
         // the synchronize below returns.
         unsafe {
