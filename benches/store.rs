@@ -244,6 +244,7 @@ fn main() {
             dir: None,
             share_kv: true,
             background: false,
+            ..StoreConfig::default()
         };
         let mut store = CapsuleStore::open(m.clone(), cfg).expect("store");
         let ia = store.insert(a.clone(), None).expect("insert A");
@@ -294,6 +295,7 @@ fn main() {
             dir: Some(tmp.clone()),
             share_kv: false,
             background: false,
+            ..StoreConfig::default()
         };
         let mut store = CapsuleStore::open(m.clone(), cfg.clone()).expect("store");
         for c in [&a, &b, &x] {

@@ -212,7 +212,16 @@ impl Server {
             );
         }
         let tenants = tenants::Tenants::new(cfg.token.clone(), cfg.tokens_file.as_deref())?;
-        let store = CapsuleStore::open(model.clone(), cfg.store.clone())
+        let mut store_cfg = cfg.store.clone();
+        if store_cfg.background {
+            // A capsule stored while the previous one is still being copied down does not wait
+            // for that copy (hundreds of milliseconds for a 16k-token capsule, felt by every
+            // stream): its tier holds up to an eighth past its budget meanwhile (the memory
+            // plan counts it).
+            store_cfg.slack_device = store_cfg.slack_device.max(store_cfg.budget_device / 8);
+            store_cfg.slack_host = store_cfg.slack_host.max(store_cfg.budget_host / 8);
+        }
+        let store = CapsuleStore::open(model.clone(), store_cfg)
             .map_err(|e| format!("opening the capsule store: {e}"))?;
         let files_dir = cfg
             .files_dir

@@ -6,7 +6,8 @@
 //! `max_seq` preallocated, as the capsule contract needs); scratch and I/O are shared by all
 //! sessions of the model (`Model::shared_bytes`). What is left after the shared arenas and a
 //! reserve (graphs, cuBLASLt, allocator slack) is split: a quarter (at most 64 GiB) for the
-//! device tier, so that stored prompts at long context are restored at device copy speed and
+//! device tier (its budget, and an eighth of it as the slack it may hold while a capsule is being
+//! copied down in the background), so that stored prompts at long context are restored at device copy speed and
 //! not from host memory; the rest for sessions, each counted at its state bytes + 10 %.
 
 use flashrt_runtime::Model;
@@ -49,9 +50,12 @@ impl MemoryPlan {
             Some(n) => usable.saturating_sub((n as u64 + 1) * cost),
             None => usable,
         };
-        let budget_device = budget_device.unwrap_or((usable / 4).min(64 * GIB).min(left));
+        // The tier may hold an eighth past its budget while a capsule is on its way to the
+        // host (`StoreConfig::slack_device`, set by the server): its share is budget + slack.
+        let tier = |budget: u64| budget + budget / 8;
+        let budget_device = budget_device.unwrap_or((usable / 4).min(64 * GIB).min(left) / 9 * 8);
         let max_sessions = max_sessions.unwrap_or_else(|| {
-            let fit = usable.saturating_sub(budget_device) / cost;
+            let fit = usable.saturating_sub(tier(budget_device)) / cost;
             (fit.saturating_sub(1) as usize).clamp(1, MAX_DEFAULT_SESSIONS)
         });
         MemoryPlan {
@@ -116,11 +120,13 @@ mod tests {
         let p = MemoryPlan::new(82 * GIB, 2437 << 20, None, None);
         assert_eq!(p.reserve, 2 * GIB + 82 * GIB / 20);
         let usable = 82 * GIB - p.reserve;
-        assert_eq!(p.budget_device, usable / 4);
+        let tier = p.budget_device + p.budget_device / 8;
+        assert_eq!(p.budget_device, usable / 4 / 9 * 8);
+        assert!(tier <= usable / 4 && usable / 4 - tier < 16);
         let cost = (2437u64 << 20) * 11 / 10;
-        assert_eq!(p.max_sessions as u64, (usable - usable / 4) / cost - 1);
+        assert_eq!(p.max_sessions as u64, (usable - tier) / cost - 1);
         // Everything planned fits in what was free.
-        assert!(p.reserve + p.budget_device + (p.max_sessions as u64 + 1) * cost <= 82 * GIB);
+        assert!(p.reserve + tier + (p.max_sessions as u64 + 1) * cost <= 82 * GIB);
         assert!(p.max_sessions >= 8, "8 sessions at 16k should fit: {p}");
     }
 
@@ -135,7 +141,7 @@ mod tests {
         assert_eq!(p.max_sessions, 6);
         assert!(p.budget_device > 0 && p.budget_device < (free - p.reserve) / 4);
         assert!(
-            p.reserve + p.budget_device + 7 * cost <= free,
+            p.reserve + p.budget_device + p.budget_device / 8 + 7 * cost <= free,
             "over-committed: {p}"
         );
         // Sessions that take everything leave no tier (capsules go to the host tier).
@@ -143,7 +149,7 @@ mod tests {
         assert_eq!(p.budget_device, 0);
         // Without a session count the tier keeps its quarter.
         let p = MemoryPlan::new(82 * GIB, per, None, None);
-        assert_eq!(p.budget_device, (82 * GIB - p.reserve) / 4);
+        assert_eq!(p.budget_device, (82 * GIB - p.reserve) / 4 / 9 * 8);
     }
 
     #[test]
@@ -153,7 +159,7 @@ mod tests {
         // Huge free memory: the default session count is capped, the tier too.
         let p = MemoryPlan::new(1 << 50, 1 << 20, None, None);
         assert_eq!(p.max_sessions, MAX_DEFAULT_SESSIONS);
-        assert_eq!(p.budget_device, 64 * GIB);
+        assert_eq!(p.budget_device, 64 * GIB / 9 * 8);
         // Nothing free: still one session (its creation then fails with a clear error).
         let p = MemoryPlan::new(GIB, 4 * GIB, None, None);
         assert_eq!((p.max_sessions, p.budget_device), (1, 0));

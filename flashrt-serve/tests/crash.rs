@@ -37,6 +37,7 @@ fn crash_child() {
         dir: Some(dir.into()),
         share_kv: false,
         background: false,
+        ..StoreConfig::default()
     };
     let mut store = CapsuleStore::open(m.clone(), cfg).unwrap();
     let mut s = m.session().unwrap();

@@ -60,6 +60,9 @@ fn bounded_mixed_load_with_zero_errors_within_budgets() {
     cfg.store.budget_host = bh;
     cfg.store.budget_disk = bk;
     cfg.max_sessions = 4 * THREADS;
+    // What a tier may hold: its budget, and the eighth past it the server allows while a
+    // capsule is on its way down in the background (`StoreConfig::slack_device`).
+    let (sd, sh) = (bd + bd / 8, bh + bh / 8);
     let server = start(&m, cfg);
     let addr = server.addr();
     let tally = Arc::new(Tally {
@@ -80,7 +83,7 @@ fn bounded_mixed_load_with_zero_errors_within_budgets() {
                 let d = metric(&t, "flashrt_store_bytes{tier=\"device\"}");
                 let h = metric(&t, "flashrt_store_bytes{tier=\"host\"}");
                 let k = metric(&t, "flashrt_store_bytes{tier=\"disk\"}");
-                if d > bd || h > bh || k > bk {
+                if d > sd || h > sh || k > bk {
                     over.fetch_add(1, Ordering::Relaxed);
                 }
                 samples.fetch_add(1, Ordering::Relaxed);
@@ -314,7 +317,7 @@ fn bounded_mixed_load_with_zero_errors_within_budgets() {
         0,
         "a tier went over budget"
     );
-    assert!(peak("device") <= bd && peak("host") <= bh && peak("disk") <= bk);
+    assert!(peak("device") <= sd && peak("host") <= sh && peak("disk") <= bk);
     assert!(
         metric(&t, "flashrt_store_evictions_total{tier=\"device\"}") > 0,
         "the budgets never bit"

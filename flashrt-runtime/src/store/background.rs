@@ -23,9 +23,12 @@
 //! Meanwhile the capsule stays in its tier, restorable from there; its bytes count as
 //! *demoting* / *spilling* rather than against that tier's budget
 //! ([`StoreStats::demoting_bytes`], [`StoreStats::spilling_bytes`]). At most [`MAX_IN_FLIGHT`]
-//! jobs of each kind run at once: one more waits for the oldest, so the memory held past a
+//! jobs of each kind run at once. One more waits for the oldest, so the memory held past a
 //! budget is bounded by one capsule, which is what the synchronous path holds too between the
-//! insertion that triggers it and its end.
+//! insertion that triggers it and its end; unless the tier is within its slack
+//! ([`StoreConfig::slack_device`], [`StoreConfig::slack_host`]): then the store leaves the tier
+//! over budget and moves the next capsule down when the job in flight is applied, so that no
+//! insertion waits for a copy (a server sets it; the bound is then one capsule plus the slack).
 //!
 //! A finished job is applied only to the copy it was started for: if the entry was removed,
 //! or moved and brought back meanwhile, or got its file another way (a persist), the result is
@@ -35,6 +38,8 @@
 //! work on its own thread as without this module: rare, and the copy is still there to read.
 //!
 //! [`StoreConfig::background`]: super::StoreConfig::background
+//! [`StoreConfig::slack_device`]: super::StoreConfig::slack_device
+//! [`StoreConfig::slack_host`]: super::StoreConfig::slack_host
 //! [`CapsuleStore::poll`]: super::CapsuleStore::poll
 //! [`StoreStats::demoting_bytes`]: super::StoreStats::demoting_bytes
 //! [`StoreStats::spilling_bytes`]: super::StoreStats::spilling_bytes
@@ -48,6 +53,7 @@ use crate::error::{Error, Result};
 use flashrt_ir::BufferId;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -115,17 +121,22 @@ impl<T, K: ?Sized> Job<T, K> {
     }
 }
 
-/// Run `work` on a new thread; the job applies to `id` while it holds `keep`.
+/// Run `work` on a new thread (once `hold` is clear); the job applies to `id` while it holds
+/// `keep`.
 fn start<T: Send + 'static, K: ?Sized>(
     id: String,
     keep: Arc<K>,
     what: &str,
+    hold: Arc<AtomicBool>,
     work: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<Job<T, K>> {
     let (tx, rx) = mpsc::channel();
     std::thread::Builder::new()
         .name(format!("flashrt-{what}"))
         .spawn(move || {
+            while hold.load(Ordering::Acquire) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
             let _ = tx.send(work());
         })
         .map_err(|e| Error::Capsule(format!("start a {what} thread: {e}")))?;
@@ -166,13 +177,14 @@ pub(super) struct Shape {
 /// whose whole rows hash as this capsule's first rows, and keep only the rows past it.
 pub(super) fn demote(
     id: String,
+    hold: Arc<AtomicBool>,
     capsule: Capsule,
     shape: Shape,
     decided: Option<Option<BaseRef>>,
     cands: Vec<Candidate>,
 ) -> Result<Demotion> {
     let saved = capsule.saved().clone();
-    start(id, saved, "demote", move || {
+    start(id, saved, "demote", hold, move || {
         run(&capsule, &shape, decided, cands)
     })
 }
@@ -187,9 +199,9 @@ pub(super) struct Spilled {
 /// Start writing entry `id`'s file from `parts` on a new thread, as a temporary file (a store
 /// opened later deletes it if the job never lands); the store renames it into place when it
 /// applies the job.
-pub(super) fn spill(id: String, parts: FileParts) -> Result<Spill> {
+pub(super) fn spill(id: String, hold: Arc<AtomicBool>, parts: FileParts) -> Result<Spill> {
     let keep = parts.regions.clone();
-    start(id, keep, "spill", move || {
+    start(id, keep, "spill", hold, move || {
         let (tmp, bytes) = capsule_file::write_temp(&parts.path, |w| parts.encode(w))?;
         Ok(Spilled {
             tmp,
@@ -327,7 +339,14 @@ impl CapsuleStore {
             state: self.layout().state_buffers().map(|b| b.id).collect(),
             kv: self.kv_regions(),
         };
-        let p = demote(id.to_string(), cap, shape, decided, cands)?;
+        let p = demote(
+            id.to_string(),
+            self.hold.clone(),
+            cap,
+            shape,
+            decided,
+            cands,
+        )?;
         self.demotions.push_back(p);
         Ok(())
     }
@@ -388,7 +407,7 @@ impl CapsuleStore {
             self.finish_spill(p, r)?;
         }
         let parts = self.file_of(id)?;
-        let p = spill(id.to_string(), parts)?;
+        let p = spill(id.to_string(), self.hold.clone(), parts)?;
         self.spills.push_back(p);
         Ok(())
     }
@@ -477,6 +496,13 @@ impl CapsuleStore {
             self.enforce(None)?;
         }
         Ok(())
+    }
+
+    /// A flag that, while set, keeps background jobs from beginning, so that a test can
+    /// observe the store with jobs in flight whatever the machine's speed.
+    #[doc(hidden)]
+    pub fn background_gate(&self) -> Arc<AtomicBool> {
+        self.hold.clone()
     }
 
     /// Whether background jobs are in flight.

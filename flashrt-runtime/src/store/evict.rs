@@ -54,10 +54,22 @@ impl CapsuleStore {
         pick(protect).or_else(|| pick(None))
     }
 
+    /// Whether a tier holding `bytes` over `budget` moves a capsule down now: always on the
+    /// store's thread; in the background, unless starting one more job would wait for the
+    /// oldest (`jobs` in flight) and the tier is within its `slack` of the budget.
+    fn must_move(&self, bytes: u64, budget: u64, slack: u64, jobs: usize) -> bool {
+        bytes > budget
+            && !(self.cfg.background
+                && jobs >= MAX_IN_FLIGHT
+                && bytes <= budget.saturating_add(slack))
+    }
+
     pub(super) fn enforce(&mut self, protect: Option<&str>) -> Result<()> {
         loop {
             let s = self.stats();
-            if s.bytes[0] > self.cfg.budget_device {
+            let (demotions, spills) = (self.demotions.len(), self.spills.len());
+            let c = &self.cfg;
+            if self.must_move(s.bytes[0], c.budget_device, c.slack_device, demotions) {
                 let Some(v) = self.lru(protect, |e| {
                     matches!(e.mem, Some(Mem::Device(_))) && !self.is_demoting(e)
                 }) else {
@@ -69,7 +81,7 @@ impl CapsuleStore {
                     self.demote_device(&v)?;
                 }
                 self.stats.evictions[0] += 1;
-            } else if s.bytes[1] > self.cfg.budget_host {
+            } else if self.must_move(s.bytes[1], c.budget_host, c.slack_host, spills) {
                 let Some(v) = self.lru(protect, |e| {
                     matches!(e.mem, Some(Mem::Host(_))) && !self.is_spilling(e)
                 }) else {

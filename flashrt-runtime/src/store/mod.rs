@@ -132,6 +132,14 @@ pub struct StoreConfig {
     /// the host tier, on threads of their own (see the module docs); off, the operation that
     /// evicts them waits for that work.
     pub background: bool,
+    /// Bytes the device tier may hold past `budget_device` while a background demotion is in
+    /// flight, rather than wait for it before starting the next (with `background`); the next
+    /// starts when the first is applied ([`CapsuleStore::poll`]). A server whose worker steps
+    /// every stream sets it so that no capsule insertion waits for a previous copy; 0 keeps
+    /// the tier within one capsule of its budget at every moment.
+    pub slack_device: u64,
+    /// The same for the host tier and a background spill.
+    pub slack_host: u64,
 }
 
 impl Default for StoreConfig {
@@ -143,6 +151,8 @@ impl Default for StoreConfig {
             dir: None,
             share_kv: true,
             background: false,
+            slack_device: 0,
+            slack_host: 0,
         }
     }
 }
@@ -370,6 +380,8 @@ pub struct CapsuleStore {
     /// disk).
     demotions: VecDeque<Demotion>,
     spills: VecDeque<Spill>,
+    /// While set, background jobs wait to begin ([`CapsuleStore::background_gate`]).
+    hold: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for CapsuleStore {
@@ -401,6 +413,7 @@ impl CapsuleStore {
             seq: 0,
             demotions: VecDeque::new(),
             spills: VecDeque::new(),
+            hold: Default::default(),
         };
         if let Some(dir) = store.cfg.dir.clone() {
             std::fs::create_dir_all(&dir).map_err(|e| Error::Io {

@@ -54,6 +54,7 @@ pub fn config(dir: Option<&Path>, token: Option<&str>) -> ServeConfig {
             dir: dir.map(Path::to_path_buf),
             share_kv: true,
             background: true,
+            ..StoreConfig::default()
         },
         max_sessions: 64,
         ..ServeConfig::default()
