@@ -120,6 +120,7 @@ fn run(
         dir: dir.map(|d| d.to_path_buf()),
         share_kv: true,
         background,
+        ..StoreConfig::default()
     };
     let mut store = CapsuleStore::open(m.clone(), cfg).expect("store");
     store.insert(a.clone(), None).expect("insert A");

@@ -419,6 +419,7 @@ fn randomized_soak_keeps_budgets_and_exactness() {
                 }
             }
             let st = store.stats();
+            over += (st.bytes[0] > c.budget_device || st.bytes[1] > c.budget_host) as usize;
             assert!(
                 st.bytes[0] <= c.budget_device + slack,
                 "step {step}: {st:?}"
@@ -432,6 +433,8 @@ fn randomized_soak_keeps_budgets_and_exactness() {
         }
         store.settle().unwrap();
         let st = store.stats();
+        // Without slack no step ends over a budget (with it, a timing matter: printed).
+        assert!(slack > 0 || over == 0);
         // Settled, every tier is within its budget again.
         assert!(st.bytes[0] <= c.budget_device && st.bytes[1] <= c.budget_host);
         eprintln!(

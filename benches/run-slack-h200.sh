@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The 2026-12-06 05:56 UTC session's GPU check, one device call (~150 s on an H200):
+#
+#   The bars' command at 16k (stored + 1 / + 32, streamed decode, batched steps 1..8, 8 clients,
+#   a 16k newcomer while 4 stream) with the store's slack (`StoreConfig::slack_device`: a capsule
+#   stored while the previous one is still being copied to the host does not wait for it), the
+#   demotion jobs' phases logged (`flashrt_runtime::store=debug`: read-back, hashing, delta).
+#   The previous H200 run (2026-12-06 04:46 UTC, without slack) had the newcomer's clients' gaps
+#   after its first token at p99 776 ms, 702 ms of it the wait for the previous demotion.
+#
+# Built here first (git-ignored .gpu/, carried packed in .gpupack/p.tar.xz):
+#   cargo build --release --features cuda && strip --strip-debug target/release/flashrt -o .gpu/flashrt
+#   bash scripts/gpu-check.sh --collect
+#   tar -cJf .gpupack/p.tar.xz .gpu/bin/cuda_model .gpu/bin/cuda_sample .gpu/flashrt
+#
+# Usage (repository root on the GPU machine): bash benches/run-slack-h200.sh OUT
+set -uo pipefail
+OUT="${1:-${OUT:-benches/results/latest-slack}}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=benches/h200-common.sh
+source "$ROOT/benches/h200-common.sh"
+"$BIN/cuda_model" --test-threads=1 deferred_logits host_snapshots batched_decode \
+  >"$OUT/cuda_model.log" 2>&1 || status=1
+grep -hE '^test |test result' "$OUT/cuda_model.log"
+BENCH_TIMEOUT=300 bench27 bar RUST_LOG=info,flashrt_runtime::store=debug -- --lengths 16384 \
+  --iters 1 --decode-steps 16 --batch 1,2,4,8 --serve --serve-suffixes 1,32 --serve-runs 3 \
+  --serve-clients 8 --serve-newcomer 16384
+grep -E 'clients at once|newcomer|a 16384-token prompt|capsule store:|device memory' "$OUT/bar.log" | head -8
+grep -E 'demotion job' "$OUT/bar.log" | sed 's/.*demotion job: //' | head -40 >"$OUT/demotions.txt"
+head -5 "$OUT/demotions.txt"
+exit $status
