@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The 2026-12-06 05:56 UTC session's GPU check, one device call (~150 s on an H200):
+# The 2026-12-06 05:56 UTC session's GPU check, one device call (~250 s on an H200):
 #
-#   The bars' command at 16k (stored + 1 / + 32, streamed decode, batched steps 1..8, 8 clients,
+#   1. The bars' command at 16k (stored + 1 / + 32, streamed decode, batched steps 1..8, 8 clients,
 #   a 16k newcomer while 4 stream) with the store's slack (`StoreConfig::slack_device`: a capsule
 #   stored while the previous one is still being copied to the host does not wait for it), the
 #   demotion jobs' phases logged (`flashrt_runtime::store=debug`: read-back, hashing, delta).
 #   The previous H200 run (2026-12-06 04:46 UTC, without slack) had the newcomer's clients' gaps
 #   after its first token at p99 776 ms, 702 ms of it the wait for the previous demotion.
+#   2. The device tier held to 4G: 4 clients streaming and the newcomer, every stored capsule
+#   moving down, the worker's time per automatic capsule (2026-12-05: 105-142 ms, waiting).
 #
 # Built here first (git-ignored .gpu/, carried packed in .gpupack/p.tar.xz):
 #   cargo build --release --features cuda && strip --strip-debug target/release/flashrt -o .gpu/flashrt
@@ -28,4 +30,12 @@ BENCH_TIMEOUT=300 bench27 bar RUST_LOG=info,flashrt_runtime::store=debug -- --le
 grep -E 'clients at once|newcomer|a 16384-token prompt|capsule store:|device memory' "$OUT/bar.log" | head -8
 grep -E 'demotion job' "$OUT/bar.log" | sed 's/.*demotion job: //' | head -40 >"$OUT/demotions.txt"
 head -5 "$OUT/demotions.txt"
+# The device tier held to 4G (capsules of 1.2 GiB move down at every store), 4 clients and the
+# newcomer, as the 2026-12-05 store runs: the worker's time per automatic capsule.
+BENCH_TIMEOUT=200 bench27 store4g RUST_LOG=info,flashrt_runtime::store=debug -- --lengths 16384 \
+  --iters 1 --decode-steps 64 --batch 1 --serve --serve-suffixes 1 --serve-runs 3 \
+  --serve-clients 4 --serve-newcomer 16384 --serve-budget-device 4G
+grep -E 'clients at once|a 16384-token prompt|capsule store:|device memory' "$OUT/store4g.log" | head -6
+grep -E 'demotion job' "$OUT/store4g.log" | sed 's/.*demotion job: //' >"$OUT/demotions-4g.txt"
+head -5 "$OUT/demotions-4g.txt"
 exit $status

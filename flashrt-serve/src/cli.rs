@@ -394,8 +394,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     pub files_dir: Option<PathBuf>,
     /// Byte budget of the device tier (K/M/G suffixes; default on a GPU: a quarter of the
-    /// memory the weights leave, at most 64G, less the eighth the tier may hold past its
-    /// budget while a capsule is copied to the host; elsewhere 1G)
+    /// memory the weights leave, at most 64G, less the one capsule the tier may hold past its
+    /// budget while another is copied to the host; elsewhere 1G)
     #[arg(long, value_parser = parse_bytes, value_name = "BYTES")]
     pub budget_device: Option<u64>,
     /// Byte budget of the host-memory tier

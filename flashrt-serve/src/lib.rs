@@ -158,6 +158,7 @@ impl ServeConfig {
         if let Some(p) = &plan {
             self.max_sessions = p.max_sessions;
             self.store.budget_device = p.budget_device;
+            self.store.slack_device = p.slack_device;
         }
         Ok(plan)
     }
@@ -216,8 +217,9 @@ impl Server {
         if store_cfg.background {
             // A capsule stored while the previous one is still being copied down does not wait
             // for that copy (hundreds of milliseconds for a 16k-token capsule, felt by every
-            // stream): its tier holds up to an eighth past its budget meanwhile (the memory
-            // plan counts it).
+            // stream): its tier holds up to its slack past its budget meanwhile (on a GPU the
+            // memory plan's one capsule, counted in the plan; elsewhere, and at least, an
+            // eighth of the budget).
             store_cfg.slack_device = store_cfg.slack_device.max(store_cfg.budget_device / 8);
             store_cfg.slack_host = store_cfg.slack_host.max(store_cfg.budget_host / 8);
         }

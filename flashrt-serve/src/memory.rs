@@ -6,8 +6,8 @@
 //! `max_seq` preallocated, as the capsule contract needs); scratch and I/O are shared by all
 //! sessions of the model (`Model::shared_bytes`). What is left after the shared arenas and a
 //! reserve (graphs, cuBLASLt, allocator slack) is split: a quarter (at most 64 GiB) for the
-//! device tier (its budget, and an eighth of it as the slack it may hold while a capsule is being
-//! copied down in the background), so that stored prompts at long context are restored at device copy speed and
+//! device tier (its budget, and the slack of one capsule it may hold past it while the previous
+//! one is copied down in the background), so that stored prompts at long context are restored at device copy speed and
 //! not from host memory; the rest for sessions, each counted at its state bytes + 10 %.
 
 use flashrt_runtime::Model;
@@ -23,6 +23,8 @@ pub struct MemoryPlan {
     pub reserve: u64,
     pub max_sessions: usize,
     pub budget_device: u64,
+    /// Bytes the device tier may hold past its budget while a capsule is copied down.
+    pub slack_device: u64,
 }
 
 /// Most sessions a default plan allows (a larger `--max-sessions` is the operator's call).
@@ -50,12 +52,20 @@ impl MemoryPlan {
             Some(n) => usable.saturating_sub((n as u64 + 1) * cost),
             None => usable,
         };
-        // The tier may hold an eighth past its budget while a capsule is on its way to the
-        // host (`StoreConfig::slack_device`, set by the server): its share is budget + slack.
-        let tier = |budget: u64| budget + budget / 8;
-        let budget_device = budget_device.unwrap_or((usable / 4).min(64 * GIB).min(left) / 9 * 8);
+        // The tier may hold one more capsule past its budget while the previous one is on its
+        // way to the host (`StoreConfig::slack_device`), so that storing it does not wait for
+        // that copy: as large as a session's state (the largest a capsule can be), at most
+        // half the tier's share, or what the operator's budget leaves.
+        let (budget_device, slack_device) = match budget_device {
+            Some(b) => (b, per_session.min(left.saturating_sub(b))),
+            None => {
+                let share = (usable / 4).min(64 * GIB).min(left);
+                let slack = per_session.min(share / 2);
+                (share - slack, slack)
+            }
+        };
         let max_sessions = max_sessions.unwrap_or_else(|| {
-            let fit = usable.saturating_sub(tier(budget_device)) / cost;
+            let fit = usable.saturating_sub(budget_device + slack_device) / cost;
             (fit.saturating_sub(1) as usize).clamp(1, MAX_DEFAULT_SESSIONS)
         });
         MemoryPlan {
@@ -64,6 +74,7 @@ impl MemoryPlan {
             reserve,
             max_sessions,
             budget_device,
+            slack_device,
         }
     }
 
@@ -99,11 +110,12 @@ impl std::fmt::Display for MemoryPlan {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         write!(
             f,
-            "{:.1} GiB free after the weights and shared arenas: up to {} sessions of {:.2} GiB, a {:.1} GiB device tier, {:.1} GiB reserve",
+            "{:.1} GiB free after the weights and shared arenas: up to {} sessions of {:.2} GiB, a {:.1} GiB device tier (+ {:.1} GiB while a capsule is copied down), {:.1} GiB reserve",
             gib(self.free),
             self.max_sessions,
             gib(self.per_session),
             gib(self.budget_device),
+            gib(self.slack_device),
             gib(self.reserve)
         )
     }
@@ -120,9 +132,8 @@ mod tests {
         let p = MemoryPlan::new(82 * GIB, 2437 << 20, None, None);
         assert_eq!(p.reserve, 2 * GIB + 82 * GIB / 20);
         let usable = 82 * GIB - p.reserve;
-        let tier = p.budget_device + p.budget_device / 8;
-        assert_eq!(p.budget_device, usable / 4 / 9 * 8);
-        assert!(tier <= usable / 4 && usable / 4 - tier < 16);
+        let tier = p.budget_device + p.slack_device;
+        assert_eq!((tier, p.slack_device), (usable / 4, 2437 << 20));
         let cost = (2437u64 << 20) * 11 / 10;
         assert_eq!(p.max_sessions as u64, (usable - tier) / cost - 1);
         // Everything planned fits in what was free.
@@ -141,25 +152,30 @@ mod tests {
         assert_eq!(p.max_sessions, 6);
         assert!(p.budget_device > 0 && p.budget_device < (free - p.reserve) / 4);
         assert!(
-            p.reserve + p.budget_device + p.budget_device / 8 + 7 * cost <= free,
+            p.reserve + p.budget_device + p.slack_device + 7 * cost <= free,
             "over-committed: {p}"
         );
         // Sessions that take everything leave no tier (capsules go to the host tier).
         let p = MemoryPlan::new(free, per, Some(64), None);
-        assert_eq!(p.budget_device, 0);
-        // Without a session count the tier keeps its quarter.
+        assert_eq!((p.budget_device, p.slack_device), (0, 0));
+        // Without a session count the tier keeps its quarter, a capsule's slack in it.
         let p = MemoryPlan::new(82 * GIB, per, None, None);
-        assert_eq!(p.budget_device, (82 * GIB - p.reserve) / 4 / 9 * 8);
+        assert_eq!(p.budget_device + p.slack_device, (82 * GIB - p.reserve) / 4);
+        assert_eq!(p.slack_device, per);
     }
 
     #[test]
     fn operator_settings_win_and_limits_hold() {
         let p = MemoryPlan::new(82 * GIB, GIB, Some(3), Some(5 * GIB));
         assert_eq!((p.max_sessions, p.budget_device), (3, 5 * GIB));
+        assert_eq!(p.slack_device, GIB);
         // Huge free memory: the default session count is capped, the tier too.
         let p = MemoryPlan::new(1 << 50, 1 << 20, None, None);
         assert_eq!(p.max_sessions, MAX_DEFAULT_SESSIONS);
-        assert_eq!(p.budget_device, 64 * GIB / 9 * 8);
+        assert_eq!(
+            (p.budget_device, p.slack_device),
+            (64 * GIB - (1 << 20), 1 << 20)
+        );
         // Nothing free: still one session (its creation then fails with a clear error).
         let p = MemoryPlan::new(GIB, 4 * GIB, None, None);
         assert_eq!((p.max_sessions, p.budget_device), (1, 0));
