@@ -16,6 +16,7 @@
 #   tar -cJf .gpupack/p.tar.xz .gpu/bin/cuda_model .gpu/bin/cuda_sample .gpu/flashrt
 #
 # Usage (repository root on the GPU machine): bash benches/run-slack-h200.sh OUT
+# (CLIENTS=4 on an 80 GB card: 8 sessions at 16k and a device tier do not fit beside the weights)
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-slack}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,7 +27,7 @@ source "$ROOT/benches/h200-common.sh"
 grep -hE '^test |test result' "$OUT/cuda_model.log"
 BENCH_TIMEOUT=300 bench27 bar RUST_LOG=info,flashrt_runtime::store=debug -- --lengths 16384 \
   --iters 1 --decode-steps 16 --batch 1,2,4,8 --serve --serve-suffixes 1,32 --serve-runs 3 \
-  --serve-clients 8 --serve-newcomer 16384
+  --serve-clients "${CLIENTS:-8}" --serve-newcomer 16384
 grep -E 'clients at once|newcomer|a 16384-token prompt|capsule store:|device memory' "$OUT/bar.log" | head -8
 grep -E 'demotion job' "$OUT/bar.log" | sed 's/.*demotion job: //' | head -40 >"$OUT/demotions.txt"
 head -5 "$OUT/demotions.txt"

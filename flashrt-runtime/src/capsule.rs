@@ -369,6 +369,12 @@ impl Capsule {
         self.saved.region_bytes(id)
     }
 
+    /// [`Capsule::region_bytes`] into `buf` where the backend can reuse it
+    /// ([`SavedState::region_bytes_into`]).
+    pub fn region_bytes_into(&self, id: BufferId, buf: Vec<u8>) -> Result<Vec<u8>> {
+        self.saved.region_bytes_into(id, buf)
+    }
+
     /// A handle to one region (cheap: shares the saved bytes); `None` if `id` is not a state
     /// region of this capsule's layout.
     pub fn region_handle(&self, id: BufferId) -> Option<Region> {

@@ -44,6 +44,7 @@ pub mod capsule_file;
 pub mod chunking;
 pub mod error;
 mod held_rows;
+pub mod host_pool;
 pub mod host_state;
 pub mod init;
 pub mod loader;

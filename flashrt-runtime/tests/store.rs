@@ -10,6 +10,7 @@ use flashrt_runtime::{
     CapsuleStore, Model, SamplerState, Session, StoreConfig, Tier, capsule_file,
 };
 use std::collections::HashMap;
+use std::sync::Arc;
 
 const BUCKETS: [usize; 2] = [4, 16];
 
@@ -771,5 +772,105 @@ fn slack_lets_an_insertion_pass_a_demotion_in_flight() {
         assert_eq!(store.info(id).unwrap().tiers, vec![Tier::Host], "{id}");
         store.restore_into(id, &mut t).unwrap();
         assert_eq!(state_of(&t), states[id], "{id}");
+    }
+}
+
+/// A capsule of `m` at `pos` whose state is random bytes (no prefill), as the backend saves
+/// it (through a session), with its exact region bytes.
+fn random_capsule(m: &Model, pos: usize, seed: u64) -> (flashrt_runtime::Capsule, Vec<Vec<u8>>) {
+    use flashrt_runtime::{CapsuleMeta, HostSaved};
+    let layout = &m.compiled().layout;
+    let mut x = seed | 1;
+    let regions: Vec<_> = layout
+        .state_buffers()
+        .map(|b| {
+            // Small finite f32 values (the state's dtype on the CPU backend).
+            let v: Vec<u8> = (0..b.used_bytes(pos) / 4)
+                .flat_map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5).to_le_bytes()
+                })
+                .collect();
+            (b.id, v)
+        })
+        .collect();
+    let saved = HostSaved::new(layout, pos, regions).unwrap();
+    let meta = CapsuleMeta {
+        model: m.name().to_string(),
+        fingerprint: m.fingerprint().to_string(),
+        pos,
+        pending: None,
+        tokens: tokens(seed, pos, m.vocab()),
+        sampler: Default::default(),
+        counters: Default::default(),
+        last_logits: None,
+    };
+    let host =
+        flashrt_runtime::Capsule::from_parts(meta, Arc::new(saved), m.compiled().clone()).unwrap();
+    let mut s = m.session().unwrap();
+    s.restore(&host).unwrap();
+    (s.snapshot().unwrap(), state_of(&s))
+}
+
+/// Host copies leaving memory give their buffers to the store's pool, and the next capsules
+/// read from the device land in them (no fresh pages to fault in): the bytes stay exact, on
+/// the store's thread and in the background.
+#[test]
+fn capsules_copied_down_reuse_the_buffers_of_those_that_left() {
+    let json = std::fs::read_to_string(fixture("qwen35-public").join("config.json")).unwrap();
+    let opts = flashrt_runtime::ir::hf::HfOptions {
+        max_seq: Some(8192),
+        ..Default::default()
+    };
+    let ir = flashrt_runtime::ir::hf::ir_from_hf_config(&json, &opts).unwrap();
+    let m = Model::with_random_weights(cpu(), &ir, 7).unwrap();
+    let layout = &m.compiled().layout;
+    // Long enough for KV regions past the pool's 1 MiB minimum.
+    let per = layout
+        .state_buffers()
+        .map(|b| b.bytes_per_token())
+        .max()
+        .unwrap();
+    let pos = (3 << 19) / per + 1;
+    let one = layout.capsule_bytes(pos) as u64;
+    // What the pool keeps of a capsule: its regions of 1 MiB or more.
+    let big: u64 = layout
+        .state_buffers()
+        .map(|b| b.used_bytes(pos) as u64)
+        .filter(|&n| n >= flashrt_runtime::host_pool::MIN_POOLED as u64)
+        .sum();
+    // The host tier holds one capsule, not two; its pool (half the budget) one's big regions.
+    let host = 2 * one - 1;
+    assert!(big > 0 && big <= host / 2, "{big} of {one}");
+    for background in [false, true] {
+        // No device tier, one capsule in the host tier: each capsule stored pushes the one
+        // before it out of memory (no directory: dropped).
+        let mut c = cfg(0, host, 0, None);
+        c.background = background;
+        c.share_kv = false;
+        let mut store = CapsuleStore::open(m.clone(), c).unwrap();
+        let mut want = HashMap::new();
+        let mut ids = Vec::new();
+        for seed in 1..=4 {
+            let (cap, state) = random_capsule(&m, pos, seed);
+            let id = store.insert(cap, None).unwrap();
+            store.settle().unwrap();
+            want.insert(id.clone(), state);
+            ids.push(id);
+        }
+        let st = store.stats();
+        assert_eq!((st.capsules[1], st.dropped), (1, 3), "{st:?}");
+        // Capsules 3 and 4 were read into the buffers of 1 and 2, and 3's wait in the pool.
+        assert_eq!(
+            (st.pool_reused_bytes, st.pooled_bytes),
+            (2 * big, big),
+            "{st:?}"
+        );
+        let last = ids.last().unwrap();
+        let mut t = m.session().unwrap();
+        store.restore_into(last, &mut t).unwrap();
+        assert_eq!(state_of(&t), want[last], "background: {background}");
     }
 }

@@ -141,6 +141,9 @@ pub struct Metrics {
     pub dropped: AtomicU64,
     pub shared_bytes: AtomicU64,
     pub corrupt_files: AtomicU64,
+    /// Host buffers kept for capsules copied down, and bytes read into reused ones.
+    pub pooled_bytes: AtomicU64,
+    pub pool_reused_bytes: AtomicU64,
     /// Bytes of capsules on their way down in the background (device -> host, host -> disk),
     /// and the moves finished so.
     pub demoting_bytes: AtomicU64,
@@ -197,6 +200,9 @@ impl Metrics {
         self.dropped.store(s.dropped, Ordering::Relaxed);
         self.shared_bytes.store(s.shared_bytes, Ordering::Relaxed);
         self.corrupt_files.store(s.corrupt_files, Ordering::Relaxed);
+        self.pooled_bytes.store(s.pooled_bytes, Ordering::Relaxed);
+        self.pool_reused_bytes
+            .store(s.pool_reused_bytes, Ordering::Relaxed);
         self.demoting_bytes
             .store(s.demoting_bytes, Ordering::Relaxed);
         self.background_demotions
@@ -358,6 +364,18 @@ impl Metrics {
             "counter",
             "Capsule files found corrupt and set aside.",
             get(&self.corrupt_files),
+        );
+        one(
+            "flashrt_store_pooled_bytes",
+            "gauge",
+            "Host buffers of capsule copies that left memory, kept (pages in place) for the next capsules copied from the device.",
+            get(&self.pooled_bytes),
+        );
+        one(
+            "flashrt_store_pool_reused_bytes_total",
+            "counter",
+            "Bytes of capsules copied from the device into reused host buffers.",
+            get(&self.pool_reused_bytes),
         );
         one(
             "flashrt_store_demoting_bytes",

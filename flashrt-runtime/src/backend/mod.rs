@@ -455,6 +455,12 @@ pub trait SavedState: Send + Sync + Any {
     fn bytes(&self) -> usize;
     /// Bytes of one region as they would be restored (used part only), copied to the host.
     fn region_bytes(&self, id: BufferId) -> Result<Vec<u8>>;
+    /// [`SavedState::region_bytes`] into `buf` where the backend can reuse it (its capacity
+    /// and pages: a [`crate::host_pool::HostPool`] buffer), else into a new buffer.
+    fn region_bytes_into(&self, id: BufferId, buf: Vec<u8>) -> Result<Vec<u8>> {
+        let _ = buf;
+        self.region_bytes(id)
+    }
     fn as_any(&self) -> &dyn Any;
 }
 

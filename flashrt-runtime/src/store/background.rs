@@ -50,6 +50,7 @@ use crate::SavedState;
 use crate::capsule::Capsule;
 use crate::capsule_file::{self, BaseRef};
 use crate::error::{Error, Result};
+use crate::host_pool::HostPool;
 use flashrt_ir::BufferId;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -161,6 +162,32 @@ pub(super) fn free_later<T: Send + 'static>(x: T) {
     }
 }
 
+impl CapsuleStore {
+    /// Give the buffers of `old` (a copy that just left its tier) to the host pool where it is
+    /// a host copy nothing else holds, for the next capsule read from the device; the rest is
+    /// freed off this thread ([`free_later`]).
+    pub(super) fn recycle(&self, old: Option<Mem>) {
+        let Some(Mem::Host(h)) = old else {
+            if old.is_some() {
+                free_later(old);
+            }
+            return;
+        };
+        match Arc::try_unwrap(h.regions) {
+            Ok(regions) => {
+                let rest: Vec<Vec<u8>> = regions
+                    .into_iter()
+                    .filter_map(|(_, v)| self.pool.give(v))
+                    .collect();
+                if !rest.is_empty() {
+                    free_later(rest);
+                }
+            }
+            Err(shared) => free_later(shared),
+        }
+    }
+}
+
 fn lost() -> Error {
     Error::Capsule("a background store job ended without a result".into())
 }
@@ -178,6 +205,7 @@ pub(super) struct Shape {
 pub(super) fn demote(
     id: String,
     hold: Arc<AtomicBool>,
+    pool: Arc<HostPool>,
     capsule: Capsule,
     shape: Shape,
     decided: Option<Option<BaseRef>>,
@@ -185,7 +213,7 @@ pub(super) fn demote(
 ) -> Result<Demotion> {
     let saved = capsule.saved().clone();
     start(id, saved, "demote", hold, move || {
-        run(&capsule, &shape, decided, cands)
+        run(&capsule, &shape, decided, cands, &pool)
     })
 }
 
@@ -211,20 +239,31 @@ pub(super) fn spill(id: String, hold: Arc<AtomicBool>, parts: FileParts) -> Resu
     })
 }
 
+/// `capsule`'s regions `ids` read to the host into buffers from `pool`.
+pub(super) fn read_regions(
+    capsule: &Capsule,
+    ids: &[BufferId],
+    pool: &HostPool,
+) -> Result<Regions> {
+    ids.iter()
+        .map(|&b| {
+            let buf = pool.take(capsule.region_len(b));
+            Ok((b, capsule.region_bytes_into(b, buf)?))
+        })
+        .collect()
+}
+
 fn run(
     capsule: &Capsule,
     shape: &Shape,
     decided: Option<Option<BaseRef>>,
     cands: Vec<Candidate>,
+    pool: &HostPool,
 ) -> Result<Demoted> {
     // Leave a core to the thread that owns the store: it launches every stream's steps.
     let threads = all_threads().saturating_sub(1).max(1);
     let t0 = Instant::now();
-    let full = shape
-        .state
-        .iter()
-        .map(|&b| Ok((b, capsule.region_bytes(b)?)))
-        .collect::<Result<Regions>>()?;
+    let full = read_regions(capsule, &shape.state, pool)?;
     // This capsule's KV hashed once: its whole rows and every candidate's prefix.
     let prefixes: Vec<usize> = std::iter::once(usize::MAX)
         .chain(cands.iter().map(|c| c.pos))
@@ -240,12 +279,13 @@ fn run(
             let theirs = match (c.hash, &c.capsule) {
                 (Some(h), _) => h,
                 (None, Some(cap)) => {
-                    let kv = shape
-                        .kv
-                        .iter()
-                        .map(|&(b, _)| Ok((b, cap.region_bytes(b)?)))
-                        .collect::<Result<Regions>>()?;
+                    let ids: Vec<BufferId> = shape.kv.iter().map(|&(b, _)| b).collect();
+                    let kv = read_regions(cap, &ids, pool)?;
                     let h = hash_kv(&shape.kv, &kv, &[usize::MAX], threads).remove(0);
+                    // Read only to be hashed: its buffers serve the next read.
+                    for (_, v) in kv {
+                        drop(pool.give(v));
+                    }
                     cand_hashes.push((c.id.clone(), h.clone()));
                     h
                 }
@@ -342,6 +382,7 @@ impl CapsuleStore {
         let p = demote(
             id.to_string(),
             self.hold.clone(),
+            self.pool.clone(),
             cap,
             shape,
             decided,
@@ -425,7 +466,9 @@ impl CapsuleStore {
                     p.id
                 );
                 self.write_disk(&p.id)?;
-                self.entries.get_mut(&p.id).expect("present").mem = None;
+                let old = self.entries.get_mut(&p.id).expect("present").mem.take();
+                drop(p);
+                self.recycle(old);
                 return Ok(());
             }
             Err(_) => return Ok(()),
@@ -439,7 +482,9 @@ impl CapsuleStore {
         let old = self.entries.get_mut(&p.id).expect("present").mem.take();
         self.stats.background_spills += 1;
         self.stats.background_seconds += p.started.elapsed().as_secs_f64();
-        free_later((old, p));
+        // The job shares the host copy: dropped first, so that its buffers can be pooled.
+        drop(p);
+        self.recycle(old);
         Ok(())
     }
 

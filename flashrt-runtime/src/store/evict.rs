@@ -21,9 +21,10 @@ impl CapsuleStore {
     /// Forget `id` entirely (its file too) and unpin its base, cascading to hidden bases.
     pub(super) fn remove_entry(&mut self, id: &str) {
         self.index_remove(id);
-        let Some(e) = self.entries.remove(id) else {
+        let Some(mut e) = self.entries.remove(id) else {
             return;
         };
+        self.recycle(e.mem.take());
         if let Some(d) = &e.disk {
             let _ = std::fs::remove_file(&d.path);
         }
@@ -93,7 +94,8 @@ impl CapsuleStore {
                         self.spill_later(&v)?;
                     } else {
                         self.write_disk(&v)?;
-                        self.entries.get_mut(&v).expect("present").mem = None;
+                        let old = self.entries.get_mut(&v).expect("present").mem.take();
+                        self.recycle(old);
                     }
                 } else if !self.drop_leaf(&v, protect) {
                     break;

@@ -82,6 +82,7 @@ pub use background::MAX_IN_FLIGHT;
 use crate::capsule::{Capsule, CapsuleMeta};
 use crate::capsule_file::{self, BaseRef, FileMeta};
 use crate::error::{Error, Result};
+use crate::host_pool::HostPool;
 use crate::host_state::{HostSaved, Regions};
 use crate::session::{Model, Session};
 use background::{Demotion, Spill};
@@ -191,6 +192,10 @@ pub struct StoreStats {
     pub shared_bytes: u64,
     /// Files found corrupt (at open or at load) and set aside.
     pub corrupt_files: u64,
+    /// Host buffers of copies that left memory, kept for the next copies read from the device
+    /// (`host_pool.rs`), and the bytes read into such reused buffers since the store opened.
+    pub pooled_bytes: u64,
+    pub pool_reused_bytes: u64,
 }
 
 /// What [`CapsuleStore::info`] says about one capsule.
@@ -382,6 +387,8 @@ pub struct CapsuleStore {
     spills: VecDeque<Spill>,
     /// While set, background jobs wait to begin ([`CapsuleStore::background_gate`]).
     hold: Arc<std::sync::atomic::AtomicBool>,
+    /// Buffers of host copies that left memory, for the next copies read from the device.
+    pool: Arc<HostPool>,
 }
 
 impl std::fmt::Debug for CapsuleStore {
@@ -399,6 +406,9 @@ impl CapsuleStore {
     /// (header, metadata and region table verified; region bytes when first read), leftovers of interrupted writes are deleted, and corrupt or
     /// orphaned files are renamed `*.corrupt` / `*.orphan` and never loaded.
     pub fn open(model: Model, cfg: StoreConfig) -> Result<CapsuleStore> {
+        // Half the host tier's budget (at most 8 GiB): one capsule leaving the host while
+        // another comes down is the steady state.
+        let pool_cap = (cfg.budget_host / 2).min(8 << 30) as usize;
         let mut store = CapsuleStore {
             model,
             stats: StoreStats {
@@ -414,6 +424,7 @@ impl CapsuleStore {
             demotions: VecDeque::new(),
             spills: VecDeque::new(),
             hold: Default::default(),
+            pool: Arc::new(HostPool::new(pool_cap)),
         };
         if let Some(dir) = store.cfg.dir.clone() {
             std::fs::create_dir_all(&dir).map_err(|e| Error::Io {
@@ -676,20 +687,21 @@ impl CapsuleStore {
         let cap = self.materialize(id)?;
         session.restore(&cap)?;
         let elapsed = t0.elapsed();
+        let (pos, promote) = (cap.pos(), device_bytes(&cap) <= self.cfg.budget_device);
+        // It may share the host copy's bytes: dropped first, so that they can be pooled.
+        drop(cap);
         // Promoted when it fits the device tier (the snapshot is byte for byte the capsule).
-        if tier != Tier::Device && device_bytes(&cap) <= self.cfg.budget_device {
+        if tier != Tier::Device && promote {
             let native = session.snapshot()?;
             if let Some(e) = self.entries.get_mut(id) {
-                // The host copy (a GiB at 16k tokens of the 27B shape) is freed off this thread.
-                background::free_later(e.mem.replace(Mem::Device(native)));
+                // The host copy (a GiB at 16k tokens of the 27B shape) goes to the pool, or is
+                // freed off this thread.
+                let old = e.mem.replace(Mem::Device(native));
+                self.recycle(old);
                 self.enforce(Some(id))?;
             }
         }
-        Ok(RestoreInfo {
-            tier,
-            elapsed,
-            pos: cap.pos(),
-        })
+        Ok(RestoreInfo { tier, elapsed, pos })
     }
 
     /// Delete a capsule. One that others share KV rows with is hidden (no longer listed or
@@ -870,6 +882,8 @@ impl CapsuleStore {
                 }
             }
         }
+        s.pooled_bytes = self.pool.bytes() as u64;
+        s.pool_reused_bytes = self.pool.reused();
         s
     }
 }

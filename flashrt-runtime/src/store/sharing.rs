@@ -80,11 +80,8 @@ impl CapsuleStore {
             .ok_or_else(|| Error::Capsule(format!("capsule `{id}` is missing from the store")))?;
         match &e.mem {
             Some(Mem::Device(c)) => {
-                let regions = self
-                    .layout()
-                    .state_buffers()
-                    .map(|b| Ok((b.id, c.region_bytes(b.id)?)))
-                    .collect::<Result<Vec<_>>>()?;
+                let ids: Vec<BufferId> = self.layout().state_buffers().map(|b| b.id).collect();
+                let regions = super::background::read_regions(c, &ids, &self.pool)?;
                 Ok((c.meta.clone(), Arc::new(regions), None))
             }
             Some(Mem::Host(h)) => Ok((

@@ -186,6 +186,10 @@ impl SavedState for CudaSaved {
     }
 
     fn region_bytes(&self, id: BufferId) -> Result<Vec<u8>> {
+        self.region_bytes_into(id, Vec::new())
+    }
+
+    fn region_bytes_into(&self, id: BufferId, buf: Vec<u8>) -> Result<Vec<u8>> {
         let r = self
             .regions
             .iter()
@@ -194,7 +198,14 @@ impl SavedState for CudaSaved {
         match &self.storage {
             Storage::Device(src) => {
                 self.bind()?;
-                let mut out = host_buffer(r.bytes);
+                // A pooled buffer's pages are in place: no faults while the copy lands.
+                let mut out = if buf.capacity() >= r.bytes {
+                    let mut b = buf;
+                    b.resize(r.bytes, 0);
+                    b
+                } else {
+                    host_buffer(r.bytes)
+                };
                 if r.bytes > 0 {
                     if let Some(ev) = &self.ready {
                         ev.synchronize().map_err(drv("read saved region"))?;
