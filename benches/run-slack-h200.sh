@@ -7,6 +7,8 @@
 #   demotion jobs' phases logged (`flashrt_runtime::store=debug`: read-back, hashing, delta).
 #   The previous H200 run (2026-12-06 04:46 UTC, without slack) had the newcomer's clients' gaps
 #   after its first token at p99 776 ms, 702 ms of it the wait for the previous demotion.
+#   Host copies leaving memory give their buffers to the next demotions (host_pool.rs): the
+#   GPU test `store_demotions_into_reused_host_buffers_restore_exactly_on_gpu` first.
 #   2. The device tier held to 4G: 4 clients streaming and the newcomer, every stored capsule
 #   moving down, the worker's time per automatic capsule (2026-12-05: 105-142 ms, waiting).
 #
@@ -22,7 +24,7 @@ OUT="${1:-${OUT:-benches/results/latest-slack}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=benches/h200-common.sh
 source "$ROOT/benches/h200-common.sh"
-"$BIN/cuda_model" --test-threads=1 deferred_logits host_snapshots batched_decode \
+"$BIN/cuda_model" --test-threads=1 deferred_logits host_snapshots batched_decode store_demotions \
   >"$OUT/cuda_model.log" 2>&1 || status=1
 grep -hE '^test |test result' "$OUT/cuda_model.log"
 BENCH_TIMEOUT=300 bench27 bar RUST_LOG=info,flashrt_runtime::store=debug -- --lengths 16384 \

@@ -1650,3 +1650,100 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
         );
     }
 }
+
+/// The capsule store on the GPU: capsules demoted to the host land in the buffers of host
+/// copies that left memory (host_pool.rs, `CudaSaved::region_bytes_into`), on the store's
+/// thread and in the background, and restore byte for byte.
+#[test]
+fn store_demotions_into_reused_host_buffers_restore_exactly_on_gpu() {
+    use flashrt_runtime::{CapsuleStore, StoreConfig};
+    let Some(gpu) = cuda("store_demotions_into_reused_host_buffers_restore_exactly_on_gpu") else {
+        return;
+    };
+    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 16384);
+    let model = model_on(gpu, &ir, None);
+    let layout = &model.compiled().layout;
+    // Long enough for KV regions past the pool's 1 MiB minimum.
+    let per = layout
+        .state_buffers()
+        .map(|b| b.bytes_per_token())
+        .max()
+        .unwrap();
+    let pos = (3 << 19) / per + 1;
+    assert!(pos < 16384, "{per} bytes a token");
+    let one = layout.capsule_bytes(pos) as u64;
+    let big: u64 = layout
+        .state_buffers()
+        .map(|b| b.used_bytes(pos) as u64)
+        .filter(|&n| n >= flashrt_runtime::host_pool::MIN_POOLED as u64)
+        .sum();
+    // The host tier holds one capsule, its pool (half the budget) the large regions of one.
+    assert!(big > 0 && big <= (2 * one - 1) / 2, "{big} of {one}");
+    // A capsule of random state bytes (no prefill: nothing computes on them), as the GPU saves it.
+    let capsule = |seed: u64| {
+        let mut x = seed | 1;
+        let regions = layout
+            .state_buffers()
+            .map(|b| {
+                let v: Vec<u8> = (0..b.used_bytes(pos))
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        (x >> 32) as u8
+                    })
+                    .collect();
+                (b.id, v)
+            })
+            .collect();
+        let saved = HostSaved::new(layout, pos, regions).unwrap();
+        let mut meta = model.session().unwrap().snapshot().unwrap().meta.clone();
+        meta.pos = pos;
+        meta.tokens = prompt(pos, model.vocab(), seed);
+        meta.last_logits = None;
+        let host = Capsule::from_parts(meta, Arc::new(saved), model.compiled().clone()).unwrap();
+        let mut s = model.session().unwrap();
+        s.restore(&host).unwrap();
+        let dev = s.snapshot().unwrap();
+        assert!(dev.saved().as_any().is::<CudaSaved>());
+        let state: Vec<Vec<u8>> = layout
+            .state_buffers()
+            .map(|b| s.read_region(b.id).unwrap())
+            .collect();
+        (dev, state)
+    };
+    for background in [false, true] {
+        let cfg = StoreConfig {
+            budget_device: 0,
+            budget_host: 2 * one - 1,
+            budget_disk: 0,
+            background,
+            share_kv: false,
+            ..StoreConfig::default()
+        };
+        let mut store = CapsuleStore::open(model.clone(), cfg).unwrap();
+        let mut last = None;
+        for seed in 1..=4 {
+            let (cap, state) = capsule(seed);
+            let id = store.insert(cap, None).unwrap();
+            store.settle().unwrap();
+            last = Some((id, state));
+        }
+        let st = store.stats();
+        assert_eq!((st.capsules[1], st.dropped), (1, 3), "{st:?}");
+        assert_eq!(
+            (st.pool_reused_bytes, st.pooled_bytes),
+            (2 * big, big),
+            "{st:?}"
+        );
+        let (id, want) = last.unwrap();
+        let mut t = model.session().unwrap();
+        store.restore_into(&id, &mut t).unwrap();
+        let got: Vec<Vec<u8>> = layout
+            .state_buffers()
+            .map(|b| t.read_region(b.id).unwrap())
+            .collect();
+        assert!(got == want, "background: {background}");
+    }
+    println!("store demotions into reused host buffers: {big} of {one} bytes a capsule pooled");
+}
