@@ -617,13 +617,15 @@ impl Worker {
         Ok(gone || (c.zero_done && c.branches.iter().all(|b| b.done)))
     }
 
-    /// An ended completion: its summary to the client, its capsule to the store, its session
-    /// to the pool.
+    /// An ended completion: its summary to the client, then its capsule to the store (the
+    /// client does not wait for that: a 16k-token capsule may wait for the previous one's
+    /// copy to the host), its session to the pool.
     fn answer(&mut self, mut a: Active) {
         if let Some(id) = a.session_id.take() {
             return self.answer_session(id, a);
         }
         let timings = a.timings(Instant::now());
+        let mut store = false;
         let mut summary = match a.choices.take() {
             Some(mut c) => {
                 // Side by side, choices end in any order; the answer lists them by index.
@@ -642,14 +644,8 @@ impl Worker {
                 let g = self.gen_end(a.g.as_mut().expect("generated"), a.stream.as_ref());
                 // The session stands before the last token (never fed: nothing will read
                 // it), so the capsule worth keeping for a follow-up holds the prompt and all
-                // but that token.
-                if self.cfg.auto_cache
-                    && g.tokens.len() > 1
-                    && g.finish != "cancelled"
-                    && let Err(e) = self.store_auto(&a.s, None, &a.tenant)
-                {
-                    tracing::warn!("storing the capsule after a completion: {}", e.message);
-                }
+                // but that token (stored once the answer is out).
+                store = self.cfg.auto_cache && g.tokens.len() > 1 && g.finish != "cancelled";
                 json!({
                     "tokens": g.tokens,
                     "text": g.text,
@@ -667,6 +663,10 @@ impl Worker {
             let _ = tx.send(Event::Done(summary.clone()));
         }
         a.rep.send(Ok(Out::Json(summary)));
+        // A follow-up queues behind this job on the worker, so it finds the capsule.
+        if store && let Err(e) = self.store_auto(&a.s, None, &a.tenant) {
+            tracing::warn!("storing the capsule after a completion: {}", e.message);
+        }
         self.pool.push(a.s);
     }
 
