@@ -17,13 +17,35 @@
 #   bash scripts/gpu-check.sh --collect
 #   tar -cJf .gpupack/p.tar.xz .gpu/bin/cuda_model .gpu/bin/cuda_sample .gpu/flashrt
 #
-# Usage (repository root on the GPU machine): bash benches/run-slack-h200.sh OUT
+#   3. (PART=ab) reused host buffers and parallel host copies, see below.
+#
+# Usage (repository root on the GPU machine): [PART=ab] bash benches/run-slack-h200.sh OUT
 # (CLIENTS=4 on an 80 GB card: 8 sessions at 16k and a device tier do not fit beside the weights)
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-slack}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=benches/h200-common.sh
 source "$ROOT/benches/h200-common.sh"
+if [ "${PART:-bar}" = ab ]; then
+  # 3. Reused host buffers and parallel host copies (host_pool.rs, read_staged's copy on 4
+  # threads): the device tier held to 4G and the host tier to 3G (capsules leave host memory,
+  # their buffers go to the pool), 4 clients and the newcomer; the same with the huge-page
+  # advice off for fresh buffers (FLASHRT_HOST_HUGEPAGES=0).
+  "$BIN/cuda_model" --test-threads=1 store_demotions >"$OUT/cuda_model.log" 2>&1 || status=1
+  grep -hE '^test |test result' "$OUT/cuda_model.log"
+  for v in pool pool-nohuge; do
+    e=RUST_LOG=info,flashrt_runtime::store=debug
+    [ $v = pool-nohuge ] && e="$e FLASHRT_HOST_HUGEPAGES=0"
+    # shellcheck disable=SC2086
+    BENCH_TIMEOUT=200 bench27 $v $e -- --lengths 16384 --iters 1 --decode-steps 64 --batch 1 \
+      --serve --serve-suffixes 1,32 --serve-runs 3 --serve-clients 4 --serve-newcomer 16384 \
+      --serve-budget-device 4G --serve-budget-host 3G
+    grep -E 'a 16384-token prompt|capsule store:' "$OUT/$v.log" | head -3
+    grep -E 'demotion job' "$OUT/$v.log" | sed 's/.*demotion job: //' >"$OUT/demotions-$v.txt"
+    cut -c1-60 "$OUT/demotions-$v.txt" | tr '\n' ';' | head -c 900; echo
+  done
+  exit $status
+fi
 "$BIN/cuda_model" --test-threads=1 deferred_logits host_snapshots batched_decode store_demotions \
   >"$OUT/cuda_model.log" 2>&1 || status=1
 grep -hE '^test |test result' "$OUT/cuda_model.log"

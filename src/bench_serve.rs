@@ -47,6 +47,9 @@ pub struct ServeBenchOptions {
     /// The device tier's byte budget (`flashrt serve --budget-device`; `None`: what the server
     /// would choose), e.g. small enough that the run's capsules move down the tiers.
     pub budget_device: Option<u64>,
+    /// The host tier's byte budget (`flashrt serve --budget-host`; `None`: the server's
+    /// default), e.g. small enough that capsules leave host memory.
+    pub budget_host: Option<u64>,
 }
 
 /// A conversation of about `prefix` tokens stored, then one more turn, through
@@ -133,6 +136,8 @@ pub struct StoreSummary {
     /// path whatever demotion that causes): count and mean.
     pub auto_stores: u64,
     pub auto_store_mean_ms: f64,
+    /// Bytes of capsules read from the device into reused host buffers (host_pool.rs).
+    pub pool_reused_bytes: u64,
 }
 
 /// One completion with `n` choices against `n` separately seeded single completions.
@@ -801,6 +806,9 @@ pub fn run(model: &Model, opts: &ServeBenchOptions) -> Result<ServeReport, Strin
     if let Some(b) = opts.budget_device {
         cfg.store.budget_device = b;
     }
+    if let Some(b) = opts.budget_host {
+        cfg.store.budget_host = b;
+    }
     let server = flashrt_serve::Server::start(model.clone(), None, cfg)?;
     let addr = server.addr();
     let mut seed = 1000u64;
@@ -966,6 +974,7 @@ fn store_summary(server: &flashrt_serve::Server, background: bool) -> StoreSumma
         },
         auto_stores: n,
         auto_store_mean_ms: if n > 0 { sum * 1e3 / n as f64 } else { 0.0 },
+        pool_reused_bytes: m.pool_reused_bytes.load(Relaxed),
     }
 }
 
@@ -1050,7 +1059,7 @@ pub fn render(r: &ServeReport) -> String {
     }
     let st = &r.store;
     o += &format!(
-        "  capsule store: {} evictions from the device tier, {} from the host; {} of those moves off the worker thread (mean {:.1} ms there){}; {} automatic capsules stored, {:.2} ms of the worker's time each\n",
+        "  capsule store: {} evictions from the device tier, {} from the host; {} of those moves off the worker thread (mean {:.1} ms there){}; {} automatic capsules stored, {:.2} ms of the worker's time each; {:.2} GB read into reused host buffers\n",
         st.evictions[0],
         st.evictions[1],
         st.background_moves,
@@ -1061,7 +1070,8 @@ pub fn render(r: &ServeReport) -> String {
             " (--serve-demote-on-worker)"
         },
         st.auto_stores,
-        st.auto_store_mean_ms
+        st.auto_store_mean_ms,
+        st.pool_reused_bytes as f64 / 1e9
     );
     o
 }
@@ -1093,6 +1103,7 @@ mod tests {
             demote_on_worker: false,
             // No room on the device tier: every stored capsule moves down, off the worker.
             budget_device: Some(1),
+            budget_host: None,
         };
         let r = run(&model, &opts).unwrap();
         let st = &r.store;

@@ -171,6 +171,10 @@ pub struct BenchArgs {
     /// chooses), e.g. small enough that its capsules move down the tiers
     #[arg(long, value_parser = flashrt_serve::cli::parse_bytes, value_name = "BYTES")]
     pub serve_budget_device: Option<u64>,
+    /// The served path's host-tier budget (default: what `flashrt serve` chooses), e.g. small
+    /// enough that capsules leave host memory and their buffers are reused
+    #[arg(long, value_parser = flashrt_serve::cli::parse_bytes, value_name = "BYTES")]
+    pub serve_budget_host: Option<u64>,
     /// Then open N sessions at once, each prefilled to the longest `--lengths`, and report the
     /// device memory each costs next to its state arena (CUDA)
     #[arg(long, value_name = "N")]
@@ -451,6 +455,7 @@ pub fn bench(a: &BenchArgs) -> Result<ExitCode, String> {
             chat: a.serve_chat.clone(),
             demote_on_worker: a.serve_demote_on_worker,
             budget_device: a.serve_budget_device,
+            budget_host: a.serve_budget_host,
         };
         let r = crate::bench_serve::run(&loaded.model, &sopts)?;
         print!("\n{}", crate::bench_serve::render(&r));
