@@ -65,6 +65,7 @@ fn fixture() -> &'static Fixture {
                 dir: Some(dir),
                 share_kv: true,
                 background: true,
+                ..StoreConfig::default()
             },
             max_sessions: 8,
             ..ServeConfig::default()
