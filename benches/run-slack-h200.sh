@@ -55,6 +55,7 @@ BENCH_TIMEOUT=300 bench27 bar RUST_LOG=info,flashrt_runtime::store=debug -- --le
 grep -E 'clients at once|newcomer|a 16384-token prompt|capsule store:|device memory' "$OUT/bar.log" | head -8
 grep -E 'demotion job' "$OUT/bar.log" | sed 's/.*demotion job: //' | head -40 >"$OUT/demotions.txt"
 head -5 "$OUT/demotions.txt"
+[ "${STORE4G:-1}" = 1 ] || exit $status
 # The device tier held to 4G (capsules of 1.2 GiB move down at every store), 4 clients and the
 # newcomer, as the 2026-12-05 store runs: the worker's time per automatic capsule.
 BENCH_TIMEOUT=200 bench27 store4g RUST_LOG=info,flashrt_runtime::store=debug -- --lengths 16384 \
