@@ -165,6 +165,9 @@ pub struct Metrics {
     /// The worker storing an automatic capsule (snapshot, insertion, and the demotions down
     /// the tiers it causes): time in which no other generation advances.
     pub auto_store: Histogram<TokenBuckets>,
+    /// Automatic capsules not stored because the store would have waited for a copy to the
+    /// host (`CapsuleStore::insert_would_wait`).
+    pub auto_store_skipped: AtomicU64,
     pub worker_alive: AtomicBool,
     /// The worker is warming its pooled sessions (capturing their graphs) before the first
     /// job: `/health` says so with a 503 until it is done.
@@ -364,6 +367,12 @@ impl Metrics {
             "counter",
             "Capsule files found corrupt and set aside.",
             get(&self.corrupt_files),
+        );
+        one(
+            "flashrt_auto_capsules_skipped_total",
+            "counter",
+            "Automatic capsules not stored because the store would have waited for the previous capsule's copy to the host (every stream would have waited too).",
+            get(&self.auto_store_skipped),
         );
         one(
             "flashrt_store_pooled_bytes",

@@ -554,4 +554,18 @@ impl CapsuleStore {
     pub fn busy(&self) -> bool {
         !self.demotions.is_empty() || !self.spills.is_empty()
     }
+
+    /// Whether inserting a device capsule of `bytes` now would wait for a demotion in flight
+    /// (the device tier past its budget and slack with one more job needed; only with
+    /// [`StoreConfig::background`]: on the store's thread the insertion demotes anyway). A
+    /// server skips an automatic capsule then rather than stall every stream: it is a cache
+    /// entry, and the next one comes with the next request.
+    ///
+    /// [`StoreConfig::background`]: super::StoreConfig::background
+    pub fn insert_would_wait(&self, bytes: u64) -> bool {
+        let c = &self.cfg;
+        c.background
+            && self.demotions.len() >= MAX_IN_FLIGHT
+            && self.stats().bytes[0] + bytes > c.budget_device.saturating_add(c.slack_device)
+    }
 }

@@ -528,6 +528,28 @@ impl Worker {
         t: &Tenant,
     ) -> WResult<()> {
         let start = Instant::now();
+        // Skipped while the store would wait for the previous capsule's copy to the host (every
+        // stream would wait too), when a stored capsule already holds all but a few of its
+        // tokens: a request extending it then prefills at most one short chunk more (a burst
+        // of follow-ups on one long prompt). A new long prompt is stored, waiting if need be.
+        self.poll_store();
+        let bytes = s.model().compiled().layout.capsule_bytes(s.pos()) as u64;
+        if self.store.insert_would_wait(bytes) {
+            let covered = self
+                .store
+                .longest_prefix_in(s.tokens(), self.prefix_scope(t))
+                .map_or(0, |(_, p)| p);
+            if covered + AUTO_SKIP_GAP >= s.pos() {
+                self.metrics
+                    .auto_store_skipped
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    "automatic capsule at {} tokens skipped: {covered} of them are stored, and the store is still copying another capsule to the host",
+                    s.pos()
+                );
+                return Ok(());
+            }
+        }
         let mut cap = snapshot_anywhere(s)?;
         if let Some(sm) = sampler {
             cap.meta.sampler = sm;
@@ -625,6 +647,12 @@ impl Worker {
         check_tokens(tokens, at, self.model.vocab(), self.model.max_seq())
     }
 }
+
+/// Tokens past a stored prefix under which an automatic capsule is skipped rather than stored
+/// while the store would wait for a copy to the host (`Worker::store_auto`): what a later
+/// request extending it prefills instead (one 256-row chunk, tens of milliseconds at the 27B
+/// shape), against a stall of every stream for the copy (hundreds).
+pub const AUTO_SKIP_GAP: usize = 256;
 
 /// `s`'s boundary as a capsule: a device copy, or, when that fails (no device memory left for
 /// it), the state read into host memory — slower, but the capsule a client asked for or the
