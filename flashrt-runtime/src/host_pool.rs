@@ -8,6 +8,9 @@
 //! gives the buffers of host copies leaving memory to a pool and the next demotion takes them
 //! back, pages already in place, so in a steady state (one capsule in, one out) neither happens.
 //!
+//! A buffer taken may have up to twice the capacity the region needs (never more), which the
+//! host tier's byte count (lengths) does not see; the pool itself holds at most its cap.
+//!
 //! Hand-written because what it pools is specific: `Vec<u8>` region buffers of very different
 //! sizes (a 40 MB KV region next to a 3 MB recurrent state), matched by capacity, under a byte
 //! cap, never shrunk in place.
