@@ -329,3 +329,72 @@ fn a_warmed_server_serves_exactly() {
     }
     server.shutdown().unwrap();
 }
+
+/// While the store is still copying a capsule to the host (a background job, held at its start
+/// here so that it stays in flight), a completion extending a stored prompt by a few tokens is
+/// answered without waiting: its automatic capsules are skipped (a stored one covers them to
+/// within 256 tokens) and counted, and its prompt is still restored from the stored one. A
+/// store that waited would not answer until the watchdog released the job.
+#[test]
+fn completions_do_not_wait_for_a_capsule_copy_in_flight() {
+    let m = lfm2();
+    let v = m.vocab();
+    let gate = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let mut cfg = config(None, None);
+    // No device tier and no slack: every capsule stored goes down in the background.
+    cfg.store.budget_device = 0;
+    cfg.store.gate = Some(gate.clone());
+    let server = start(&m, cfg);
+    let c = Client::new(server.addr(), None);
+    let watchdog = gate.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(20));
+        watchdog.store(false, std::sync::atomic::Ordering::SeqCst);
+    });
+    // The count once it reaches `want` (a completion's capsule is stored, or skipped, after
+    // its answer is out), else what it is after a second.
+    let skipped = |c: &Client, want: u64| {
+        let end = Instant::now() + Duration::from_secs(1);
+        loop {
+            let t = String::from_utf8(c.get("/metrics").body).unwrap();
+            let n = t
+                .lines()
+                .find_map(|l| l.strip_prefix("flashrt_auto_capsules_skipped_total "))
+                .map_or(0, |x| x.trim().parse::<u64>().unwrap());
+            if n >= want || Instant::now() > end {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let t0 = Instant::now();
+    let prompt = tokens(61, 57, v);
+    // Its prompt's capsule is stored (a new prompt) and starts down; the end-of-completion
+    // capsule, 3 tokens further, is skipped.
+    let a = c.ok(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(a["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(skipped(&c, 1), 1);
+    // Extending it: restored from the stored prompt (in flight to the host, still restorable),
+    // both of its capsules skipped.
+    let mut longer = prompt.clone();
+    longer.extend(tokens(62, 5, v));
+    let b = c.ok(
+        "/v1/completions",
+        &json!({"prompt": longer, "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!(b["usage"]["prompt_tokens_details"]["cached_tokens"], 57);
+    assert_eq!(skipped(&c, 3), 3);
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "a completion waited for the held copy"
+    );
+    assert!(
+        gate.load(std::sync::atomic::Ordering::SeqCst),
+        "released early"
+    );
+    gate.store(false, std::sync::atomic::Ordering::SeqCst);
+    server.shutdown().unwrap();
+}

@@ -141,6 +141,10 @@ pub struct StoreConfig {
     pub slack_device: u64,
     /// The same for the host tier and a background spill.
     pub slack_host: u64,
+    /// Tests: the store's background gate (see [`CapsuleStore::background_gate`]) given from
+    /// outside, for a store another owner opens (a server's worker). `None`: its own.
+    #[doc(hidden)]
+    pub gate: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl Default for StoreConfig {
@@ -154,6 +158,7 @@ impl Default for StoreConfig {
             background: false,
             slack_device: 0,
             slack_host: 0,
+            gate: None,
         }
     }
 }
@@ -409,6 +414,7 @@ impl CapsuleStore {
         // Half the host tier's budget (at most 8 GiB): one capsule leaving the host while
         // another comes down is the steady state.
         let pool_cap = (cfg.budget_host / 2).min(8 << 30) as usize;
+        let hold = cfg.gate.clone().unwrap_or_default();
         let mut store = CapsuleStore {
             model,
             stats: StoreStats {
@@ -423,7 +429,7 @@ impl CapsuleStore {
             seq: 0,
             demotions: VecDeque::new(),
             spills: VecDeque::new(),
-            hold: Default::default(),
+            hold,
             pool: Arc::new(HostPool::new(pool_cap)),
         };
         if let Some(dir) = store.cfg.dir.clone() {
