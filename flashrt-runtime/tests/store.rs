@@ -725,9 +725,9 @@ fn slack_lets_an_insertion_pass_a_demotion_in_flight() {
     let mut c = cfg(0, 1 << 30, 0, None);
     c.background = true;
     c.slack_device = slack;
+    let gate = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    c.gate = Some(gate.clone());
     let mut store = CapsuleStore::open(m.clone(), c).unwrap();
-    let gate = store.background_gate();
-    gate.store(true, std::sync::atomic::Ordering::SeqCst);
     let watchdog = gate.clone();
     std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_secs(20));

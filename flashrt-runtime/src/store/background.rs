@@ -543,13 +543,6 @@ impl CapsuleStore {
         Ok(())
     }
 
-    /// A flag that, while set, keeps background jobs from beginning, so that a test can
-    /// observe the store with jobs in flight whatever the machine's speed.
-    #[doc(hidden)]
-    pub fn background_gate(&self) -> Arc<AtomicBool> {
-        self.hold.clone()
-    }
-
     /// Whether background jobs are in flight.
     pub fn busy(&self) -> bool {
         !self.demotions.is_empty() || !self.spills.is_empty()

@@ -141,8 +141,9 @@ pub struct StoreConfig {
     pub slack_device: u64,
     /// The same for the host tier and a background spill.
     pub slack_host: u64,
-    /// Tests: the store's background gate (see [`CapsuleStore::background_gate`]) given from
-    /// outside, for a store another owner opens (a server's worker). `None`: its own.
+    /// Tests: a flag that, while set, keeps background jobs from beginning, so that a test can
+    /// observe the store (or a server's, through its config) with jobs in flight whatever the
+    /// machine's speed. `None`: never held.
     #[doc(hidden)]
     pub gate: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
@@ -390,7 +391,7 @@ pub struct CapsuleStore {
     /// disk).
     demotions: VecDeque<Demotion>,
     spills: VecDeque<Spill>,
-    /// While set, background jobs wait to begin ([`CapsuleStore::background_gate`]).
+    /// While set, background jobs wait to begin ([`StoreConfig::gate`]).
     hold: Arc<std::sync::atomic::AtomicBool>,
     /// Buffers of host copies that left memory, for the next copies read from the device.
     pool: Arc<HostPool>,
