@@ -556,9 +556,15 @@ impl CapsuleStore {
     ///
     /// [`StoreConfig::background`]: super::StoreConfig::background
     pub fn insert_would_wait(&self, bytes: u64) -> bool {
-        let c = &self.cfg;
+        let (c, jobs) = (&self.cfg, self.demotions.len());
+        // Moving one more capsule down with a job in flight is what waits (`demote_later`).
         c.background
-            && self.demotions.len() >= MAX_IN_FLIGHT
-            && self.stats().bytes[0] + bytes > c.budget_device.saturating_add(c.slack_device)
+            && jobs >= MAX_IN_FLIGHT
+            && self.must_move(
+                self.stats().bytes[0] + bytes,
+                c.budget_device,
+                c.slack_device,
+                jobs,
+            )
     }
 }

@@ -58,7 +58,7 @@ impl CapsuleStore {
     /// Whether a tier holding `bytes` over `budget` moves a capsule down now: always on the
     /// store's thread; in the background, unless starting one more job would wait for the
     /// oldest (`jobs` in flight) and the tier is within its `slack` of the budget.
-    fn must_move(&self, bytes: u64, budget: u64, slack: u64, jobs: usize) -> bool {
+    pub(super) fn must_move(&self, bytes: u64, budget: u64, slack: u64, jobs: usize) -> bool {
         bytes > budget
             && !(self.cfg.background
                 && jobs >= MAX_IN_FLIGHT
