@@ -460,7 +460,14 @@ pub fn serialize(tensors: &[TensorOut<'_>], metadata: &BTreeMap<String, String>)
 
 /// f32 values as little-endian bytes.
 pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    f32_bytes_into(v, Vec::new())
+}
+
+/// [`f32_bytes`] into `buf` (its old contents dropped, its capacity reused).
+pub fn f32_bytes_into(v: &[f32], mut buf: Vec<u8>) -> Vec<u8> {
+    buf.clear();
+    buf.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+    buf
 }
 
 /// Little-endian bytes as f32 values (trailing bytes ignored).

@@ -989,18 +989,15 @@ impl SavedState for CpuSaved {
     fn region_bytes(&self, id: BufferId) -> Result<Vec<u8>> {
         self.region_bytes_into(id, Vec::new())
     }
-    fn region_bytes_into(&self, id: BufferId, mut buf: Vec<u8>) -> Result<Vec<u8>> {
+    fn region_bytes_into(&self, id: BufferId, buf: Vec<u8>) -> Result<Vec<u8>> {
         let r =
             self.regions.iter().find(|r| r.id == id).ok_or_else(|| {
                 Error::Capsule(format!("region {} is not in this saved state", id.0))
             })?;
-        buf.clear();
-        buf.extend(
-            self.data[r.start..r.start + r.len]
-                .iter()
-                .flat_map(|x| x.to_le_bytes()),
-        );
-        Ok(buf)
+        Ok(crate::safetensors::f32_bytes_into(
+            &self.data[r.start..r.start + r.len],
+            buf,
+        ))
     }
     fn as_any(&self) -> &dyn Any {
         self
