@@ -6,6 +6,8 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_support;
+#[path = "common/pool.rs"]
+mod pool;
 
 use cuda_support::*;
 use flashrt_runtime::backend::Backend;
@@ -1663,22 +1665,10 @@ fn store_demotions_into_reused_host_buffers_restore_exactly_on_gpu() {
     let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 16384);
     let model = model_on(gpu, &ir, None);
     let layout = &model.compiled().layout;
-    // Long enough for KV regions past the pool's 1 MiB minimum.
-    let per = layout
-        .state_buffers()
-        .map(|b| b.bytes_per_token())
-        .max()
-        .unwrap();
-    let pos = (3 << 19) / per + 1;
-    assert!(pos < 16384, "{per} bytes a token");
-    let one = layout.capsule_bytes(pos) as u64;
-    let big: u64 = layout
-        .state_buffers()
-        .map(|b| b.used_bytes(pos) as u64)
-        .filter(|&n| n >= flashrt_runtime::host_pool::MIN_POOLED as u64)
-        .sum();
-    // The host tier holds one capsule, its pool (half the budget) the large regions of one.
-    assert!(big > 0 && big <= (2 * one - 1) / 2, "{big} of {one}");
+    // Long enough for KV regions past the pool's 1 MiB minimum; the host tier holds one
+    // capsule, its pool (half the budget) the large regions of one.
+    let (pos, one, big, host) = pool::pool_sized(layout);
+    assert!(pos < 16384, "position {pos}");
     // A capsule of random state bytes (no prefill: nothing computes on them), as the GPU saves it.
     let capsule = |seed: u64| {
         let mut x = seed | 1;
@@ -1715,7 +1705,7 @@ fn store_demotions_into_reused_host_buffers_restore_exactly_on_gpu() {
     for background in [false, true] {
         let cfg = StoreConfig {
             budget_device: 0,
-            budget_host: 2 * one - 1,
+            budget_host: host,
             budget_disk: 0,
             background,
             share_kv: false,

@@ -830,23 +830,9 @@ fn capsules_copied_down_reuse_the_buffers_of_those_that_left() {
     let ir = flashrt_runtime::ir::hf::ir_from_hf_config(&json, &opts).unwrap();
     let m = Model::with_random_weights(cpu(), &ir, 7).unwrap();
     let layout = &m.compiled().layout;
-    // Long enough for KV regions past the pool's 1 MiB minimum.
-    let per = layout
-        .state_buffers()
-        .map(|b| b.bytes_per_token())
-        .max()
-        .unwrap();
-    let pos = (3 << 19) / per + 1;
-    let one = layout.capsule_bytes(pos) as u64;
-    // What the pool keeps of a capsule: its regions of 1 MiB or more.
-    let big: u64 = layout
-        .state_buffers()
-        .map(|b| b.used_bytes(pos) as u64)
-        .filter(|&n| n >= flashrt_runtime::host_pool::MIN_POOLED as u64)
-        .sum();
-    // The host tier holds one capsule, not two; its pool (half the budget) one's big regions.
-    let host = 2 * one - 1;
-    assert!(big > 0 && big <= host / 2, "{big} of {one}");
+    // Long enough for KV regions past the pool's 1 MiB minimum; the host tier holds one
+    // capsule, not two; its pool (half the budget) one's big regions.
+    let (pos, _, big, host) = common::pool::pool_sized(layout);
     for background in [false, true] {
         // No device tier, one capsule in the host tier: each capsule stored pushes the one
         // before it out of memory (no directory: dropped).

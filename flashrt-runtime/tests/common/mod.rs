@@ -1,6 +1,8 @@
 //! Shared helpers of the runtime's integration tests.
 #![allow(dead_code)]
 
+pub mod pool;
+
 use flashrt_runtime::ir::hf::HfOptions;
 use flashrt_runtime::{Backend, CpuBackend, Model};
 use std::path::{Path, PathBuf};
