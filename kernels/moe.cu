@@ -3,8 +3,9 @@
 //
 //   moe_logits   router logits (f32 weights), tiles of 8 rows x 4 experts per block
 //                (prefill plans: moe_x_f32, then a TF32 cuBLASLt matmul, see ops/moe.rs)
-//   moe_route    per row: scores, choice, top-k, weights
-//   moe_plan     one block: the (row, rank) pairs grouped by expert, the active experts
+//   moe_route    per row: scores, choice, top-k, weights (decode and verify: and the plan)
+//   moe_hist, moe_plan2  the (row, rank) pairs grouped by expert, the active experts and the
+//                prefill GEMMs' tiles, over many blocks (decode and verify: in moe_route)
 //   moe_up       per active expert: act(gate x) * (up x) (SwiGLU) or relu(up x)^2 for its pairs
 //   moe_down     per active expert: y = down h for its pairs
 //   moe_combine  per row: out += sum_j w_j y_j, ranks in order (best first)
@@ -22,7 +23,7 @@
 // j < k, then y(r, j) [hidden], then ids i32[k], weights f32[k] and the router logits
 // f32[E]. `plan` (in the session's
 // cuBLASLt workspace, free between matmuls) holds offsets[E + 1], active[E], n_active,
-// cursor[E] and pairs[rows * k].
+// pairs[rows * k], n_tiles, the tile list and moe_hist's per-block counts.
 #include "common.cuh"
 
 #define MOE_MAX_E 1024
@@ -56,7 +57,7 @@ struct MoeParams {
     int swiglu;      // 1: SwiGLU experts (gate rows then up rows), 0: relu^2
     int max_pairs;   // the plan's rows * k (sizes the pair list)
     int small;       // decode / verify (<= 8 rows): moe_route also plans; moe_down_small combines
-    int pad_;
+    int tile_m;      // pairs per prefill tile (moe_plan2): MOE_MM_M when 0, 128 for moe_*_w2
     // Small phases only: the block's neighbouring ops fused into its launches (null / 0 when
     // not). The RMSNorm before the block: moe_logits reads `norm_x`, normalises it (weights
     // `norm_w`, 1 + w with `one_plus`, rounded to T as the separate op stores it) and block
@@ -479,11 +480,6 @@ template <typename T> static __device__ __forceinline__ void plan_block(const Mo
     }
 }
 
-template <typename T> static __device__ __forceinline__ void moe_plan_impl(const MoeParams& p) {
-    plan_block<T>(p);
-}
-
-FLASHRT_ENTRY(moe_plan, MoeParams, 1024)
 
 // grid = (ceil(max(inter, s_inter) / 8), min(E, rows * k) + shared), block = 256 (a warp per
 // feature); dynamic shared memory MOE_TILE * hidden * sizeof(T). With `shared`, the last
@@ -673,13 +669,52 @@ template <typename T> static __device__ __forceinline__ void moe_combine_impl(co
 
 FLASHRT_ENTRY(moe_combine, MoeParams, 256)
 
+// The same sums over 16-byte packs (8 bf16 / f16 or 4 f32 columns a thread), for `out` rows
+// 16-byte aligned: the scalar kernel's 2-byte loads of the ranks' rows read at about half the
+// copy bandwidth (an 8192-row chunk's combine reads 268 MB of them at the 35B-A3B shape).
+// grid = (ceil(hidden / (256 * N)), rows), block = 256.
+template <typename T> static __device__ __forceinline__ void moe_combine16_impl(const MoeParams& p) {
+    constexpr int N = flashrt::Pack16<T>::N;
+    const int row = blockIdx.y, c = (blockIdx.x * blockDim.x + threadIdx.x) * N;
+    if (row >= flashrt::load_len(p.len) || c >= p.hidden) return;
+    const float* w = moe::weights_of<T>(p, row);
+    const int K = p.top_k;
+    T* o = static_cast<T*>(p.out) + (size_t)row * p.ld_out + c;
+    float acc[N];
+#pragma unroll
+    for (int e = 0; e < N; ++e) acc[e] = 0.0f;
+    // Ranks in order, their packs loaded 8 at a time.
+    for (int j0 = 0; j0 < K; j0 += 8) {
+        uint4 ys[8];
+#pragma unroll
+        for (int b = 0; b < 8; ++b)
+            if (j0 + b < K) ys[b] = flashrt::ld16(moe::y_of<T>(p, row, j0 + b) + c);
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+            if (j0 + b >= K) break;
+            float yv[N];
+            flashrt::unpack16<T>(ys[b], yv);
+            const float wj = w[j0 + b];
+#pragma unroll
+            for (int e = 0; e < N; ++e) acc[e] += wj * yv[e];
+        }
+    }
+    float ov[N];
+    flashrt::unpack16<T>(flashrt::ld16(o), ov);
+#pragma unroll
+    for (int e = 0; e < N; ++e) ov[e] += acc[e];
+    flashrt::st16(o, flashrt::pack16<T>(ov));
+}
+
+FLASHRT_ENTRY(moe_combine16, MoeParams, 256)
+
 // ---- prefill: tensor-core grouped GEMMs (bf16 / f16) ----------------------------------------
 //
 // Plans of more than 8 rows run the experts as grouped GEMMs on the tensor cores (wmma
 // 16x16x16, f32 accumulators): block (feature tile, pair tile) takes MOE_MM_M pairs of one
 // expert (gathered rows of x, or of the hidden activations) and MOE_MM_N of its features, and
-// walks K in steps of MOE_MM_K through a two-stage cp.async pipeline in shared memory. `moe_tiles` lists the (expert, first pair)
-// tiles after `moe_plan`; blocks past the list return. Each output element is one tensor-core
+// walks K in steps of MOE_MM_K through a two-stage cp.async pipeline in shared memory.
+// `moe_plan2` lists the (expert, first pair) tiles; blocks past the list return. Each output element is one tensor-core
 // dot product of its own A row and B column, whatever else shares the tile, so a row's result
 // does not depend on its chunk; decode and verify steps (<= 8 rows) keep the CUDA-core kernels
 // above (as the dense path keeps gemv for them).
@@ -690,7 +725,7 @@ FLASHRT_ENTRY(moe_combine, MoeParams, 256)
 #define MOE_MM_K 64
 
 namespace moe {
-// Tiles of MOE_MM_M pairs: tiles[2 t] = expert, tiles[2 t + 1] = first pair (into pairs());
+// Tiles of MOE_MM_M (or p.tile_m) pairs: tiles[2 t] = expert, tiles[2 t + 1] = first pair (into pairs());
 // their count at n_tiles. Placed after pairs[max_rows * k].
 static __device__ __forceinline__ int* n_tiles(const MoeParams& p, int max_pairs) {
     return pairs(p) + max_pairs;
@@ -700,31 +735,122 @@ static __device__ __forceinline__ int* tiles(const MoeParams& p, int max_pairs) 
 }
 } // namespace moe
 
-// grid = 1, block = 1024 (>= E): after moe_plan, the tile list.
-template <typename T> static __device__ __forceinline__ void moe_tiles_impl(const MoeParams& p) {
-    __shared__ int sc[MOE_MAX_E];
-    const int E = p.experts, e = threadIdx.x, max_pairs = p.max_pairs;
-    const int* off = moe::offsets(p);
-    const int c = e < E ? (off[e + 1] - off[e] + MOE_MM_M - 1) / MOE_MM_M : 0;
-    if (e < E) sc[e] = c;
+
+// ---- prefill plans on many blocks --------------------------------------------------------
+//
+// One block counting and placing an 8192-row chunk's 65536 pairs with its shared-memory
+// atomics (the plan of decode and verify steps, `plan_block`) took ~95 us a layer, plus a
+// one-block launch for the tile list. Plans of more than 8 rows take two launches over
+// MOE_HIST_PAIRS pairs a block instead:
+//   moe_hist   block b counts the experts of its pairs into hist[b][E] (no zeroing needed:
+//              every block writes its whole row, zeros included);
+//   moe_plan2  every block sums the rows (each expert's total, and its count in the blocks
+//              before this one), block 0 writes the offsets, the active list and the tile
+//              list, and block b places its own pairs from
+//              offsets[e] + the earlier blocks' count of e on.
+// A pair's place inside its expert's range still does not change its arithmetic.
+#define MOE_HIST_PAIRS 1024
+
+namespace moe {
+static __device__ __forceinline__ int tile_m(const MoeParams& p) { return p.tile_m > 0 ? p.tile_m : MOE_MM_M; }
+// hist[blocks][E], after the tile list of the plan's most tiles.
+static __device__ __forceinline__ int* hist(const MoeParams& p) {
+    const int mp = p.max_pairs, tm = tile_m(p);
+    return tiles(p, mp) + 2 * ((mp + tm - 1) / tm + min(p.experts, mp));
+}
+} // namespace moe
+
+// grid = ceil(max_pairs / MOE_HIST_PAIRS), block = 256.
+template <typename T> static __device__ __forceinline__ void moe_hist_impl(const MoeParams& p) {
+    __shared__ int h[MOE_MAX_E];
+    const int E = p.experts, K = p.top_k, n = flashrt::load_len(p.len) * K;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) h[e] = 0;
     __syncthreads();
-    for (int o = 1; o < E; o <<= 1) {
-        const int v = (e < E && e >= o) ? sc[e - o] : 0;
+    constexpr int B = MOE_HIST_PAIRS / 256;
+    int ids[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+        const int q = blockIdx.x * MOE_HIST_PAIRS + b * 256 + threadIdx.x;
+        ids[b] = q < n ? moe::ids_of<T>(p, q / K)[q % K] : -1;
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+        if (ids[b] >= 0) atomicAdd(&h[ids[b]], 1);
+    __syncthreads();
+    int* row = moe::hist(p) + (size_t)blockIdx.x * E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) row[e] = h[e];
+}
+
+FLASHRT_ENTRY(moe_hist, MoeParams, 256)
+
+// Inclusive prefix sum of v over the first E threads of the block (E <= blockDim.x), through
+// `buf` (E ints of shared memory). Every thread calls it.
+static __device__ __forceinline__ int moe_block_scan(int v, int E, int* buf) {
+    const int e = threadIdx.x;
+    if (e < E) buf[e] = v;
+    __syncthreads();
+    for (int off = 1; off < E; off <<= 1) {
+        const int add = (e < E && e >= off) ? buf[e - off] : 0;
         __syncthreads();
-        if (e < E) sc[e] += v;
+        if (e < E) buf[e] += add;
         __syncthreads();
     }
+    const int r = e < E ? buf[e] : 0;
+    __syncthreads();
+    return r;
+}
+
+// grid = ceil(max_pairs / MOE_HIST_PAIRS) (as moe_hist), block = 1024 (>= E).
+template <typename T> static __device__ __forceinline__ void moe_plan2_impl(const MoeParams& p) {
+    __shared__ int buf[MOE_MAX_E];
+    __shared__ int cur[MOE_MAX_E];
+    const int E = p.experts, K = p.top_k, n = flashrt::load_len(p.len) * K, nb = gridDim.x;
+    const int e = threadIdx.x;
+    const int* hist = moe::hist(p);
+    int total = 0, before = 0;
     if (e < E) {
-        int* t = moe::tiles(p, max_pairs) + 2 * (sc[e] - c);
-        for (int i = 0; i < c; ++i) {
-            t[2 * i] = e;
-            t[2 * i + 1] = off[e] + i * MOE_MM_M;
+        for (int b0 = 0; b0 < nb; b0 += 8) {
+            int v[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = b0 + i < nb ? hist[(size_t)(b0 + i) * E + e] : 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                total += v[i];
+                if (b0 + i < (int)blockIdx.x) before += v[i];
+            }
         }
-        if (e == E - 1) *moe::n_tiles(p, max_pairs) = sc[e];
+    }
+    const int first = moe_block_scan(total, E, buf) - total; // the expert's offset
+    if (e < E) cur[e] = first + before;
+    if (blockIdx.x == 0) {
+        const int act = moe_block_scan(e < E && total > 0, E, buf);
+        const int tm = moe::tile_m(p);
+        const int c = e < E ? (total + tm - 1) / tm : 0;
+        const int tl = moe_block_scan(c, E, buf);
+        if (e < E) {
+            moe::offsets(p)[e] = first;
+            if (total > 0) moe::active(p)[act - 1] = e;
+            int* t = moe::tiles(p, p.max_pairs) + 2 * (tl - c);
+            for (int i = 0; i < c; ++i) {
+                t[2 * i] = e;
+                t[2 * i + 1] = first + i * tm;
+            }
+            if (e == E - 1) {
+                moe::offsets(p)[E] = first + total;
+                *moe::n_active(p) = act;
+                *moe::n_tiles(p, p.max_pairs) = tl;
+            }
+        }
+    }
+    __syncthreads();
+    for (int q = blockIdx.x * MOE_HIST_PAIRS + threadIdx.x; q < min(n, (blockIdx.x + 1) * MOE_HIST_PAIRS);
+         q += blockDim.x) {
+        const int id = moe::ids_of<T>(p, q / K)[q % K];
+        moe::pairs(p)[atomicAdd(&cur[id], 1)] = q;
     }
 }
 
-FLASHRT_ENTRY(moe_tiles, MoeParams, 1024)
+FLASHRT_ENTRY(moe_plan2, MoeParams, 1024)
 
 // C[m, n] = sum_k A[m, k] B[n, k] for one tile: A rows are gathered (`a_row(m)` pointers, null
 // past the tile's pairs), B rows `b_row(n)` (null past the matrix), K a multiple of 8. NB is the

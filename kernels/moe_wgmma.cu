@@ -2,7 +2,7 @@
 // (plan op `Moe`, plans of more than 8 rows, bf16/f16 targets, sm_90a).
 //
 // Same tiles, scratch and results as `moe_up_mm` / `moe_down_mm` (moe.cu), which they replace
-// on compute capability 9.0: `moe_tiles` lists (expert, first pair) tiles of MOE_MM_M = 64
+// on compute capability 9.0: `moe_plan2` lists (expert, first pair) tiles of MOE_MM_M = 64
 // pairs; block (feature tile, pair tile) computes C[64 pairs, 128 features] =
 // A[pairs, K] . B[features, K]^T with A the pairs' gathered rows (x for up, the hidden
 // activations for down) and B the expert's weight rows, both K-major.
@@ -263,3 +263,316 @@ template <typename T, int S> static __device__ __forceinline__ void moe_down_wg_
 
 MOE_WG_ENTRY(moe_up_wg, 3, )
 MOE_WG_ENTRY(moe_down_wg, 3, )
+
+// ---- wide tiles: 128 pairs x 256 weight rows, persistent blocks ---------------------------
+//
+// `moe_up_w2` / `moe_down_w2` compute what `moe_up_wg` / `moe_down_wg` compute, over tiles of
+// MOE_W2_M = 128 pairs (`moe_plan2` with p.tile_m = 128) and 256 weight rows. Why: a 64 x 128
+// tile moves 24 KiB into shared memory per 0.5 M multiply-adds, and at the 35B-A3B shape those
+// kernels ran at ~40 % (up) and ~22 % (down, K = 512: 8 slabs a block, each block filling
+// and draining its own pipeline) of the tensor cores' rate (benches/RESULTS.md, 2026-12-06).
+// Here a slab of 48 KiB feeds 2 M multiply-adds, and the blocks are persistent: block b takes
+// work items (pair tile, feature tile) b, b + grid, ... as one stream of K slabs, so the next
+// item's first slabs load while this item's last ones multiply and its epilogue stores.
+//
+// block = two warpgroups (256 threads); warpgroup g owns pair rows 64 g .. 64 g + 63, both
+// read the slab's 256 B rows (wgmma m64n256k16, 128 f32 accumulators a thread). MOE_W2_STAGES
+// = 4 buffers, loads two slabs ahead: while the wgmma of slab s runs, slab s + 1 lands and
+// slab s + 2 is queued into the buffer the wgmma of slab s - 2 read (waited for with
+// wgmma.wait_group 1). Each output is still one tensor-core dot product of its own A row and B
+// column over K in slab order, whatever else shares the tile.
+#define MOE_W2_M 128
+#define MOE_W2_N 256
+#define MOE_W2_STAGES 4
+#define MOE_W2_A_BYTES (MOE_W2_M * 128)
+#define MOE_W2_B_BYTES (MOE_W2_N * 128)
+#define MOE_W2_STAGE_BYTES (MOE_W2_A_BYTES + MOE_W2_B_BYTES)
+#define MOE_W2_SMEM (MOE_W2_STAGES * MOE_W2_STAGE_BYTES + 1024)
+
+namespace moe_wg {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#define MOE_W2_D128 \
+    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
+    "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+    "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63," \
+    "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79," \
+    "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95," \
+    "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111," \
+    "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}"
+#define MOE_W2_OPS128(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+
+template <typename T> struct Wg2;
+
+#define MOE_W2_TYPE(T, PTX)                                                                        \
+    template <> struct Wg2<T> {                                                                    \
+        /* C[64 x 256] (+)= A[64 x 16] B[256 x 16]^T, both K-major in shared memory. */           \
+        static __device__ __forceinline__ void mma(float (&d)[128], uint64_t a, uint64_t b, int acc) { \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                             \
+                         "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX "." PTX " " MOE_W2_D128 \
+                         ", %128, %129, p, 1, 1, 0, 0;\n}\n"                                       \
+                         : MOE_W2_OPS128(d)                                                        \
+                         : "l"(a), "l"(b), "r"(acc));                                              \
+        }                                                                                          \
+    };
+
+MOE_W2_TYPE(__nv_bfloat16, "bf16")
+MOE_W2_TYPE(__half, "f16")
+
+// The persistent stream of one launch. `Item` describes work item i (pair tile, feature
+// tile): `rows(i, a, b)` fills the thread's 4 A row sources (rows r0 + 32 j, null = zero) and 8
+// B row sources; `epilogue(i, d)` stores an item's accumulators. K a multiple of 8.
+template <typename T, typename Rows, typename Epilogue>
+static __device__ __forceinline__ void gemm_stream(int items, int K, Rows rows, Epilogue epilogue, unsigned char* raw) {
+    const uint32_t raw_s = flashrt::smem_u32(raw);
+    const uint32_t base_s = (raw_s + 1023u) & ~1023u;
+    unsigned char* base = raw + (base_s - raw_s);
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int c = tid & 7, r0 = tid >> 3;
+    const int nk = (K + 63) / 64;
+    const int mine = items > (int)blockIdx.x ? (items - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int total = mine * nk;
+    const T* a_src[4];
+    const T* b_src[8];
+    const T* any = nullptr;
+    // Slab s of this block's stream into buffer s % MOE_W2_STAGES (an empty group past the end,
+    // so every iteration commits one).
+    auto load = [&](int s) {
+        if (s < total) {
+            const int j = s / nk, kt = s - j * nk;
+            if (kt == 0) {
+                rows((int)blockIdx.x + j * (int)gridDim.x, a_src, b_src);
+                any = b_src[0];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) any = any ? any : a_src[i];
+            }
+            unsigned char* st = base + (s % MOE_W2_STAGES) * MOE_W2_STAGE_BYTES;
+            const int k0 = kt * 64 + c * 8;
+            const bool kin = k0 < K;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + 32 * i;
+                const bool ok = kin && a_src[i];
+                cp16(st + r * 128 + ((c ^ (r & 7)) << 4), ok ? a_src[i] + k0 : any, ok);
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int r = r0 + 32 * i;
+                const bool ok = kin && b_src[i];
+                cp16(st + MOE_W2_A_BYTES + r * 128 + ((c ^ (r & 7)) << 4), ok ? b_src[i] + k0 : any, ok);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    load(0);
+    load(1);
+    for (int j = 0, s = 0; j < mine; ++j) {
+        for (int kt = 0; kt < nk; ++kt, ++s) {
+            // Slab s landed (this thread's copies; slab s + 1 may be in flight), made visible
+            // to the async proxy and to every thread; every warp is past the wait for the
+            // wgmma of slab s - 2, whose buffer the next load refills.
+            asm volatile("cp.async.wait_group 1;\n" ::);
+            flashrt_wg::fence_async_smem();
+            __syncthreads();
+            load(s + 2);
+            const uint32_t st = base_s + (s % MOE_W2_STAGES) * MOE_W2_STAGE_BYTES;
+            const uint32_t a_s = st + wg * (64 * 128);
+            flashrt_wg::wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks)
+                Wg2<T>::mma(d, flashrt_wg::desc128(a_s + ks * 32, 16, 1024),
+                            flashrt_wg::desc128(st + MOE_W2_A_BYTES + ks * 32, 16, 1024), kt > 0 || ks > 0);
+            flashrt_wg::wg_commit();
+            flashrt_wg::wg_wait<1>();
+        }
+        flashrt_wg::wg_wait<0>();
+        flashrt_wg::pin(d);
+        epilogue((int)blockIdx.x + j * (int)gridDim.x, d);
+        flashrt_wg::pin(d);
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+}
+
+#endif // __CUDA_ARCH_FEAT_SM90_ALL
+
+} // namespace moe_wg
+
+// Stores two adjacent outputs (f even, both inside the row when f < limit: limits are
+// multiples of 8) as one 4-byte store.
+template <typename T> struct MoeW2Pair;
+template <> struct MoeW2Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
+template <> struct MoeW2Pair<__half> { using type = __half2; };
+template <typename T> static __device__ __forceinline__ void moe_w2_store2(T* row, int f, float v0, float v1) {
+    typename MoeW2Pair<T>::type v;
+    v.x = flashrt::from_f32<T>(v0);
+    v.y = flashrt::from_f32<T>(v1);
+    *reinterpret_cast<typename MoeW2Pair<T>::type*>(row + f) = v;
+}
+
+// grid = min(SMs, work items), block = 256, dynamic shared memory MOE_W2_SMEM. Work item i:
+// pair tile i / nf, feature tile i % nf (nf = ceil(inter / 128) SwiGLU, ceil(inter / 256)
+// relu^2), so the blocks working at once share the pair tile's gathered rows in L2.
+template <typename T> static __device__ __forceinline__ void moe_up_w2_impl(const MoeParams& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const int max_pairs = p.max_pairs;
+    const int H = p.hidden, I = p.inter, K = p.top_k;
+    const int per = p.swiglu ? MOE_W2_N / 2 : MOE_W2_N; // features per item
+    const int nf = (I + per - 1) / per;
+    const int items = *moe::n_tiles(p, max_pairs) * nf;
+    const int up_rows = p.swiglu ? 2 * I : I;
+    const int* tiles = moe::tiles(p, max_pairs);
+    const int* off = moe::offsets(p);
+    const int r0 = threadIdx.x >> 3;
+    auto rows = [&](int item, const T* (&a)[4], const T* (&b)[8]) {
+        const int y = item / nf, c0 = (item - y * nf) * per;
+        const int e = tiles[2 * y], t0 = tiles[2 * y + 1];
+        const int n = min(MOE_W2_M, off[e + 1] - t0);
+        const int* pr = moe::pairs(p) + t0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int m = r0 + 32 * i;
+            a[i] = m < n ? static_cast<const T*>(p.x) + (size_t)(pr[m] / K) * p.ld_x : nullptr;
+        }
+        const T* base = static_cast<const T*>(p.up) + (size_t)e * up_rows * H;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int r = r0 + 32 * i, f = c0 + (r % per);
+            b[i] = f < I ? base + (size_t)(r < per ? f : I + f) * H : nullptr;
+        }
+    };
+    const int warp = (threadIdx.x >> 5) & 3, wg = threadIdx.x >> 7, lane = threadIdx.x & 31;
+    auto epilogue = [&](int item, float (&d)[128]) {
+        const int y = item / nf, c0 = (item - y * nf) * per;
+        const int e = tiles[2 * y], t0 = tiles[2 * y + 1];
+        const int n = min(MOE_W2_M, off[e + 1] - t0);
+        const int* pr = moe::pairs(p) + t0;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int m = 64 * wg + warp * 16 + (lane >> 2) + 8 * half;
+            if (m >= n) continue;
+            const int pair = pr[m];
+            T* out = moe::hidden_of<T>(p, pair / K, pair % K);
+            // SwiGLU: column blocks j < 16 are gates, j + 16 the matching ups.
+            if (p.swiglu) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    const int f = c0 + 8 * j + 2 * (lane & 3);
+                    if (f >= I) continue;
+                    float h[2];
+#pragma unroll
+                    for (int b = 0; b < 2; ++b) {
+                        const float g = flashrt::to_f32(flashrt::from_f32<T>(d[4 * j + 2 * half + b]));
+                        const float u = flashrt::to_f32(flashrt::from_f32<T>(d[4 * (j + 16) + 2 * half + b]));
+                        h[b] = flashrt::apply_act(flashrt::ACT_SILU, g) * u;
+                    }
+                    moe_w2_store2<T>(out, f, h[0], h[1]);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 32; ++j) {
+                    const int f = c0 + 8 * j + 2 * (lane & 3);
+                    if (f >= I) continue;
+                    float h[2];
+#pragma unroll
+                    for (int b = 0; b < 2; ++b)
+                        h[b] = flashrt::apply_act(flashrt::ACT_RELU2,
+                                                  flashrt::to_f32(flashrt::from_f32<T>(d[4 * j + 2 * half + b])));
+                    moe_w2_store2<T>(out, f, h[0], h[1]);
+                }
+            }
+        }
+    };
+    extern __shared__ __align__(128) unsigned char moe_w2_smem[];
+    moe_wg::gemm_stream<T>(items, H, rows, epilogue, moe_w2_smem);
+#else
+    __trap();
+#endif
+}
+
+// grid = min(SMs, work items), block = 256, dynamic shared memory MOE_W2_SMEM. Work item i:
+// pair tile i / nf, hidden features 256 (i % nf) .. (nf = ceil(hidden / 256)).
+template <typename T> static __device__ __forceinline__ void moe_down_w2_impl(const MoeParams& p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const int max_pairs = p.max_pairs;
+    const int H = p.hidden, I = p.inter, K = p.top_k;
+    const int nf = (H + MOE_W2_N - 1) / MOE_W2_N;
+    const int items = *moe::n_tiles(p, max_pairs) * nf;
+    const int* tiles = moe::tiles(p, max_pairs);
+    const int* off = moe::offsets(p);
+    const int r0 = threadIdx.x >> 3;
+    auto rows = [&](int item, const T* (&a)[4], const T* (&b)[8]) {
+        const int y = item / nf, c0 = (item - y * nf) * MOE_W2_N;
+        const int e = tiles[2 * y], t0 = tiles[2 * y + 1];
+        const int n = min(MOE_W2_M, off[e + 1] - t0);
+        const int* pr = moe::pairs(p) + t0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int m = r0 + 32 * i;
+            a[i] = m < n ? moe::hidden_of<T>(p, pr[m] / K, pr[m] % K) : nullptr;
+        }
+        const T* base = static_cast<const T*>(p.down) + (size_t)e * H * I;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int f = c0 + r0 + 32 * i;
+            b[i] = f < H ? base + (size_t)f * I : nullptr;
+        }
+    };
+    const int warp = (threadIdx.x >> 5) & 3, wg = threadIdx.x >> 7, lane = threadIdx.x & 31;
+    auto epilogue = [&](int item, float (&d)[128]) {
+        const int y = item / nf, c0 = (item - y * nf) * MOE_W2_N;
+        const int e = tiles[2 * y], t0 = tiles[2 * y + 1];
+        const int n = min(MOE_W2_M, off[e + 1] - t0);
+        const int* pr = moe::pairs(p) + t0;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int m = 64 * wg + warp * 16 + (lane >> 2) + 8 * half;
+            if (m >= n) continue;
+            const int pair = pr[m];
+            T* y_row = moe::y_of<T>(p, pair / K, pair % K);
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                const int f = c0 + 8 * j + 2 * (lane & 3);
+                if (f < H) moe_w2_store2<T>(y_row, f, d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+            }
+        }
+    };
+    extern __shared__ __align__(128) unsigned char moe_w2_smem[];
+    moe_wg::gemm_stream<T>(items, I, rows, epilogue, moe_w2_smem);
+#else
+    __trap();
+#endif
+}
+
+#define MOE_W2_ENTRY(name)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 1) name##_bf16(const MoeParams p) {         \
+        flashrt::pdl_enter();                                                                     \
+        name##_impl<__nv_bfloat16>(p);                                                           \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 1) name##_f16(const MoeParams p) {          \
+        flashrt::pdl_enter();                                                                     \
+        name##_impl<__half>(p);                                                                  \
+    }
+
+MOE_W2_ENTRY(moe_up_w2)
+MOE_W2_ENTRY(moe_down_w2)

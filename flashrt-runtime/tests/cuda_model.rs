@@ -149,11 +149,23 @@ fn bf16_vs_cpu_in(
     gpu: Arc<dyn Backend>,
     buckets: &[usize],
 ) -> (f64, f64, usize) {
-    let ir_cpu = ir_of(json, DType::Bf16, buckets, 256);
+    bf16_vs_cpu_len(name, json, dir, gpu, buckets, 45)
+}
+
+/// [`bf16_vs_cpu_in`] with a prompt of `len` tokens.
+fn bf16_vs_cpu_len(
+    name: &str,
+    json: &str,
+    dir: Option<&Path>,
+    gpu: Arc<dyn Backend>,
+    buckets: &[usize],
+    len: usize,
+) -> (f64, f64, usize) {
+    let ir_cpu = ir_of(json, DType::Bf16, buckets, (len + 12).next_multiple_of(256));
     let cpu_m = model_on(cpu(), &ir_cpu, dir);
     let gpu_m = model_on(gpu, &ir_cpu, dir);
     let vocab = cpu_m.vocab();
-    let p = prompt(45, vocab, 11);
+    let p = prompt(len, vocab, 11);
     let mut cs = cpu_m.session().unwrap();
     let mut gs = gpu_m.session().unwrap();
     cs.append(&p).unwrap();
@@ -349,16 +361,32 @@ fn bf16_chunked_prefill_tracks_cpu_reference() {
     let Some(gpu) = cuda("bf16_chunked_prefill_tracks_cpu_reference") else {
         return;
     };
-    let mut results = vec![(
-        "qwen-like".to_string(),
-        bf16_vs_cpu_in(
-            "qwen-like (random weights, 64-row chunk)",
-            QWEN_LIKE,
-            None,
-            gpu.clone(),
-            &[64],
+    let mut results = vec![
+        (
+            "qwen-like".to_string(),
+            bf16_vs_cpu_in(
+                "qwen-like (random weights, 64-row chunk)",
+                QWEN_LIKE,
+                None,
+                gpu.clone(),
+                &[64],
+            ),
         ),
-    )];
+        // 256-row chunks of the MoE model: 2048 (row, rank) pairs, so the prefill plan runs
+        // over two blocks (kernels/moe.cu `moe_hist`, `moe_plan2`) and its GEMMs' tiles hold
+        // up to 128 pairs of an expert.
+        (
+            "qwen-moe-like".to_string(),
+            bf16_vs_cpu_len(
+                "qwen-moe-like (random weights, 256-row chunks)",
+                QWEN_MOE_LIKE,
+                None,
+                gpu.clone(),
+                &[256],
+                300,
+            ),
+        ),
+    ];
     match fixtures_dir() {
         Some(dir) => {
             let name = "qwen35-public";
@@ -1357,6 +1385,30 @@ fn gdn_column_blocks_compute_what_one_block_per_head_computes() {
     }
 }
 
+/// `CudaOptions::moe_wide` (the prefill experts' grouped GEMMs over 128-pair x 256-row tiles
+/// with persistent blocks, kernels/moe_wgmma.cu `moe_*_w2`) changes which tile and block
+/// compute an output, never its tensor-core dot product: prefill chunks give the same logits
+/// and states bit for bit as the 64 x 128 tiles. Chunks of up to 512 rows, so that with 8 of
+/// 32 experts per token some experts get more than one 128-pair tile, and blocks take several
+/// work items each.
+#[test]
+fn moe_wide_tiles_compute_what_the_narrow_tiles_compute() {
+    let name = "moe_wide_tiles_compute_what_the_narrow_tiles_compute";
+    let with = |moe_wide| CudaOptions {
+        moe_wide,
+        ..CudaOptions::default()
+    };
+    if same_bits_over(
+        name,
+        QWEN_MOE_LIKE,
+        &[with(false), with(true)],
+        &[8, 32, 512],
+        &[600, 40, 3, 1, 300],
+    ) {
+        println!("moe_wide on and off: prefill chunks of 40..512 rows bit-identical");
+    }
+}
+
 /// A step's last logits row left on the device with its host copy deferred
 /// (`CudaOptions::defer_logits`, default) reads as the row read within the step, also when
 /// another session of the model has stepped since (the next step waits for the copy); greedy
@@ -1452,6 +1504,17 @@ fn host_snapshots_restore_like_device_ones_on_gpu() {
 /// passes and decode steps) on `json` under each of `options`, and asserts every logit and state
 /// byte equal to the first's. False (skipped, said so) without a GPU.
 fn same_bits_with(name: &str, json: &str, options: &[CudaOptions]) -> bool {
+    same_bits_over(name, json, options, &[8, 32], &[40, 2, 5, 1, 3, 4, 1])
+}
+
+/// [`same_bits_with`] over prefill buckets `buckets` and appends of `chunks` tokens each.
+fn same_bits_over(
+    name: &str,
+    json: &str,
+    options: &[CudaOptions],
+    buckets: &[usize],
+    chunks: &[usize],
+) -> bool {
     let mut gpus = Vec::new();
     for o in options {
         match cuda_with(name, *o) {
@@ -1459,22 +1522,19 @@ fn same_bits_with(name: &str, json: &str, options: &[CudaOptions]) -> bool {
             None => return false,
         }
     }
-    let ir = ir_of(json, DType::Bf16, &[8, 32], 256);
+    let max_seq = chunks.iter().sum::<usize>().next_multiple_of(256);
+    let ir = ir_of(json, DType::Bf16, buckets, max_seq);
     let models: Vec<Model> = gpus.into_iter().map(|g| model_on(g, &ir, None)).collect();
     let vocab = models[0].vocab();
     for m in &models {
         verify_first(m);
     }
     let mut s: Vec<Session> = models.iter().map(|m| m.session().unwrap()).collect();
-    let chunks = [
-        prompt(40, vocab, 61),
-        prompt(2, vocab, 62),
-        prompt(5, vocab, 63),
-        prompt(1, vocab, 66),
-        prompt(3, vocab, 64),
-        prompt(4, vocab, 65),
-        prompt(1, vocab, 67),
-    ];
+    let chunks: Vec<Vec<u32>> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| prompt(n, vocab, 61 + i as u64))
+        .collect();
     for (i, c) in chunks.iter().enumerate() {
         for x in s.iter_mut() {
             x.append(c).unwrap();

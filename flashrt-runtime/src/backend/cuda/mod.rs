@@ -158,6 +158,12 @@ pub struct CudaOptions {
     /// compute capability 9.0 (default); `false`, or any other device, uses the wmma kernels
     /// of kernels/moe.cu. Default from `FLASHRT_MOE_WGMMA` (`0` = off).
     pub moe_wgmma: bool,
+    /// The warpgroup-MMA prefill experts over wide tiles (kernels/moe_wgmma.cu `moe_*_w2`: 128
+    /// pairs x 256 weight rows, two warpgroups, persistent blocks streaming their tiles' K
+    /// slabs back to back) instead of 64 x 128 tiles, one block each (default). Every prefill
+    /// phase of a model uses the same kernels either way. Default from `FLASHRT_MOE_WIDE`
+    /// (`0` = off).
+    pub moe_wide: bool,
     /// Run small phases' Gated DeltaNet layers (causal conv, recurrence, gated RMSNorm) as
     /// one launch per layer (kernels/gated_deltanet.cu `gdn_decode_r*`, thread-block
     /// clusters) on compute capability 9.0 and later (default); `false` launches the three
@@ -277,6 +283,7 @@ impl Default for CudaOptions {
             attn_wgmma: on("FLASHRT_ATTN_WGMMA"),
             attn_split: on("FLASHRT_ATTN_SPLIT"),
             moe_wgmma: on("FLASHRT_MOE_WGMMA"),
+            moe_wide: on("FLASHRT_MOE_WIDE"),
             gdn_fused: on("FLASHRT_GDN_FUSED"),
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
             gemv_mma: on("FLASHRT_GEMV_MMA"),
@@ -747,6 +754,7 @@ fn builder<'a>(
         attn_split: model.options.attn_split,
         wgmma: model.wgmma,
         moe_wgmma: model.moe_wgmma,
+        moe_wide: model.options.moe_wide,
         gdn_fused: model.gdn_fused,
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,

@@ -371,6 +371,8 @@ pub struct Builder<'a> {
     pub attn_split: bool,
     /// Prefill MoE grouped GEMMs through kernels/moe_wgmma.cu (sm_90a).
     pub moe_wgmma: bool,
+    /// ... over 128 x 256 tiles with persistent blocks (`moe_*_w2`; `CudaOptions::moe_wide`).
+    pub moe_wide: bool,
     /// Small phases' Gated DeltaNet layers (conv, recurrence, gated norm) as one clustered
     /// launch ([`Builder::gdn_small`], sm_90).
     pub gdn_fused: bool,

@@ -68,7 +68,7 @@ struct MoeParams {
     swiglu: i32,
     max_pairs: i32,
     small: i32,
-    pad: i32,
+    tile_m: i32,
     norm_x: u64,
     norm_w: u64,
     s_gate: u64,
@@ -95,11 +95,17 @@ const MOE_TILE: usize = 8;
 const MOE_MM_M: usize = 64;
 const MOE_MM_N: usize = 64;
 const MOE_MM_K: usize = 64;
+const MOE_HIST_PAIRS: usize = 1024;
 /// kernels/moe_wgmma.cu `MOE_WG_SMEM`: 4 stages of a 64-row A slab and a 128-row B slab
 /// (128-byte rows), plus 1 KiB of alignment slack.
 fn moe_wg_smem(stages: u32) -> u32 {
     stages * (64 + 128) * 128 + 1024
 }
+/// kernels/moe_wgmma.cu `MOE_W2_M`, `MOE_W2_N`, `MOE_W2_SMEM`: wide tiles of 128 pairs and 256
+/// weight rows, 4 stages of their 128-byte slabs plus 1 KiB of alignment slack.
+const MOE_W2_M: usize = 128;
+const MOE_W2_N: usize = 256;
+const MOE_W2_SMEM: u32 = (4 * (MOE_W2_M + MOE_W2_N) * 128 + 1024) as u32;
 
 /// Dynamic shared memory of a grouped-mma block with `groups` B row groups: two cp.async
 /// stages of A (MOE_MM_M rows) and B (groups x MOE_MM_N rows) at MOE_MM_K + 8 columns, reused
@@ -351,8 +357,12 @@ impl Builder<'_> {
                 "fused norm / shared expert outside a small 16-bit phase".into(),
             ));
         }
-        let max_tiles = ceil_div(rows * k, MOE_MM_M) as usize + e.min(rows * k);
-        let plan_bytes = 4 * (2 * e + 2 + rows * k + 1 + 2 * max_tiles);
+        let wide = mm && self.moe_wgmma && self.moe_wide;
+        let tile_m = if wide { MOE_W2_M } else { MOE_MM_M };
+        let max_tiles = ceil_div(rows * k, tile_m) as usize + e.min(rows * k);
+        // kernels/moe.cu `moe_hist`: one row of E counts per MOE_HIST_PAIRS pairs.
+        let hist_blocks = (rows * k).div_ceil(MOE_HIST_PAIRS);
+        let plan_bytes = 4 * (2 * e + 2 + rows * k + 1 + 2 * max_tiles + hist_blocks * e);
         if plan_bytes > gemm::WORKSPACE_BYTES {
             return Err(bad(format!(
                 "routing plan of {plan_bytes} bytes > workspace"
@@ -401,7 +411,7 @@ impl Builder<'_> {
             swiglu: (m.act == ExpertAct::Swiglu) as i32,
             max_pairs: (rows * k) as i32,
             small: small as i32,
-            pad: 0,
+            tile_m: tile_m as i32,
             norm_x: m.norm.map_or(0, |n| n.x),
             norm_w: m.norm.map_or(0, |n| n.w),
             s_gate: sh.and_then(|s| s.gate).map_or(0, |g| g.0),
@@ -480,22 +490,47 @@ impl Builder<'_> {
         )?);
         if !small {
             cmds.push(self.kernel(
+                &format!("{label} plan (counts)"),
+                self.kernels.typed("moe_hist", t)?,
+                (hist_blocks as u32, 1, 1),
+                256,
+                &p,
+            ));
+            cmds.push(self.kernel(
                 &format!("{label} plan"),
-                self.kernels.typed("moe_plan", t)?,
-                (1, 1, 1),
+                self.kernels.typed("moe_plan2", t)?,
+                (hist_blocks as u32, 1, 1),
                 1024,
                 &p,
             ));
         }
         if mm {
-            cmds.push(self.kernel(
-                &format!("{label} tiles"),
-                self.kernels.typed("moe_tiles", t)?,
-                (1, 1, 1),
-                1024,
-                &p,
-            ));
-            if self.moe_wgmma {
+            if wide {
+                // kernels/moe_wgmma.cu `moe_*_w2`: persistent blocks (one an SM) over work
+                // items (pair tile, 128 features' gate and up rows or 256 rows).
+                let per = if m.act == ExpertAct::Swiglu {
+                    MOE_W2_N / 2
+                } else {
+                    MOE_W2_N
+                };
+                let blocks = |nf: usize| (nf * max_tiles).min(self.sms.max(1)) as u32;
+                cmds.push(self.kernel_smem(
+                    &format!("{label} up (grouped wgmma, wide)"),
+                    self.kernels.typed("moe_up_w2", t)?,
+                    (blocks(i.div_ceil(per)), 1, 1),
+                    256,
+                    MOE_W2_SMEM,
+                    &p,
+                )?);
+                cmds.push(self.kernel_smem(
+                    &format!("{label} down (grouped wgmma, wide)"),
+                    self.kernels.typed("moe_down_w2", t)?,
+                    (blocks(h.div_ceil(MOE_W2_N)), 1, 1),
+                    256,
+                    MOE_W2_SMEM,
+                    &p,
+                )?);
+            } else if self.moe_wgmma {
                 // kernels/moe_wgmma.cu: 64 pairs x 128 B rows per block (SwiGLU: 64 features'
                 // gate and up rows).
                 let per = if m.act == ExpertAct::Swiglu { 64 } else { 128 };
@@ -565,10 +600,17 @@ impl Builder<'_> {
                 &p,
             )?);
         }
+        // 16-byte packs where every row of `out` is 16-byte aligned (the same sums per column).
+        let packed = op_.is_multiple_of(16) && (ld_o as usize).is_multiple_of(pack);
+        let (name, per) = if packed {
+            ("moe_combine16", 256 * pack)
+        } else {
+            ("moe_combine", 256)
+        };
         cmds.push(self.kernel(
             &format!("{label} combine"),
-            self.kernels.typed("moe_combine", t)?,
-            (ceil_div(h, 256), rr, 1),
+            self.kernels.typed(name, t)?,
+            (ceil_div(h, per), rr, 1),
             256,
             &p,
         ));
