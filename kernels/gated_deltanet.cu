@@ -89,6 +89,12 @@ struct GdnParams {
     int value_heads;
     int key_dim;
     int value_dim;
+    // The chunked kernel's per-chunk records (`gated_deltanet_chunk_prep_*` writes them,
+    // `gated_deltanet_chunk_pre_*` reads them; null otherwise): record (h, c) at
+    // prep + (h * prep_chunks + c) * GdncLayout::REC.
+    void* prep;
+    int prep_chunks;
+    int prep_pad_;
 };
 
 #define GDN_WARPS 4
@@ -625,6 +631,10 @@ template <typename E, int DK, int N> struct GdncLayout {
     static constexpr int INVQ = WL + 4 * C;               //   dk^-1/2 / |q_i|
     static constexpr int INVK = INVQ + 4 * C;             //   1 / |k_i|
     static constexpr int BYTES = INVK + 4 * C;
+    // A chunk's record (GDNC_PREP / GDNC_USE): As, Ps, Ts as laid out here, then the six
+    // vectors. Multiples of 16 bytes.
+    static constexpr int REC1 = VT - A;
+    static constexpr int REC = REC1 + (BYTES - F);
 };
 
 // ---- tensor-core and copy helpers (the only inline assembly of the chunked kernel) ----------
@@ -851,7 +861,21 @@ static __device__ __forceinline__ void gdnc_gram(unsigned char* smem, int g, int
 }
 
 // One block = one value head h x N value columns, all rows of the call, chunk by chunk.
-template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc_impl(const GdnParams& p) {
+//
+// MODE GDNC_FULL: as described at the top of the file. Phases 1, 2 and 3 (a) depend only on
+// the chunk and the value head, not on the state or the value columns, yet every one of a
+// head's dv / N blocks computed them again in its serial loop over the chunks (41 % of the
+// kernel's time at the 27B shape, H100, 2026-12-06). So a call may split them off:
+// GDNC_PREP: block (c, h) runs phases 1, 2 and 3 (a) of chunk c for value head h, all chunks
+//   at once, and stores As, Ps, Ts and the six vectors as its record (GdncLayout::REC bytes);
+// GDNC_USE: the serial loop copies each chunk's record into place instead (the same values
+//   the same code computed: outputs and state bit-identical to GDNC_FULL).
+#define GDNC_FULL 0
+#define GDNC_PREP 1
+#define GDNC_USE 2
+// (GDNC_PREP returns in the middle of the loop body: the rest is unreachable there, on purpose.)
+#pragma nv_diag_suppress 128
+template <typename T, int DK, int N, int MODE> static __device__ __forceinline__ void gdnc_impl(const GdnParams& p) {
     using E = T;
     using L = GdncLayout<E, DK, N>;
     constexpr int C = GDNC_ROWS;
@@ -880,7 +904,7 @@ template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int h = blockIdx.y, j0 = blockIdx.x * N;
+    const int h = blockIdx.y, j0 = MODE == GDNC_PREP ? 0 : blockIdx.x * N;
     const int dk = p.key_dim, dv = p.value_dim;
     const int len = flashrt::load_len(p.len);
     if (len <= 0) return;
@@ -963,16 +987,31 @@ template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc
                     f(sacc[mj][nd][r], (size_t)d * dv + j, d < dk && j < dv);
                 }
     };
-    each_state([&](float& v, size_t i, bool ok) { v = ok ? st[i] : 0.0f; });
+    if constexpr (MODE != GDNC_PREP) each_state([&](float& v, size_t i, bool ok) { v = ok ? st[i] : 0.0f; });
     auto store_st = [&]() {
 #pragma unroll
         for (int mj = 0; mj < MJ; ++mj)
 #pragma unroll
             for (int nd = 0; nd < ND; ++nd) gdnc_store_acc<E>(St + 16 * mj * L::LDK + dw + 8 * nd, L::LDK, sacc[mj][nd], g, t);
     };
-    store_st();
-    load_chunk(0);
-    if (warp == 0) load_gates(0);
+    // Record copies (16-byte cp.async; records are 16-byte aligned) and the chunk's record.
+    unsigned char* const rec_base = static_cast<unsigned char*>(p.prep) + (size_t)h * p.prep_chunks * L::REC;
+    auto copy_record = [&](int ch, bool to_smem) {
+        unsigned char* rec = rec_base + (size_t)ch * L::REC;
+        for (int o = tid * 16; o < L::REC; o += GDNC_THREADS * 16) {
+            const int s = o < L::REC1 ? L::A + o : L::F + (o - L::REC1);
+            if (to_smem) gdnc_cp16(gdnc_smem + s, rec + o, 16);
+            else *reinterpret_cast<uint4*>(rec + o) = *reinterpret_cast<const uint4*>(gdnc_smem + s);
+        }
+    };
+    const int first = MODE == GDNC_PREP ? blockIdx.x : 0;
+    if constexpr (MODE == GDNC_PREP) {
+        if (first * C >= len) return;
+    } else {
+        store_st();
+    }
+    load_chunk(first * C);
+    if (MODE != GDNC_USE && warp == 0) load_gates(first * C);
 
     // Roles in phases 3-5: with N = 16 warps 0, 1 form x and solve for v' (column tile = warp)
     // while warps 2, 3 form the outputs (column tile = warp - 2); with N = 32 every warp does
@@ -982,15 +1021,22 @@ template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc
     const bool outer = SPLIT_ROLES ? warp >= 2 : true;
     const int xt = warp, ot = SPLIT_ROLES ? warp - 2 : warp;
 
-    const int nchunks = (len + C - 1) / C;
-    for (int ch = 0; ch < nchunks; ++ch) {
+    const int nchunks = MODE == GDNC_PREP ? first + 1 : (len + C - 1) / C;
+    for (int ch = first; ch < nchunks; ++ch) {
         const int r0 = ch * C;
         const int n = min(C, len - r0); // valid rows; rows n .. C-1 are zero padding
-        if (vec) gdnc_cp_wait();
-        __syncthreads(); // the chunk's q, k, v and the state copy are in shared memory
+        if constexpr (MODE == GDNC_USE) {
+            __syncthreads(); // the previous chunk's phase 5 is done with As, Ps, Ts and the vectors
+            copy_record(ch, true);
+            gdnc_cp_commit();
+            gdnc_cp_wait();
+        } else {
+            if (vec) gdnc_cp_wait();
+        }
+        __syncthreads(); // the chunk's q, k, v (and record) and the state copy are in shared memory
 
         // ---- 1. norms (thread = row of q or k) and gates (warp 0)
-        {
+        if constexpr (MODE != GDNC_USE) {
             const int i = tid & (C - 1);
             const E* row = (tid < C ? Qs : Ks) + i * L::LDK;
             float ss = 0.0f;
@@ -1037,7 +1083,7 @@ template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc
 
         // ---- 2. As = -strictly-lower(beta_i (k_i . k_j) Gamma_ij), Ps = lower-incl((q_i . k_j)
         // Gamma_ij) with normalised q, k: the 20 lower 16x8 tiles of each, 5 per warp.
-        switch (warp) {
+        if constexpr (MODE != GDNC_USE) switch (warp) {
         case 0: gdnc_gram<E, DK, N, 3, 3, 5, 0u | 1u << 3 | 2u << 6 | 3u << 9 | 4u << 12>(gdnc_smem, g, t); break;
         case 1: gdnc_gram<E, DK, N, 3, 0, 3, 5u | 6u << 3 | 7u << 6 | 0u << 9 | 1u << 12>(gdnc_smem, g, t); break;
         case 2: gdnc_gram<E, DK, N, 2, 2, 5, 0u | 1u << 3 | 2u << 6 | 3u << 9 | 4u << 12>(gdnc_smem, g, t); break;
@@ -1050,7 +1096,7 @@ template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc
         // solver warps x = beta (v - exp(gc) K S) into registers, output warps o = exp(gc) Q S.
         // (c) every warp: its state-update B fragments (K scaled by exp(gc_last - gc) / |k|) into
         // registers, so that the next chunk may be loaded during phases 4 and 5.
-        {
+        if constexpr (MODE != GDNC_USE) {
             const int b = warp, l = lane & 15;
             const E* ab = As + 16 * b * L::LDC + 16 * b;
             float tc[16];
@@ -1068,6 +1114,11 @@ template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc
 #pragma unroll
                 for (int li = 0; li < 16; ++li) Ts[(16 * b + li) * L::LDT + l] = flashrt::from_f32<E>(tc[li]);
             }
+        }
+        if constexpr (MODE == GDNC_PREP) {
+            __syncthreads(); // Ts complete
+            copy_record(ch, false);
+            return;
         }
         float xacc[4][4], oacc[4][4];
         {
@@ -1200,18 +1251,24 @@ template <typename T, int DK, int N> static __device__ __forceinline__ void gdnc
     });
 }
 
+#pragma nv_diag_default 128
+
 #define GDNC_COLS 16 // value columns per block (16 or 32; mirrored by GDN_CHUNK_COLS in ops.rs)
 #define GDNC_MIN_BLOCKS (GDNC_COLS == 16 ? 3 : 2) // blocks per SM the 16-bit variants are built for
-#define FLASHRT_GDNC_ENTRY(D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, GDNC_MIN_BLOCKS) gated_deltanet_chunk_k##D##_bf16(const GdnParams p) { \
-        gdnc_impl<__nv_bfloat16, D, GDNC_COLS>(p);                                                     \
+#define FLASHRT_GDNC_ENTRY(D, NAME, MODE)                                                              \
+    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, GDNC_MIN_BLOCKS) gated_deltanet_##NAME##_k##D##_bf16(const GdnParams p) { \
+        gdnc_impl<__nv_bfloat16, D, GDNC_COLS, MODE>(p);                                               \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, GDNC_MIN_BLOCKS) gated_deltanet_chunk_k##D##_f16(const GdnParams p) {  \
-        gdnc_impl<__half, D, GDNC_COLS>(p);                                                            \
+    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, GDNC_MIN_BLOCKS) gated_deltanet_##NAME##_k##D##_f16(const GdnParams p) {  \
+        gdnc_impl<__half, D, GDNC_COLS, MODE>(p);                                                      \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1) gated_deltanet_chunk_k##D##_f32(const GdnParams p) {  \
-        gdnc_impl<float, D, GDNC_COLS>(p);                                                             \
+    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1) gated_deltanet_##NAME##_k##D##_f32(const GdnParams p) {  \
+        gdnc_impl<float, D, GDNC_COLS, MODE>(p);                                                       \
     }
 
-FLASHRT_GDNC_ENTRY(64)
-FLASHRT_GDNC_ENTRY(128)
+FLASHRT_GDNC_ENTRY(64, chunk, GDNC_FULL)
+FLASHRT_GDNC_ENTRY(128, chunk, GDNC_FULL)
+FLASHRT_GDNC_ENTRY(64, chunk_prep, GDNC_PREP)
+FLASHRT_GDNC_ENTRY(128, chunk_prep, GDNC_PREP)
+FLASHRT_GDNC_ENTRY(64, chunk_pre, GDNC_USE)
+FLASHRT_GDNC_ENTRY(128, chunk_pre, GDNC_USE)

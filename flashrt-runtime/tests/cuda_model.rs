@@ -1409,6 +1409,33 @@ fn moe_wide_tiles_compute_what_the_narrow_tiles_compute() {
     }
 }
 
+/// `CudaOptions::gdn_prep` (the chunked Gated DeltaNet kernel's per-chunk phases that do not
+/// depend on the state run for every chunk at once, kernels/gated_deltanet.cu `GDNC_PREP`, and
+/// the serial loop copies their records) computes the same values in another block: prefill
+/// chunks of 64..256 rows (several 64-row chunks a call, a partial last one) and the decode
+/// and verify steps after them give the same logits and states bit for bit, on the dense
+/// model and on the MoE model.
+#[test]
+fn gdn_chunk_records_compute_what_the_serial_loop_computes() {
+    let name = "gdn_chunk_records_compute_what_the_serial_loop_computes";
+    let with = |gdn_prep| CudaOptions {
+        gdn_prep,
+        ..CudaOptions::default()
+    };
+    for (model, json) in [("qwen-like", QWEN_LIKE), ("qwen-moe-like", QWEN_MOE_LIKE)] {
+        if !same_bits_over(
+            name,
+            json,
+            &[with(false), with(true)],
+            &[8, 64, 256],
+            &[300, 70, 3, 1, 130],
+        ) {
+            return;
+        }
+        println!("{model}: gdn_prep on and off bit-identical");
+    }
+}
+
 /// A step's last logits row left on the device with its host copy deferred
 /// (`CudaOptions::defer_logits`, default) reads as the row read within the step, also when
 /// another session of the model has stepped since (the next step waits for the copy); greedy

@@ -45,6 +45,8 @@ pub(super) struct Exec {
     pub sample_ws: CudaSlice<u8>,
     /// The tensor-core gemv's split-tile partials and counters (ops::gemvm_sync_bytes).
     pub gemvm_part: CudaSlice<u8>,
+    /// The chunked Gated DeltaNet kernel's chunk records (`CudaOptions::gdn_prep`).
+    pub gdn_prep: Option<CudaSlice<u8>>,
     pub gemvm_cnt: CudaSlice<u8>,
     /// Verify passes' per-row states (`CudaOptions::row_states`; ops::RowStateArea).
     pub row_area: Option<CudaSlice<u8>>,
@@ -104,6 +106,10 @@ impl Exec {
         let (part_b, cnt_b) = ops::gemvm_sync_bytes(model.sms);
         let gemvm_part = alloc_zeroed(&stream, part_b, "gemv partial sums")?;
         let gemvm_cnt = alloc_zeroed(&stream, cnt_b, "gemv tile counters")?;
+        let gdn_prep = match model.gdn_prep_bytes() {
+            0 => None,
+            n => Some(alloc_zeroed(&stream, n, "Gated DeltaNet chunk records")?),
+        };
         let row_area = match model.row_area_bytes() {
             0 => None,
             n => Some(alloc_zeroed(&stream, n, "row-state area")?),
@@ -131,6 +137,7 @@ impl Exec {
             fp8,
             sample_ws,
             gemvm_part,
+            gdn_prep,
             gemvm_cnt,
             row_area,
             lock: Mutex::new(ExecState {

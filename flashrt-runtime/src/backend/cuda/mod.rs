@@ -253,6 +253,16 @@ pub struct CudaOptions {
     /// 1; 4 (clusters of 12 at the 27B shape) is slower there (benches/RESULTS.md, 2026-12-04
     /// 20:10 UTC). Any other value runs 1. Default 2 from `FLASHRT_GDN_COL_BLOCKS`.
     pub gdn_col_blocks: u32,
+    /// Split the chunked Gated DeltaNet prefill kernel's per-chunk phases that do not depend
+    /// on the state (q / k norms, gates, the chunk's K K^T and Q K^T products and the
+    /// inverses' diagonal blocks) into one launch over every chunk and value head, the serial
+    /// loop over chunks copying their results (kernels/gated_deltanet.cu `GDNC_PREP` /
+    /// `GDNC_USE`; the same values: outputs and states bit-identical). Every one of a head's
+    /// value-column blocks computed them again, 41 % of the kernel's time at the 27B shape
+    /// (H100, benches/RESULTS.md 2026-12-06). Costs a buffer of value heads x chunks x 20 KiB
+    /// for bf16 ([`ops::gdn_prep_bytes`]: 60 MiB at the 27B shape's 4096-row bucket). Default
+    /// on; `FLASHRT_GDN_PREP=0` turns it off.
+    pub gdn_prep: bool,
     /// Keep device memory freed by stream-ordered frees in the device's memory pool for the
     /// next allocation (release threshold: unlimited) instead of the driver's default of
     /// handing it back to the system at every synchronisation. A server allocates and frees
@@ -300,6 +310,7 @@ impl Default for CudaOptions {
             ),
             gemv8m_max_splits: num("FLASHRT_GEMV8M_MAX_SPLITS", 4),
             gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
+            gdn_prep: on("FLASHRT_GDN_PREP"),
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
         }
     }
@@ -643,6 +654,15 @@ struct ModelInner {
 impl ModelInner {
     /// Device bytes of the row-state area (`CudaOptions::row_states`): a row of kept states
     /// for every row a verify pass has.
+    /// The chunked Gated DeltaNet kernel's chunk records (0 when off).
+    fn gdn_prep_bytes(&self) -> usize {
+        if self.options.gdn_prep {
+            ops::gdn_prep_bytes(&self.compiled)
+        } else {
+            0
+        }
+    }
+
     fn row_area_bytes(&self) -> usize {
         self.row_layout.as_ref().map_or(0, |(_, row)| {
             *row as usize * (flashrt_ir::lower::MAX_DRAFT + 1)
@@ -723,6 +743,7 @@ impl DeviceModel for CudaModel {
                 part + cnt
             }
             + self.inner.row_area_bytes()
+            + self.inner.gdn_prep_bytes()
     }
 }
 
@@ -766,6 +787,10 @@ fn builder<'a>(
         gemv8m_max_splits: model.options.gemv8m_max_splits,
         gdn_col_blocks: model.options.gdn_col_blocks,
         gemvm_part: dptr(&exec.gemvm_part),
+        gdn_prep: exec
+            .gdn_prep
+            .as_ref()
+            .map_or((0, 0), |b| (dptr(b), b.len())),
         gemvm_cnt: dptr(&exec.gemvm_cnt),
         fp8: exec.fp8,
         batch,

@@ -21,6 +21,55 @@ struct GdnParams {
     value_heads: i32,
     key_dim: i32,
     value_dim: i32,
+    prep: u64,
+    prep_chunks: i32,
+    prep_pad: i32,
+}
+
+/// kernels/gated_deltanet.cu `GDNC_ROWS`, `GDNC_COLS`: the chunked kernel's rows a chunk and
+/// value columns a block, and the least rows a plan runs it for.
+const GDN_CHUNK_ROWS: usize = 64;
+const GDN_CHUNK_COLS: usize = 16;
+const GDN_CHUNK_MIN_ROWS: usize = 64;
+
+/// The chunked kernel's key_dim bound (64 or 128) where a plan of `rows` runs it.
+fn chunk_dk(rows: usize, key_dim: usize) -> Option<usize> {
+    match key_dim {
+        _ if rows < GDN_CHUNK_MIN_ROWS => None,
+        1..=64 => Some(64),
+        65..=128 => Some(128),
+        _ => None,
+    }
+}
+
+/// Bytes of one chunk's record (kernels/gated_deltanet.cu `GdncLayout::REC`: As, Ps
+/// [C][C + 8], Ts [C][24] in the target dtype, six f32 vectors [C]).
+fn chunk_record_bytes(t: DType) -> usize {
+    let c = GDN_CHUNK_ROWS;
+    (2 * c * (c + 8) + c * 24) * t.size() + 6 * c * 4
+}
+
+/// Bytes of the chunk records the chunked Gated DeltaNet kernel's split-off phases need at
+/// most over `compiled`'s plans (`CudaOptions::gdn_prep`): value heads x chunks x record.
+pub fn gdn_prep_bytes(compiled: &Compiled) -> usize {
+    let t = compiled.layout.target.dtype;
+    let mut most = 0;
+    for plan in &compiled.plans {
+        let rows = plan.phase.rows();
+        for op in &plan.ops {
+            if let Op::GatedDeltaNet {
+                key_dim,
+                value_heads,
+                ..
+            } = op
+                && chunk_dk(rows, *key_dim).is_some()
+            {
+                most =
+                    most.max(value_heads * rows.div_ceil(GDN_CHUNK_ROWS) * chunk_record_bytes(t));
+            }
+        }
+    }
+    most
 }
 
 /// kernels/gated_deltanet.cu `GdnDecodeParams`.
@@ -262,6 +311,9 @@ impl Builder<'_> {
             value_heads: to_i32(*value_heads, "value_heads", label)?,
             key_dim: to_i32(*key_dim, "key_dim", label)?,
             value_dim: to_i32(*value_dim, "value_dim", label)?,
+            prep: 0,
+            prep_chunks: 0,
+            prep_pad: 0,
         })
     }
 
@@ -297,16 +349,8 @@ impl Builder<'_> {
         //   token-by-token kernel, one block per value head and 32 value columns.
         // Which one runs depends only on the plan, so a phase always computes a row
         // the same way.
-        const GDN_CHUNK_MIN_ROWS: usize = 64;
-        const GDN_CHUNK_ROWS: usize = 64;
-        const GDN_CHUNK_COLS: usize = 16;
         // The chunked kernel's key_dim bound, if it runs.
-        let chunk_dk = match key_dim {
-            _ if rows < GDN_CHUNK_MIN_ROWS => None,
-            1..=64 => Some(64),
-            65..=128 => Some(128),
-            _ => None,
-        };
+        let chunk_dk = chunk_dk(rows, *key_dim);
         let variant = match (chunk_dk, key_dim) {
             (_, 0) => return Err(Error::Config(format!("{label}: key_dim 0"))),
             (Some(64), _) => "gated_deltanet_chunk_k64",
@@ -334,7 +378,41 @@ impl Builder<'_> {
                     + n * (c + 8)
                     + n * 24;
                 let bytes = elems * t.size() + 6 * c * 4;
-                let func = self.kernels.typed(variant, t)?;
+                // Phases 1-3 (a) of every chunk split off into one launch over all chunks
+                // (`gated_deltanet_chunk_prep_*`), the serial loop copying their records
+                // (`gated_deltanet_chunk_pre_*`): the same values, computed once per value
+                // head and chunk instead of once per block of value columns.
+                let chunks = rows.div_ceil(c);
+                let prep_bytes = value_heads * chunks * chunk_record_bytes(t);
+                let split = self.gdn_prep.0 != 0 && prep_bytes <= self.gdn_prep.1;
+                let mut p = p;
+                let variant = if split {
+                    p.prep = self.gdn_prep.0;
+                    p.prep_chunks = to_i32(chunks, "chunks", label)?;
+                    let prep = self
+                        .kernels
+                        .typed(&format!("gated_deltanet_chunk_prep_k{dk}"), t)?;
+                    prep.set_attribute(
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                        100,
+                    )
+                    .map_err(|e| Error::Backend {
+                        op: label.to_string(),
+                        msg: format!("cannot set the shared-memory carveout: {e:?}"),
+                    })?;
+                    cmds.push(self.kernel_smem(
+                        &format!("{label} chunk records"),
+                        prep,
+                        (chunks as u32, *value_heads as u32, 1),
+                        128,
+                        bytes as u32,
+                        &p,
+                    )?);
+                    format!("gated_deltanet_chunk_pre_k{dk}")
+                } else {
+                    variant.to_string()
+                };
+                let func = self.kernels.typed(&variant, t)?;
                 // Ask for the largest shared-memory carveout, so that several blocks fit
                 // on an SM (the kernel keeps nothing in L1 worth the space).
                 func.set_attribute(

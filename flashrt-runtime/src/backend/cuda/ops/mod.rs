@@ -40,6 +40,7 @@ mod fp8;
 mod gated_deltanet;
 mod gemv;
 mod linear;
+pub(super) use gated_deltanet::gdn_prep_bytes;
 pub(super) use gemv::gemvm_sync_bytes;
 mod mamba2;
 mod moe;
@@ -391,6 +392,9 @@ pub struct Builder<'a> {
     /// The tensor-core gemv's split-tile partials and counters (the model's, zero between
     /// launches; [`gemv::gemvm_sync_bytes`]).
     pub gemvm_part: u64,
+    /// The chunked Gated DeltaNet kernel's chunk records (address, bytes; 0 when off:
+    /// `CudaOptions::gdn_prep`, [`gdn_prep_bytes`]).
+    pub gdn_prep: (u64, usize),
     pub gemvm_cnt: u64,
     /// Several rows' 16-bit `gemv` launches as resident blocks looping over tiles
     /// ([`Builder::gemv`]; `CudaOptions::gemv_tiles`).
