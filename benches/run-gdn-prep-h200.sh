@@ -23,13 +23,14 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=benches/h200-common.sh
 source "$ROOT/benches/h200-common.sh"
 if [ "${TESTS:-1}" = 1 ]; then
-  "$BIN/cuda_model" --test-threads=1 gdn_chunk_records moe_wide bf16_tracks_cpu_reference \
-    bf16_chunked_prefill fixtures_f32 unaligned_restore capsules_on_gpu \
+  # shellcheck disable=SC2086
+  "$BIN/cuda_model" --test-threads=1 ${TESTLIST:-gdn_chunk_records moe_wide bf16_tracks_cpu_reference \
+    bf16_chunked_prefill fixtures_f32 unaligned_restore capsules_on_gpu} \
     >"$OUT/cuda_model.log" 2>&1 || status=1
   grep -hE '^test |test result|bit-identical|panicked' "$OUT/cuda_model.log"
 fi
-for m in qwen36-35b-a3b:2048,16384 qwen36-27b:16384; do
-  for v in 0 1; do
+for m in ${MODELS:-qwen36-35b-a3b:2048,16384 qwen36-27b:16384}; do
+  for v in ${PREPS:-0 1}; do
     n=${m%%:*}-prep$v
     FLASHRT_GDN_PREP=$v timeout 300 "$FLASHRT" bench "$ROOT/models/${m%%:*}.toml" --random-weights \
       --backend cuda --lengths "${m##*:}" --iters 2 --decode-steps 16 --profile \

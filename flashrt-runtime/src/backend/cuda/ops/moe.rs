@@ -299,7 +299,8 @@ impl Builder<'_> {
     }
 
     /// The launches of an `Op::Moe` (kernels/moe.cu): router logits, route (+ plan in small
-    /// phases), then for prefill plans the tile list and the grouped tensor-core GEMMs and the
+    /// phases; else the plan and the tile list over many blocks, `moe_hist` + `moe_plan2`),
+    /// then for prefill plans the grouped tensor-core GEMMs (kernels/moe_wgmma.cu) and the
     /// combine, for decode and verify the CUDA-core up and a fused down + combine.
     pub(super) fn moe(
         &self,
