@@ -869,10 +869,15 @@ static __device__ __forceinline__ void gdnc_gram(unsigned char* smem, int g, int
 // GDNC_PREP: block (c, h) runs phases 1, 2 and 3 (a) of chunk c for value head h, all chunks
 //   at once, and stores As, Ps, Ts and the six vectors as its record (GdncLayout::REC bytes);
 // GDNC_USE: the serial loop copies each chunk's record into place instead (the same values
-//   the same code computed: outputs and state bit-identical to GDNC_FULL).
+//   the same code computed: outputs and state bit-identical to GDNC_FULL);
+// GDNC_USE2: as GDNC_USE, with two record buffers past the layout (GdncLayout::BYTES + 2 REC
+//   bytes of shared memory), the next chunk's record copied during phases 4 and 5 instead of
+//   after them. Two blocks an SM, so the host takes it where the launch has at most two blocks
+//   an SM to place anyway.
 #define GDNC_FULL 0
 #define GDNC_PREP 1
 #define GDNC_USE 2
+#define GDNC_USE2 3
 // (GDNC_PREP returns in the middle of the loop body: the rest is unreachable there, on purpose.)
 #pragma nv_diag_suppress 128
 template <typename T, int DK, int N, int MODE> static __device__ __forceinline__ void gdnc_impl(const GdnParams& p) {
@@ -1004,6 +1009,27 @@ template <typename T, int DK, int N, int MODE> static __device__ __forceinline__
             else *reinterpret_cast<uint4*>(rec + o) = *reinterpret_cast<const uint4*>(gdnc_smem + s);
         }
     };
+    // GDNC_USE2: record c in buffer c % 2, contiguous past the layout; the chunk's pointers
+    // into it.
+    auto copy_record2 = [&](int ch) {
+        const unsigned char* rec = rec_base + (size_t)ch * L::REC;
+        unsigned char* dst = gdnc_smem + L::BYTES + (ch & 1) * L::REC;
+        for (int o = tid * 16; o < L::REC; o += GDNC_THREADS * 16) gdnc_cp16(dst + o, rec + o, 16);
+    };
+    auto point_record2 = [&](int ch) {
+        unsigned char* b = gdnc_smem + L::BYTES + (ch & 1) * L::REC;
+        As = reinterpret_cast<E*>(b);
+        Ps = reinterpret_cast<E*>(b + (L::P - L::A));
+        Ts = reinterpret_cast<E*>(b + (L::T - L::A));
+        float* f = reinterpret_cast<float*>(b + L::REC1);
+        GC = f;
+        BETA = f + C;
+        EG = f + 2 * C;
+        WL = f + 3 * C;
+        INVQ = f + 4 * C;
+        INVK = f + 5 * C;
+    };
+    constexpr bool USE = MODE == GDNC_USE || MODE == GDNC_USE2;
     const int first = MODE == GDNC_PREP ? blockIdx.x : 0;
     if constexpr (MODE == GDNC_PREP) {
         if (first * C >= len) return;
@@ -1011,7 +1037,11 @@ template <typename T, int DK, int N, int MODE> static __device__ __forceinline__
         store_st();
     }
     load_chunk(first * C);
-    if (MODE != GDNC_USE && warp == 0) load_gates(first * C);
+    if constexpr (MODE == GDNC_USE2) {
+        copy_record2(0);
+        gdnc_cp_commit();
+    }
+    if (!USE && warp == 0) load_gates(first * C);
 
     // Roles in phases 3-5: with N = 16 warps 0, 1 form x and solve for v' (column tile = warp)
     // while warps 2, 3 form the outputs (column tile = warp - 2); with N = 32 every warp does
@@ -1030,13 +1060,16 @@ template <typename T, int DK, int N, int MODE> static __device__ __forceinline__
             copy_record(ch, true);
             gdnc_cp_commit();
             gdnc_cp_wait();
+        } else if constexpr (MODE == GDNC_USE2) {
+            gdnc_cp_wait(); // this chunk's record (and q, k, v), queued during the last one
+            point_record2(ch);
         } else {
             if (vec) gdnc_cp_wait();
         }
         __syncthreads(); // the chunk's q, k, v (and record) and the state copy are in shared memory
 
         // ---- 1. norms (thread = row of q or k) and gates (warp 0)
-        if constexpr (MODE != GDNC_USE) {
+        if constexpr (!USE) {
             const int i = tid & (C - 1);
             const E* row = (tid < C ? Qs : Ks) + i * L::LDK;
             float ss = 0.0f;
@@ -1083,7 +1116,7 @@ template <typename T, int DK, int N, int MODE> static __device__ __forceinline__
 
         // ---- 2. As = -strictly-lower(beta_i (k_i . k_j) Gamma_ij), Ps = lower-incl((q_i . k_j)
         // Gamma_ij) with normalised q, k: the 20 lower 16x8 tiles of each, 5 per warp.
-        if constexpr (MODE != GDNC_USE) switch (warp) {
+        if constexpr (!USE) switch (warp) {
         case 0: gdnc_gram<E, DK, N, 3, 3, 5, 0u | 1u << 3 | 2u << 6 | 3u << 9 | 4u << 12>(gdnc_smem, g, t); break;
         case 1: gdnc_gram<E, DK, N, 3, 0, 3, 5u | 6u << 3 | 7u << 6 | 0u << 9 | 1u << 12>(gdnc_smem, g, t); break;
         case 2: gdnc_gram<E, DK, N, 2, 2, 5, 0u | 1u << 3 | 2u << 6 | 3u << 9 | 4u << 12>(gdnc_smem, g, t); break;
@@ -1096,7 +1129,7 @@ template <typename T, int DK, int N, int MODE> static __device__ __forceinline__
         // solver warps x = beta (v - exp(gc) K S) into registers, output warps o = exp(gc) Q S.
         // (c) every warp: its state-update B fragments (K scaled by exp(gc_last - gc) / |k|) into
         // registers, so that the next chunk may be loaded during phases 4 and 5.
-        if constexpr (MODE != GDNC_USE) {
+        if constexpr (!USE) {
             const int b = warp, l = lane & 15;
             const E* ab = As + 16 * b * L::LDC + 16 * b;
             float tc[16];
@@ -1186,6 +1219,11 @@ template <typename T, int DK, int N, int MODE> static __device__ __forceinline__
         __syncthreads(); // Ts complete; K, Q, V and St are no longer read this chunk
 
         if (ch + 1 < nchunks) load_chunk(r0 + C);
+        if constexpr (MODE == GDNC_USE2) {
+            // Buffer (ch + 1) % 2 was last read by the previous chunk's phase 5.
+            if (ch + 1 < nchunks) copy_record2(ch + 1);
+            gdnc_cp_commit();
+        }
 
         // ---- 4. v' = (I + A)^-1 x by blocks of 16 rows, one column tile per solver warp (columns
         // are independent): y = x_b - sum_{c<b} A_bc v'_c, v'_b = T_bb y. y passes through Yt
@@ -1272,3 +1310,7 @@ FLASHRT_GDNC_ENTRY(64, chunk_prep, GDNC_PREP)
 FLASHRT_GDNC_ENTRY(128, chunk_prep, GDNC_PREP)
 FLASHRT_GDNC_ENTRY(64, chunk_pre, GDNC_USE)
 FLASHRT_GDNC_ENTRY(128, chunk_pre, GDNC_USE)
+#undef GDNC_MIN_BLOCKS
+#define GDNC_MIN_BLOCKS 2
+FLASHRT_GDNC_ENTRY(64, chunk_pre2, GDNC_USE2)
+FLASHRT_GDNC_ENTRY(128, chunk_pre2, GDNC_USE2)

@@ -1411,10 +1411,10 @@ fn moe_wide_tiles_compute_what_the_narrow_tiles_compute() {
 
 /// `CudaOptions::gdn_prep` (the chunked Gated DeltaNet kernel's per-chunk phases that do not
 /// depend on the state run for every chunk at once, kernels/gated_deltanet.cu `GDNC_PREP`, and
-/// the serial loop copies their records) computes the same values in another block: prefill
-/// chunks of 64..256 rows (several 64-row chunks a call, a partial last one) and the decode
-/// and verify steps after them give the same logits and states bit for bit, on the dense
-/// model and on the MoE model.
+/// the serial loop copies their records, with one buffer or two) computes the same values in
+/// another block: prefill chunks of 64..256 rows (several 64-row chunks a call, a partial last
+/// one) and the decode and verify steps after them give the same logits and states bit for
+/// bit with 0, 1 and 2, on the dense model and on the MoE model.
 #[test]
 fn gdn_chunk_records_compute_what_the_serial_loop_computes() {
     let name = "gdn_chunk_records_compute_what_the_serial_loop_computes";
@@ -1426,13 +1426,13 @@ fn gdn_chunk_records_compute_what_the_serial_loop_computes() {
         if !same_bits_over(
             name,
             json,
-            &[with(false), with(true)],
+            &[with(0), with(1), with(2)],
             &[8, 64, 256],
             &[300, 70, 3, 1, 130],
         ) {
             return;
         }
-        println!("{model}: gdn_prep on and off bit-identical");
+        println!("{model}: gdn_prep 0, 1 and 2 bit-identical");
     }
 }
 

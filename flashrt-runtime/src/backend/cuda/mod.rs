@@ -259,10 +259,12 @@ pub struct CudaOptions {
     /// loop over chunks copying their results (kernels/gated_deltanet.cu `GDNC_PREP` /
     /// `GDNC_USE`; the same values: outputs and states bit-identical). Every one of a head's
     /// value-column blocks computed them again, 41 % of the kernel's time at the 27B shape
-    /// (H100, benches/RESULTS.md 2026-12-06). Costs a buffer of value heads x chunks x 20 KiB
-    /// for bf16 ([`ops::gdn_prep_bytes`]: 60 MiB at the 27B shape's 4096-row bucket). Default
-    /// on; `FLASHRT_GDN_PREP=0` turns it off.
-    pub gdn_prep: bool,
+    /// (H100, benches/RESULTS.md 2026-12-06). `0`: off; `1`: on, each chunk's results copied
+    /// when its turn comes; `2` (default): on, and where the launch places at most two blocks
+    /// an SM, the next chunk's copied during this one (`GDNC_USE2`). Costs a buffer of value
+    /// heads x chunks x 20 KiB for bf16 ([`ops::gdn_prep_bytes`]: 60 MiB at the 27B shape's
+    /// 4096-row bucket). Default from `FLASHRT_GDN_PREP`.
+    pub gdn_prep: u32,
     /// Keep device memory freed by stream-ordered frees in the device's memory pool for the
     /// next allocation (release threshold: unlimited) instead of the driver's default of
     /// handing it back to the system at every synchronisation. A server allocates and frees
@@ -310,7 +312,7 @@ impl Default for CudaOptions {
             ),
             gemv8m_max_splits: num("FLASHRT_GEMV8M_MAX_SPLITS", 4),
             gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
-            gdn_prep: on("FLASHRT_GDN_PREP"),
+            gdn_prep: num("FLASHRT_GDN_PREP", 2),
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
         }
     }
@@ -656,7 +658,7 @@ impl ModelInner {
     /// for every row a verify pass has.
     /// The chunked Gated DeltaNet kernel's chunk records (0 when off).
     fn gdn_prep_bytes(&self) -> usize {
-        if self.options.gdn_prep {
+        if self.options.gdn_prep > 0 {
             ops::gdn_prep_bytes(&self.compiled)
         } else {
             0
@@ -791,6 +793,7 @@ fn builder<'a>(
             .gdn_prep
             .as_ref()
             .map_or((0, 0), |b| (dptr(b), b.len())),
+        gdn_prep_double: model.options.gdn_prep >= 2,
         gemvm_cnt: dptr(&exec.gemvm_cnt),
         fp8: exec.fp8,
         batch,

@@ -385,6 +385,12 @@ impl Builder<'_> {
                 let chunks = rows.div_ceil(c);
                 let prep_bytes = value_heads * chunks * chunk_record_bytes(t);
                 let split = self.gdn_prep.0 != 0 && prep_bytes <= self.gdn_prep.1;
+                // Two record buffers (the next chunk's copied during this one's last phases)
+                // take two blocks' shared memory an SM: only where the launch places at most
+                // two blocks an SM anyway (the 35B-A3B shape's 256 blocks, not the 27B's 384).
+                let blocks = value_dim.div_ceil(n) * value_heads;
+                let double = split && self.gdn_prep_double && blocks <= 2 * self.sms.max(1);
+                let mut bytes = bytes;
                 let mut p = p;
                 let variant = if split {
                     p.prep = self.gdn_prep.0;
@@ -408,7 +414,12 @@ impl Builder<'_> {
                         bytes as u32,
                         &p,
                     )?);
-                    format!("gated_deltanet_chunk_pre_k{dk}")
+                    if double {
+                        bytes += 2 * chunk_record_bytes(t);
+                        format!("gated_deltanet_chunk_pre2_k{dk}")
+                    } else {
+                        format!("gated_deltanet_chunk_pre_k{dk}")
+                    }
                 } else {
                     variant.to_string()
                 };

@@ -395,6 +395,9 @@ pub struct Builder<'a> {
     /// The chunked Gated DeltaNet kernel's chunk records (address, bytes; 0 when off:
     /// `CudaOptions::gdn_prep`, [`gdn_prep_bytes`]).
     pub gdn_prep: (u64, usize),
+    /// ... with two record buffers where the launch fits two blocks an SM
+    /// (`CudaOptions::gdn_prep` = 2).
+    pub gdn_prep_double: bool,
     pub gemvm_cnt: u64,
     /// Several rows' 16-bit `gemv` launches as resident blocks looping over tiles
     /// ([`Builder::gemv`]; `CudaOptions::gemv_tiles`).
