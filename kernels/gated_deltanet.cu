@@ -1293,24 +1293,24 @@ template <typename T, int DK, int N, int MODE> static __device__ __forceinline__
 
 #define GDNC_COLS 16 // value columns per block (16 or 32; mirrored by GDN_CHUNK_COLS in ops.rs)
 #define GDNC_MIN_BLOCKS (GDNC_COLS == 16 ? 3 : 2) // blocks per SM the 16-bit variants are built for
-#define FLASHRT_GDNC_ENTRY(D, NAME, MODE)                                                              \
-    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, GDNC_MIN_BLOCKS) gated_deltanet_##NAME##_k##D##_bf16(const GdnParams p) { \
+#define FLASHRT_GDNC_ENTRY(PREFIX, D, MODE)                                                              \
+    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, GDNC_MIN_BLOCKS) PREFIX##D##_bf16(const GdnParams p) { \
         gdnc_impl<__nv_bfloat16, D, GDNC_COLS, MODE>(p);                                               \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, GDNC_MIN_BLOCKS) gated_deltanet_##NAME##_k##D##_f16(const GdnParams p) {  \
+    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, GDNC_MIN_BLOCKS) PREFIX##D##_f16(const GdnParams p) {  \
         gdnc_impl<__half, D, GDNC_COLS, MODE>(p);                                                      \
     }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1) gated_deltanet_##NAME##_k##D##_f32(const GdnParams p) {  \
+    extern "C" __global__ void __launch_bounds__(GDNC_THREADS, 1) PREFIX##D##_f32(const GdnParams p) {  \
         gdnc_impl<float, D, GDNC_COLS, MODE>(p);                                                       \
     }
 
-FLASHRT_GDNC_ENTRY(64, chunk, GDNC_FULL)
-FLASHRT_GDNC_ENTRY(128, chunk, GDNC_FULL)
-FLASHRT_GDNC_ENTRY(64, chunk_prep, GDNC_PREP)
-FLASHRT_GDNC_ENTRY(128, chunk_prep, GDNC_PREP)
-FLASHRT_GDNC_ENTRY(64, chunk_pre, GDNC_USE)
-FLASHRT_GDNC_ENTRY(128, chunk_pre, GDNC_USE)
+FLASHRT_GDNC_ENTRY(gated_deltanet_chunk_k, 64, GDNC_FULL)
+FLASHRT_GDNC_ENTRY(gated_deltanet_chunk_k, 128, GDNC_FULL)
+FLASHRT_GDNC_ENTRY(gated_deltanet_chunk_prep_k, 64, GDNC_PREP)
+FLASHRT_GDNC_ENTRY(gated_deltanet_chunk_prep_k, 128, GDNC_PREP)
+FLASHRT_GDNC_ENTRY(gated_deltanet_chunk_pre_k, 64, GDNC_USE)
+FLASHRT_GDNC_ENTRY(gated_deltanet_chunk_pre_k, 128, GDNC_USE)
 #undef GDNC_MIN_BLOCKS
 #define GDNC_MIN_BLOCKS 2
-FLASHRT_GDNC_ENTRY(64, chunk_pre2, GDNC_USE2)
-FLASHRT_GDNC_ENTRY(128, chunk_pre2, GDNC_USE2)
+FLASHRT_GDNC_ENTRY(gated_deltanet_chunk_pre2_k, 64, GDNC_USE2)
+FLASHRT_GDNC_ENTRY(gated_deltanet_chunk_pre2_k, 128, GDNC_USE2)

@@ -65,6 +65,28 @@ static __device__ __forceinline__ void cp16(unsigned char* dst, const void* src,
                  "r"(valid ? 16 : 0));
 }
 
+// One 64-column K slab into stage `st`: this thread's NA A rows and NB B rows (rows r0 + STEP
+// i), 16 bytes at chunk c of each 128-byte row, swizzled (chunk c of row r at c ^ (r & 7)), the B
+// slab `a_bytes` after the A slab; null rows and columns past K zero-filled (`any`: a valid
+// address, never read). `k0`: the slab's first column plus this thread's chunk.
+template <typename T, int NA, int NB, int STEP>
+static __device__ __forceinline__ void load_slab(unsigned char* st, int a_bytes, const T* const (&a)[NA],
+                                                 const T* const (&b)[NB], const T* any, int r0, int c, int k0, int K) {
+    const bool kin = k0 < K;
+#pragma unroll
+    for (int i = 0; i < NA; ++i) {
+        const int r = r0 + STEP * i;
+        const bool ok = kin && a[i];
+        cp16(st + r * 128 + ((c ^ (r & 7)) << 4), ok ? a[i] + k0 : any, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+        const int r = r0 + STEP * i;
+        const bool ok = kin && b[i];
+        cp16(st + a_bytes + r * 128 + ((c ^ (r & 7)) << 4), ok ? b[i] + k0 : any, ok);
+    }
+}
+
 #define MOE_WG_TYPE(T, PTX)                                                                        \
     template <> struct Wg<T> {                                                                     \
         /* C[64 x 128] (+)= A[64 x 16] B[128 x 16]^T, both K-major in shared memory. */           \
@@ -101,23 +123,9 @@ static __device__ __forceinline__ void gemm_tile(ARow a_row, BRow b_row, int K, 
     const T* any = b_src[0] ? b_src[0] : a_row(0);
     const int nk = (K + 63) / 64;
     auto load = [&](int kt) {
-        if (kt < nk) {
-            unsigned char* st = base + (kt % MOE_WG_STAGES) * MOE_WG_STAGE_BYTES;
-            const int k0 = kt * 64 + c * 8;
-            const bool kin = k0 < K;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = r0 + 16 * i;
-                const bool ok = kin && a_src[i];
-                cp16(st + r * 128 + ((c ^ (r & 7)) << 4), ok ? a_src[i] + k0 : any, ok);
-            }
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int r = r0 + 16 * i;
-                const bool ok = kin && b_src[i];
-                cp16(st + MOE_WG_A_BYTES + r * 128 + ((c ^ (r & 7)) << 4), ok ? b_src[i] + k0 : any, ok);
-            }
-        }
+        if (kt < nk)
+            load_slab<T, 4, 8, 16>(base + (kt % MOE_WG_STAGES) * MOE_WG_STAGE_BYTES, MOE_WG_A_BYTES, a_src, b_src,
+                                   any, r0, c, kt * 64 + c * 8, K);
         asm volatile("cp.async.commit_group;\n" ::);
     };
 #pragma unroll
@@ -293,33 +301,6 @@ namespace moe_wg {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-#define MOE_W2_D128 \
-    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
-    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
-    "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
-    "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63," \
-    "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79," \
-    "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95," \
-    "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111," \
-    "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}"
-#define MOE_W2_OPS128(d) \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
-    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
-    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-
 template <typename T> struct Wg2;
 
 #define MOE_W2_TYPE(T, PTX)                                                                        \
@@ -327,9 +308,9 @@ template <typename T> struct Wg2;
         /* C[64 x 256] (+)= A[64 x 16] B[256 x 16]^T, both K-major in shared memory. */           \
         static __device__ __forceinline__ void mma(float (&d)[128], uint64_t a, uint64_t b, int acc) { \
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                             \
-                         "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX "." PTX " " MOE_W2_D128 \
+                         "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX "." PTX " " FLASHRT_WG_D128 \
                          ", %128, %129, p, 1, 1, 0, 0;\n}\n"                                       \
-                         : MOE_W2_OPS128(d)                                                        \
+                         : FLASHRT_WG_OPS128(d)                                                        \
                          : "l"(a), "l"(b), "r"(acc));                                              \
         }                                                                                          \
     };
@@ -364,21 +345,8 @@ static __device__ __forceinline__ void gemm_stream(int items, int K, Rows rows, 
 #pragma unroll
                 for (int i = 0; i < 4; ++i) any = any ? any : a_src[i];
             }
-            unsigned char* st = base + (s % MOE_W2_STAGES) * MOE_W2_STAGE_BYTES;
-            const int k0 = kt * 64 + c * 8;
-            const bool kin = k0 < K;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = r0 + 32 * i;
-                const bool ok = kin && a_src[i];
-                cp16(st + r * 128 + ((c ^ (r & 7)) << 4), ok ? a_src[i] + k0 : any, ok);
-            }
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int r = r0 + 32 * i;
-                const bool ok = kin && b_src[i];
-                cp16(st + MOE_W2_A_BYTES + r * 128 + ((c ^ (r & 7)) << 4), ok ? b_src[i] + k0 : any, ok);
-            }
+            load_slab<T, 4, 8, 32>(base + (s % MOE_W2_STAGES) * MOE_W2_STAGE_BYTES, MOE_W2_A_BYTES, a_src, b_src, any,
+                                   r0, c, kt * 64 + c * 8, K);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
