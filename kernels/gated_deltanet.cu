@@ -27,6 +27,8 @@
 // serial (about 4.2 ms per layer for 2048 rows of the 27B shape on an H200).
 //
 // ---- gated_deltanet_chunk_k{64,128}: chunks of C = 64 rows (WY form) ----
+// (and its split form, `gated_deltanet_chunk_prep_*` then `gated_deltanet_chunk_pre{,2}_*`:
+// see GDNC_PREP at `gdnc_impl`)
 // Within a chunk (rows i, j < C; rows past len are padding with k = q = v = 0, g = 0,
 // beta = 0, which leaves S unchanged), with gc_i = g_0 + ... + g_i and
 // Gamma_ij = exp(gc_i - gc_j) (only for i >= j, where it is <= 1), unrolling the recurrence

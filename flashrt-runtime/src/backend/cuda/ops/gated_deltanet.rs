@@ -344,7 +344,9 @@ impl Builder<'_> {
         //   chunks in WY form on tensor cores: bf16/f16 mma for 16-bit targets,
         //   3xTF32 for f32). One block per value head and 16 value columns, 128
         //   threads, its shared memory (`GDN_CHUNK_*` below, mirroring `GdncLayout`)
-        //   above 48 KiB: 67 KiB for bf16 at key_dim 128, so 3 blocks share an SM;
+        //   above 48 KiB: 67 KiB for bf16 at key_dim 128, so 3 blocks share an SM
+        //   (with `CudaOptions::gdn_prep`, the default: a launch of the chunks' records
+        //   first and the `_pre` / `_pre2` loop reading them, below);
         // * otherwise (decode, verify, small prefill buckets, key_dim > 128): the
         //   token-by-token kernel, one block per value head and 32 value columns.
         // Which one runs depends only on the plan, so a phase always computes a row
