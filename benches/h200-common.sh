@@ -28,3 +28,12 @@ bench27() {
   grep -E 'per step|restored TTFT [0-9]|^ +[0-9]+ +[1248] ' "$OUT/$name.log" | head -12
   grep -E '^\[bench --serve\] (prefix|chat)' "$OUT/$name.log" | head -14
 }
+# bar16k: the bars' served command at 16k (issues 13 and 15): `bench27 bar` with the batched
+# steps, stored 16k + 1 / + 32, streamed decode, CLIENTS clients at once (default 8; 4 on an
+# 80 GB card) and a 16k newcomer, the store's demotions logged; its headline lines printed.
+bar16k() {
+  BENCH_TIMEOUT="${BENCH_TIMEOUT:-300}" bench27 bar RUST_LOG=info,flashrt_runtime::store=debug -- \
+    --lengths 16384 --iters 1 --decode-steps 16 --batch 1,2,4,8 --serve --serve-suffixes 1,32 \
+    --serve-runs 3 --serve-clients "${CLIENTS:-8}" --serve-newcomer 16384
+  grep -E 'clients at once|newcomer|a 16384-token prompt|capsule store:|device memory' "$OUT/bar.log" | head -8
+}

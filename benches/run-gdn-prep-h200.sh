@@ -41,8 +41,5 @@ for m in ${MODELS:-qwen36-35b-a3b:2048,16384 qwen36-27b:16384}; do
   done
 done
 [ "${BAR:-0}" = 1 ] || exit $status
-BENCH_TIMEOUT=300 bench27 bar RUST_LOG=info,flashrt_runtime::store=debug -- --lengths 16384 \
-  --iters 1 --decode-steps 16 --batch 1,2,4,8 --serve --serve-suffixes 1,32 --serve-runs 3 \
-  --serve-clients "${CLIENTS:-8}" --serve-newcomer 16384
-grep -E 'clients at once|newcomer|a 16384-token prompt|capsule store:|device memory' "$OUT/bar.log" | head -8
+bar16k
 exit $status

@@ -49,10 +49,7 @@ fi
 "$BIN/cuda_model" --test-threads=1 deferred_logits host_snapshots batched_decode store_demotions \
   >"$OUT/cuda_model.log" 2>&1 || status=1
 grep -hE '^test |test result' "$OUT/cuda_model.log"
-BENCH_TIMEOUT=300 bench27 bar RUST_LOG=info,flashrt_runtime::store=debug -- --lengths 16384 \
-  --iters 1 --decode-steps 16 --batch 1,2,4,8 --serve --serve-suffixes 1,32 --serve-runs 3 \
-  --serve-clients "${CLIENTS:-8}" --serve-newcomer 16384
-grep -E 'clients at once|newcomer|a 16384-token prompt|capsule store:|device memory' "$OUT/bar.log" | head -8
+bar16k
 grep -E 'demotion job' "$OUT/bar.log" | sed 's/.*demotion job: //' | head -40 >"$OUT/demotions.txt"
 head -5 "$OUT/demotions.txt"
 [ "${STORE4G:-1}" = 1 ] || exit $status

@@ -41,22 +41,6 @@ namespace moe_wg {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-#define MOE_WG_D64 \
-    "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
-    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
-    "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
-    "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
-
-#define MOE_WG_OPS64(d) \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-
 template <typename T> struct Wg;
 
 // One 16-byte cp.async into shared `dst` (zero-filled when !valid; `src` is then not read).
@@ -92,9 +76,9 @@ static __device__ __forceinline__ void load_slab(unsigned char* st, int a_bytes,
         /* C[64 x 128] (+)= A[64 x 16] B[128 x 16]^T, both K-major in shared memory. */           \
         static __device__ __forceinline__ void mma(float (&d)[64], uint64_t a, uint64_t b, int acc) { \
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                              \
-                         "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " " MOE_WG_D64  \
+                         "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " " FLASHRT_WG_D64  \
                          ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                         \
-                         : MOE_WG_OPS64(d)                                                         \
+                         : FLASHRT_WG_OPS64(d)                                                         \
                          : "l"(a), "l"(b), "r"(acc));                                              \
         }                                                                                          \
     };
@@ -398,6 +382,19 @@ template <typename T> static __device__ __forceinline__ void moe_w2_store2(T* ro
     *reinterpret_cast<typename MoeW2Pair<T>::type*>(row + f) = v;
 }
 
+// Work item `item` of a wide launch (pair tile item / nf, feature tile item % nf of `per`
+// weight rows): its expert, first feature, pair count and pairs.
+struct MoeW2Item {
+    int e, c0, n;
+    const int* pr;
+};
+static __device__ __forceinline__ MoeW2Item moe_w2_item(const MoeParams& p, int item, int nf, int per) {
+    const int y = item / nf;
+    const int* t = moe::tiles(p, p.max_pairs) + 2 * y;
+    const int e = t[0], t0 = t[1];
+    return {e, (item - y * nf) * per, min(MOE_W2_M, moe::offsets(p)[e + 1] - t0), moe::pairs(p) + t0};
+}
+
 // grid = min(SMs, work items), block = 256, dynamic shared memory MOE_W2_SMEM. Work item i:
 // pair tile i / nf, feature tile i % nf (nf = ceil(inter / 128) SwiGLU, ceil(inter / 256)
 // relu^2), so the blocks working at once share the pair tile's gathered rows in L2.
@@ -409,14 +406,9 @@ template <typename T> static __device__ __forceinline__ void moe_up_w2_impl(cons
     const int nf = (I + per - 1) / per;
     const int items = *moe::n_tiles(p, max_pairs) * nf;
     const int up_rows = p.swiglu ? 2 * I : I;
-    const int* tiles = moe::tiles(p, max_pairs);
-    const int* off = moe::offsets(p);
     const int r0 = threadIdx.x >> 3;
     auto rows = [&](int item, const T* (&a)[4], const T* (&b)[8]) {
-        const int y = item / nf, c0 = (item - y * nf) * per;
-        const int e = tiles[2 * y], t0 = tiles[2 * y + 1];
-        const int n = min(MOE_W2_M, off[e + 1] - t0);
-        const int* pr = moe::pairs(p) + t0;
+        const auto [e, c0, n, pr] = moe_w2_item(p, item, nf, per);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int m = r0 + 32 * i;
@@ -431,10 +423,7 @@ template <typename T> static __device__ __forceinline__ void moe_up_w2_impl(cons
     };
     const int warp = (threadIdx.x >> 5) & 3, wg = threadIdx.x >> 7, lane = threadIdx.x & 31;
     auto epilogue = [&](int item, float (&d)[128]) {
-        const int y = item / nf, c0 = (item - y * nf) * per;
-        const int e = tiles[2 * y], t0 = tiles[2 * y + 1];
-        const int n = min(MOE_W2_M, off[e + 1] - t0);
-        const int* pr = moe::pairs(p) + t0;
+        const auto [e, c0, n, pr] = moe_w2_item(p, item, nf, per);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int m = 64 * wg + warp * 16 + (lane >> 2) + 8 * half;
@@ -486,14 +475,9 @@ template <typename T> static __device__ __forceinline__ void moe_down_w2_impl(co
     const int H = p.hidden, I = p.inter, K = p.top_k;
     const int nf = (H + MOE_W2_N - 1) / MOE_W2_N;
     const int items = *moe::n_tiles(p, max_pairs) * nf;
-    const int* tiles = moe::tiles(p, max_pairs);
-    const int* off = moe::offsets(p);
     const int r0 = threadIdx.x >> 3;
     auto rows = [&](int item, const T* (&a)[4], const T* (&b)[8]) {
-        const int y = item / nf, c0 = (item - y * nf) * MOE_W2_N;
-        const int e = tiles[2 * y], t0 = tiles[2 * y + 1];
-        const int n = min(MOE_W2_M, off[e + 1] - t0);
-        const int* pr = moe::pairs(p) + t0;
+        const auto [e, c0, n, pr] = moe_w2_item(p, item, nf, MOE_W2_N);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int m = r0 + 32 * i;
@@ -508,10 +492,7 @@ template <typename T> static __device__ __forceinline__ void moe_down_w2_impl(co
     };
     const int warp = (threadIdx.x >> 5) & 3, wg = threadIdx.x >> 7, lane = threadIdx.x & 31;
     auto epilogue = [&](int item, float (&d)[128]) {
-        const int y = item / nf, c0 = (item - y * nf) * MOE_W2_N;
-        const int e = tiles[2 * y], t0 = tiles[2 * y + 1];
-        const int n = min(MOE_W2_M, off[e + 1] - t0);
-        const int* pr = moe::pairs(p) + t0;
+        const auto [e, c0, n, pr] = moe_w2_item(p, item, nf, MOE_W2_N);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int m = 64 * wg + warp * 16 + (lane >> 2) + 8 * half;
