@@ -1,14 +1,19 @@
-// flashrt kernels: sparse mixture-of-experts MLP (plan op `Moe`), five launches that never
-// leave the device, so a captured graph replays them at any position and routing:
+// flashrt kernels: sparse mixture-of-experts MLP (plan op `Moe`), launches that never leave
+// the device, so a captured graph replays them at any position and routing:
 //
 //   moe_logits   router logits (f32 weights), tiles of 8 rows x 4 experts per block
 //                (prefill plans: moe_x_f32, then a TF32 cuBLASLt matmul, see ops/moe.rs)
-//   moe_route    per row: scores, choice, top-k, weights (decode and verify: and the plan)
+//   moe_route    per row: scores, choice, top-k, weights (small phases without
+//                moe_up_routed*: and the plan)
 //   moe_hist, moe_plan2  the (row, rank) pairs grouped by expert, the active experts and the
-//                prefill GEMMs' tiles, over many blocks (decode and verify: in moe_route)
+//                prefill GEMMs' tiles, over many blocks (small phases: in moe_route or
+//                moe_up_routed*)
 //   moe_up       per active expert: act(gate x) * (up x) (SwiGLU) or relu(up x)^2 for its pairs
+//   moe_up_routed1, moe_up_routed_tiles  small phases (decode, verify, batched steps): every
+//                block routes the rows and plans the pairs in shared memory, then moe_up's work
 //   moe_down     per active expert: y = down h for its pairs
 //   moe_combine  per row: out += sum_j w_j y_j, ranks in order (best first)
+//   moe_down_small  small phases: the down projections and the combine in one launch
 //
 // Routing follows flashrt_ir::RouteIr exactly as the CPU reference does (softmax over all
 // experts or sigmoid; a selection-only bias; group-limited choice by each group's two best
@@ -56,7 +61,7 @@ struct MoeParams {
     int top_groups;
     int swiglu;      // 1: SwiGLU experts (gate rows then up rows), 0: relu^2
     int max_pairs;   // the plan's rows * k (sizes the pair list)
-    int small;       // decode / verify (<= 8 rows): moe_route also plans; moe_down_small combines
+    int small;       // decode / verify (<= 8 rows): moe_route (when launched) also plans; moe_down_small combines
     int tile_m;      // pairs per prefill tile (moe_plan2): MOE_MM_M when 0, 128 for moe_*_w2
     // Small phases only: the block's neighbouring ops fused into its launches (null / 0 when
     // not). The RMSNorm before the block: moe_logits reads `norm_x`, normalises it (weights
@@ -129,19 +134,20 @@ static __device__ __forceinline__ float warp_max(float v) {
 
 } // namespace moe
 
-// Dot products of up to MOE_TILE shared input rows (`k` elements each, 16-byte packs) with W
+// Dot products of up to MOE_TILE input rows (`k` elements each, 16-byte packs, at `xr[q]`) with W
 // weight rows (W = 2: SwiGLU's gate and up rows together): lane-strided packs, each lane's in
 // increasing order, loaded MOE_BATCH / W at a time per weight row so a decode step keeps
 // MOE_BATCH loads in flight per lane; then warp sums. acc[w * ROWS + q]: weight row w, input
 // row q; every lane returns the totals.
 #define MOE_BATCH 8
-template <typename T, int ROWS, int W = 1>
-static __device__ __forceinline__ void tile_dots(const T* const (&w)[W], const T* xs, int k, int n, float* acc) {
+// B: packs loaded per weight row at a time (how many are in flight, not the sums' order).
+template <typename T, int ROWS, int W = 1, int B = MOE_BATCH / W>
+static __device__ __forceinline__ void tile_dots_at(const T* const (&w)[W], const T* const (&xr)[ROWS], int k, int n,
+                                                    float* acc) {
     constexpr int N = flashrt::Pack16<T>::N;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int q = 0; q < W * ROWS; ++q) acc[q] = 0.0f;
-    constexpr int B = MOE_BATCH / W;
     for (int c0 = lane * N; c0 < k; c0 += B * 32 * N) {
         uint4 wp[W][B];
 #pragma unroll
@@ -158,7 +164,7 @@ static __device__ __forceinline__ void tile_dots(const T* const (&w)[W], const T
             for (int q = 0; q < ROWS; ++q) {
                 if (q >= n) break;
                 float xv[N];
-                flashrt::unpack16<T>(flashrt::ld16(xs + (size_t)q * k + c), xv);
+                flashrt::unpack16<T>(flashrt::ld16(xr[q] + c), xv);
 #pragma unroll
                 for (int v = 0; v < W; ++v) {
                     float wv[N];
@@ -171,6 +177,15 @@ static __device__ __forceinline__ void tile_dots(const T* const (&w)[W], const T
     }
 #pragma unroll
     for (int q = 0; q < W * ROWS; ++q) acc[q] = flashrt::warp_sum(acc[q]);
+}
+
+// tile_dots_at over rows stored one after another from `xs`.
+template <typename T, int ROWS, int W = 1>
+static __device__ __forceinline__ void tile_dots(const T* const (&w)[W], const T* xs, int k, int n, float* acc) {
+    const T* xr[ROWS];
+#pragma unroll
+    for (int q = 0; q < ROWS; ++q) xr[q] = xs + (size_t)q * k;
+    tile_dots_at<T, ROWS, W>(w, xr, k, n, acc);
 }
 
 #define MOE_LOGIT_ROWS 8
@@ -321,9 +336,11 @@ template <typename T> static __device__ __forceinline__ void moe_x_f32_impl(cons
 
 FLASHRT_ENTRY(moe_x_f32, MoeParams, 256)
 
-// One row's routing by one warp; `score`, `choice`: E floats of shared memory, `keep`: 32.
+// One row's routing by one warp into `ids` / `wts` (K each, global or shared memory);
+// `score`, `choice`: E floats of shared memory, `keep`: 32. Lane j holds rank j until the end.
 template <typename T>
-static __device__ __forceinline__ void route_row(const MoeParams& p, int row, float* score, float* choice, int* keep) {
+static __device__ __forceinline__ void route_row(const MoeParams& p, int row, float* score, float* choice, int* keep,
+                                                 int* ids, float* wts) {
     const int E = p.experts, K = p.top_k;
     const int lane = threadIdx.x & 31;
     const float* logits = moe::logits_of<T>(p, row);
@@ -377,8 +394,8 @@ static __device__ __forceinline__ void route_row(const MoeParams& p, int row, fl
             if (!keep[e / per]) choice[e] = -INFINITY;
         __syncwarp();
     }
-    int* ids = moe::ids_of<T>(p, row);
-    float* wts = moe::weights_of<T>(p, row);
+    int my_id = 0;
+    float my_w = 0.0f;
     for (int j = 0; j < K; ++j) {
         float v = NAN;
         int i = 0x7fffffff;
@@ -390,23 +407,24 @@ static __device__ __forceinline__ void route_row(const MoeParams& p, int row, fl
             }
         }
         if (isnan(v)) v = -INFINITY; // an empty lane loses to any candidate
-        moe::warp_best(v, i);
-        if (lane == 0) {
-            ids[j] = i;
-            wts[j] = score[i];
-            choice[i] = NAN;
+        moe::warp_best(v, i);        // every lane gets the winner
+        if (lane == j) {
+            my_id = i;
+            my_w = score[i];
         }
+        if (lane == 0) choice[i] = NAN;
         __syncwarp();
     }
-    if (lane == 0) {
-        if (p.renormalize) {
-            float sum = 0.0f;
-            for (int j = 0; j < K; ++j) sum += wts[j];
-            const float denom = sum + p.renorm_eps;
-            for (int j = 0; j < K; ++j) wts[j] /= denom;
-        }
-        if (p.scaling != 1.0f)
-            for (int j = 0; j < K; ++j) wts[j] *= p.scaling;
+    // The weights in rank order: the sum in that order (every lane), each divided by it.
+    if (p.renormalize) {
+        float sum = 0.0f;
+        for (int j = 0; j < K; ++j) sum += __shfl_sync(0xffffffffu, my_w, j);
+        my_w /= sum + p.renorm_eps;
+    }
+    if (p.scaling != 1.0f) my_w *= p.scaling;
+    if (lane < K) {
+        ids[lane] = my_id;
+        wts[lane] = my_w;
     }
 }
 
@@ -420,7 +438,8 @@ template <typename T> static __device__ __forceinline__ void moe_route_impl(cons
     const int warp = threadIdx.x >> 5;
     const int row = blockIdx.x * 8 + warp;
     float* score = route_smem + (size_t)warp * 2 * p.experts;
-    if (row < flashrt::load_len(p.len)) route_row<T>(p, row, score, score + p.experts, keep[warp]);
+    if (row < flashrt::load_len(p.len))
+        route_row<T>(p, row, score, score + p.experts, keep[warp], moe::ids_of<T>(p, row), moe::weights_of<T>(p, row));
     if (p.small) {
         __syncthreads();
         __threadfence_block();
@@ -481,6 +500,63 @@ template <typename T> static __device__ __forceinline__ void plan_block(const Mo
 }
 
 
+// One warp's share of an up tile: feature `c` of weight rows `wg` / `wu` (SwiGLU's gate and up
+// rows; else the up row twice) over the tile's n <= MOE_TILE input rows `xr`, the activation of
+// tile row q stored at `out_of(q)[c]` (the shared expert, `sh`: gated by the sigmoid of row
+// `row_of(q)`'s token-gate logit).
+// ROWS: the tile's capacity (MOE_TILE; 1 where every tile has one row, loading B packs per
+// weight row at a time).
+template <typename T, int ROWS = MOE_TILE, int B = MOE_BATCH / 2, typename RowOf, typename OutOf>
+static __device__ __forceinline__ void up_tile(const MoeParams& p, bool sh, int c, const T* wg, const T* wu,
+                                               const T* const (&xr)[ROWS], int n, RowOf row_of, OutOf out_of) {
+    const int lane = threadIdx.x & 31;
+    float gu[2 * ROWS];
+    if (p.swiglu) {
+        const T* const wr[2] = {wg, wu};
+        tile_dots_at<T, ROWS, 2, B>(wr, xr, p.hidden, n, gu);
+    } else {
+        const T* const wr[1] = {wg};
+        tile_dots_at<T, ROWS, 1, 2 * B>(wr, xr, p.hidden, n, gu);
+    }
+    const float* g = gu;
+    const float* u = gu + ROWS;
+    if (lane != 0) return;
+    for (int q = 0; q < n; ++q) {
+        float h;
+        if (p.swiglu) {
+            // Gate and up rounded to T first, as the dense MLP's separate ops store them.
+            const float gr = flashrt::to_f32(flashrt::from_f32<T>(g[q]));
+            const float ur = flashrt::to_f32(flashrt::from_f32<T>(u[q]));
+            h = flashrt::apply_act(flashrt::ACT_SILU, gr) * ur;
+        } else {
+            h = flashrt::apply_act(flashrt::ACT_RELU2, flashrt::to_f32(flashrt::from_f32<T>(g[q])));
+        }
+        if (sh && p.s_gate) {
+            // The token gate scales the rounded activation, as the separate row-gate multiply
+            // does.
+            const float tg = flashrt::to_f32(static_cast<const T*>(p.s_gate_out)[(size_t)row_of(q) * p.ld_s_gate_out]);
+            h = flashrt::sigmoidf_(tg) * flashrt::to_f32(flashrt::from_f32<T>(h));
+        }
+        out_of(q)[c] = flashrt::from_f32<T>(h);
+    }
+}
+
+// Weight rows of feature `c` (clamped into range) of expert `e` or the shared expert (`sh`).
+template <typename T>
+static __device__ __forceinline__ void up_rows(const MoeParams& p, bool sh, int e, int c, const T*& wg, const T*& wu) {
+    const int H = p.hidden, I = sh ? p.s_inter : p.inter;
+    const int cc = c < I ? c : 0;
+    if (sh) {
+        wg = static_cast<const T*>(p.s_up) + (size_t)cc * H;
+        wu = p.swiglu ? static_cast<const T*>(p.s_up2) + (size_t)cc * H : wg;
+    } else {
+        const int up_rows = p.swiglu ? 2 * I : I;
+        const T* base = static_cast<const T*>(p.up) + (size_t)e * up_rows * H;
+        wg = base + (size_t)cc * H;                       // gate row (SwiGLU) or the up row
+        wu = p.swiglu ? base + (size_t)(I + cc) * H : wg; // up row (SwiGLU only)
+    }
+}
+
 // grid = (ceil(max(inter, s_inter) / 8), min(E, rows * k) + shared), block = 256 (a warp per
 // feature); dynamic shared memory MOE_TILE * hidden * sizeof(T). With `shared`, the last
 // blockIdx.y is the shared expert over every row (rows <= MOE_TILE: small phases only).
@@ -493,73 +569,141 @@ template <typename T> static __device__ __forceinline__ void moe_up_impl(const M
     const int lo = sh ? 0 : moe::offsets(p)[e];
     const int hi = sh ? flashrt::load_len(p.len) : moe::offsets(p)[e + 1];
     const int H = p.hidden, I = sh ? p.s_inter : p.inter, K = p.top_k;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int c = blockIdx.x * (blockDim.x >> 5) + warp;
-    const int cc = c < I ? c : 0;
+    const int c = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const T* wg;
     const T* wu;
-    if (sh) {
-        wg = static_cast<const T*>(p.s_up) + (size_t)cc * H;
-        wu = p.swiglu ? static_cast<const T*>(p.s_up2) + (size_t)cc * H : wg;
-    } else {
-        const int up_rows = p.swiglu ? 2 * I : I;
-        const T* base = static_cast<const T*>(p.up) + (size_t)e * up_rows * H;
-        wg = base + (size_t)cc * H;                       // gate row (SwiGLU) or the up row
-        wu = p.swiglu ? base + (size_t)(I + cc) * H : wg; // up row (SwiGLU only)
-    }
-    // Pair q of the tile: its input row and where its activation goes.
-    auto row_of = [&](int t) { return sh ? t : moe::pairs(p)[t] / K; };
-    auto out_of = [&](int t) -> T* {
-        if (sh) return static_cast<T*>(p.s_h) + (size_t)t * p.ld_s_h;
-        const int pair = moe::pairs(p)[t];
-        return moe::hidden_of<T>(p, pair / K, pair % K);
-    };
+    up_rows<T>(p, sh, e, c, wg, wu);
+    const T* xr[MOE_TILE];
+#pragma unroll
+    for (int q = 0; q < MOE_TILE; ++q) xr[q] = xs + (size_t)q * H;
     constexpr int N = flashrt::Pack16<T>::N;
     for (int t = lo; t < hi; t += MOE_TILE) {
         const int n = min(MOE_TILE, hi - t);
+        // Pair q of the tile: its input row and where its activation goes.
+        auto row_of = [&](int q) { return sh ? t + q : moe::pairs(p)[t + q] / K; };
+        auto out_of = [&](int q) -> T* {
+            if (sh) return static_cast<T*>(p.s_h) + (size_t)(t + q) * p.ld_s_h;
+            const int pair = moe::pairs(p)[t + q];
+            return moe::hidden_of<T>(p, pair / K, pair % K);
+        };
         for (int i = threadIdx.x; i < n * (H / N); i += blockDim.x) {
             const int q = i / (H / N), col = (i % (H / N)) * N;
-            const int r = row_of(t + q);
-            flashrt::st16(xs + (size_t)q * H + col, flashrt::ld16(static_cast<const T*>(p.x) + (size_t)r * p.ld_x + col));
+            flashrt::st16(xs + (size_t)q * H + col, flashrt::ld16(static_cast<const T*>(p.x) + (size_t)row_of(q) * p.ld_x + col));
         }
         __syncthreads();
-        if (c < I) {
-            float gu[2 * MOE_TILE];
-            if (p.swiglu) {
-                const T* const wr[2] = {wg, wu};
-                tile_dots<T, MOE_TILE, 2>(wr, xs, H, n, gu);
-            } else {
-                const T* const wr[1] = {wg};
-                tile_dots<T, MOE_TILE>(wr, xs, H, n, gu);
-            }
-            const float* g = gu;
-            const float* u = gu + MOE_TILE;
-            if (lane == 0) {
-                for (int q = 0; q < n; ++q) {
-                    float h;
-                    if (p.swiglu) {
-                        // Gate and up rounded to T first, as the dense MLP's separate ops store them.
-                        const float gr = flashrt::to_f32(flashrt::from_f32<T>(g[q]));
-                        const float ur = flashrt::to_f32(flashrt::from_f32<T>(u[q]));
-                        h = flashrt::apply_act(flashrt::ACT_SILU, gr) * ur;
-                    } else {
-                        h = flashrt::apply_act(flashrt::ACT_RELU2, flashrt::to_f32(flashrt::from_f32<T>(g[q])));
-                    }
-                    if (sh && p.s_gate) {
-                        // The token gate scales the rounded activation, as the separate row-gate
-                        // multiply does.
-                        const float tg = flashrt::to_f32(static_cast<const T*>(p.s_gate_out)[(size_t)(t + q) * p.ld_s_gate_out]);
-                        h = flashrt::sigmoidf_(tg) * flashrt::to_f32(flashrt::from_f32<T>(h));
-                    }
-                    out_of(t + q)[c] = flashrt::from_f32<T>(h);
-                }
-            }
-        }
+        if (c < I) up_tile<T>(p, sh, c, wg, wu, xr, n, row_of, out_of);
         __syncthreads();
     }
 }
 
 FLASHRT_ENTRY(moe_up, MoeParams, 256)
+
+// Small phases (<= 8 rows, E <= 256): the routing, the plan and the experts' up projections in
+// one launch (the decode step's chain loses moe_route's launch and the plan's round trips).
+// grid = (x, min(E, rows * k) + shared), block = 256, x <= ceil(max(inter, s_inter) / 8) chosen
+// so the launch is resident at once (every block routes once, none waits for a second wave;
+// the warps stride over the features); dynamic shared memory rows * hidden T (the rows of x)
+// + rows * 2 * E floats (routing scratch). Every block but the shared expert's routes every
+// row (warp w routes row w, route_row: moe_route's arithmetic), then warp 0 groups the pairs by
+// expert (experts in index order, each expert's pairs in pair order; a pair's arithmetic does
+// not depend on its place) and block y takes the y-th active expert; the last y with `shared`
+// runs the shared expert over every row from the start. Block (0, 0) stores the rows' ids and
+// weights for moe_down_small.
+template <typename T, int ROWS, int B> static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int keep[8][32];
+    __shared__ int sid[8 * MOE_MAX_K];
+    __shared__ float swt[8 * MOE_MAX_K];
+    __shared__ int plist[8 * MOE_MAX_K];
+    __shared__ int act_e[8 * MOE_MAX_K], act_lo[8 * MOE_MAX_K], act_hi[8 * MOE_MAX_K];
+    __shared__ unsigned amask[8];
+    __shared__ int n_act;
+    const int len = flashrt::load_len(p.len), H = p.hidden, K = p.top_k, E = p.experts;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    T* xall = reinterpret_cast<T*>(smem);
+    float* scratch = reinterpret_cast<float*>(smem + (size_t)len * H * sizeof(T));
+    constexpr int N = flashrt::Pack16<T>::N;
+    for (int i = threadIdx.x; i < len * (H / N); i += blockDim.x) {
+        const int q = i / (H / N), col = (i % (H / N)) * N;
+        flashrt::st16(xall + (size_t)q * H + col, flashrt::ld16(static_cast<const T*>(p.x) + (size_t)q * p.ld_x + col));
+    }
+    const bool sh = p.shared && blockIdx.y == gridDim.y - 1;
+    if (!sh) {
+        float* score = scratch + (size_t)warp * 2 * E;
+        if (warp < len) route_row<T>(p, warp, score, score + E, keep[warp], sid + warp * K, swt + warp * K);
+        if (warp == 0 && lane < 8) amask[lane] = 0u;
+        __syncthreads();
+        const int n = len * K;
+        if (blockIdx.x == 0 && blockIdx.y == 0)
+            for (int q = threadIdx.x; q < n; q += blockDim.x) {
+                moe::ids_of<T>(p, q / K)[q % K] = sid[q];
+                moe::weights_of<T>(p, q / K)[q % K] = swt[q];
+            }
+        if (warp == 0) {
+            for (int q = lane; q < n; q += 32) atomicOr(&amask[sid[q] >> 5], 1u << (sid[q] & 31));
+            __syncwarp();
+            for (int q = lane; q < n; q += 32) {
+                const int x = sid[q];
+                int less = 0, same = 0, before = 0;
+                for (int r = 0; r < n; ++r) {
+                    const int y = sid[r];
+                    less += y < x;
+                    same += y == x;
+                    before += y == x && r < q;
+                }
+                plist[less + before] = q;
+                if (before == 0) {
+                    int a = __popc(amask[x >> 5] & ((1u << (x & 31)) - 1u));
+                    for (int w = 0; w < (x >> 5); ++w) a += __popc(amask[w]);
+                    act_e[a] = x;
+                    act_lo[a] = less;
+                    act_hi[a] = less + same;
+                }
+            }
+            if (lane == 0) {
+                int a = 0;
+                for (int w = 0; w < 8; ++w) a += __popc(amask[w]);
+                n_act = a;
+            }
+        }
+    }
+    __syncthreads();
+    if (!sh && (int)blockIdx.y >= n_act) return;
+    const int e = sh ? 0 : act_e[blockIdx.y];
+    const int lo = sh ? 0 : act_lo[blockIdx.y];
+    const int hi = sh ? len : act_hi[blockIdx.y];
+    const int I = sh ? p.s_inter : p.inter;
+    for (int c = blockIdx.x * warps + warp; c < I; c += gridDim.x * warps) {
+        const T* wg;
+        const T* wu;
+        up_rows<T>(p, sh, e, c, wg, wu);
+        for (int t = lo; t < hi; t += ROWS) {
+            const int n = min(ROWS, hi - t);
+            auto row_of = [&](int q) { return sh ? t + q : plist[t + q] / K; };
+            auto out_of = [&](int q) -> T* {
+                if (sh) return static_cast<T*>(p.s_h) + (size_t)(t + q) * p.ld_s_h;
+                const int pair = plist[t + q];
+                return moe::hidden_of<T>(p, pair / K, pair % K);
+            };
+            const T* xr[ROWS];
+#pragma unroll
+            for (int q = 0; q < ROWS; ++q) xr[q] = xall + (size_t)row_of(q < n ? q : 0) * H;
+            up_tile<T, ROWS, B>(p, sh, c, wg, wu, xr, n, row_of, out_of);
+        }
+    }
+}
+
+template <typename T> static __device__ __forceinline__ void moe_up_routed_tiles_impl(const MoeParams& p) {
+    moe_up_routed_impl<T, MOE_TILE, MOE_BATCH / 2>(p);
+}
+// One-row plans (a decode step): tiles of one pair, a feature's gate and up rows loaded whole
+// (16 packs a lane in flight for hidden 2048) and fewer registers, so more blocks resident.
+template <typename T> static __device__ __forceinline__ void moe_up_routed1_impl(const MoeParams& p) {
+    moe_up_routed_impl<T, 1, 8>(p);
+}
+
+FLASHRT_ENTRY(moe_up_routed_tiles, MoeParams, 256)
+FLASHRT_ENTRY(moe_up_routed1, MoeParams, 256)
 
 // grid = (ceil(hidden / 8), min(E, rows * k)), block = 256; dynamic shared memory
 // MOE_TILE * inter * sizeof(T).

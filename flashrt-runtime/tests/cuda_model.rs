@@ -1409,6 +1409,35 @@ fn moe_wide_tiles_compute_what_the_narrow_tiles_compute() {
     }
 }
 
+/// `CudaOptions::moe_route_in_up` (a small phase's MoE block routed and planned inside its up
+/// launch, kernels/moe.cu `moe_up_routed`) computes what `moe_route` + `moe_up` compute: decode
+/// and verify steps of 1..5 rows after prefill chunks give the same logits and states bit for
+/// bit, on the Qwen3.5-MoE-like model (softmax, renormalised, gated shared expert) and on the
+/// LFM2-MoE and Nemotron-H MoE fixtures' configurations (sigmoid scores, a selection bias, a
+/// scaling factor, squared-ReLU experts) with random weights.
+#[test]
+fn moe_routing_in_the_up_launch_computes_what_moe_route_computes() {
+    let name = "moe_routing_in_the_up_launch_computes_what_moe_route_computes";
+    let with = |moe_route_in_up| CudaOptions {
+        moe_route_in_up,
+        ..CudaOptions::default()
+    };
+    let mut models = vec![("qwen-moe-like".to_string(), QWEN_MOE_LIKE.to_string())];
+    if let Some(dir) = fixtures_dir() {
+        for f in ["lfm2moe-public", "nemotronhmoe-public"] {
+            let json = std::fs::read_to_string(dir.join(f).join("config.json"))
+                .unwrap_or_else(|e| panic!("{f}: {e}"));
+            models.push((f.to_string(), json));
+        }
+    }
+    for (model, json) in &models {
+        if !same_bits_with(name, json, &[with(false), with(true)]) {
+            return;
+        }
+        println!("{model}: moe_route_in_up on and off bit-identical");
+    }
+}
+
 /// `CudaOptions::gdn_prep` (the chunked Gated DeltaNet kernel's per-chunk phases that do not
 /// depend on the state run for every chunk at once, kernels/gated_deltanet.cu `GDNC_PREP`, and
 /// the serial loop copies their records, with one buffer or two) computes the same values in
@@ -1614,7 +1643,7 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
     let gpu: Arc<dyn Backend> = gpu;
     // (what, config, dtype, batched on the device, backend)
     type Case<'a> = (&'a str, &'a str, DType, bool, &'a Arc<dyn Backend>);
-    let cases: [Case; 5] = [
+    let cases: [Case; 6] = [
         ("qwen-like bf16", QWEN_LIKE, DType::Bf16, true, &gpu),
         ("qwen-like + MTP bf16", &mtp, DType::Bf16, true, &gpu),
         (
@@ -1638,6 +1667,7 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
             true,
             &smem,
         ),
+        ("qwen-moe-like bf16", QWEN_MOE_LIKE, DType::Bf16, true, &gpu),
     ];
     for (what, json, dtype, batched, backend) in cases {
         let ir = ir_of(json, dtype, &[8, 32], 512);

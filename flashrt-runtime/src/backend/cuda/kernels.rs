@@ -67,6 +67,8 @@ const PER_DTYPE: &[&str] = &[
     "moe_hist",
     "moe_plan2",
     "moe_up",
+    "moe_up_routed_tiles",
+    "moe_up_routed1",
     "moe_down",
     "moe_combine",
     "moe_combine16",

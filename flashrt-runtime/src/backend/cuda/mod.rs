@@ -164,6 +164,11 @@ pub struct CudaOptions {
     /// phase of a model uses the same kernels either way. Default from `FLASHRT_MOE_WIDE`
     /// (`0` = off).
     pub moe_wide: bool,
+    /// Route a small phase's MoE block inside its up-projection launch (kernels/moe.cu
+    /// `moe_up_routed`: every block routes every row and plans the pairs in shared memory)
+    /// instead of a `moe_route` launch whose plan the up launch reads back (default). Default
+    /// from `FLASHRT_MOE_ROUTE_IN_UP` (`0` = off).
+    pub moe_route_in_up: bool,
     /// Run small phases' Gated DeltaNet layers (causal conv, recurrence, gated RMSNorm) as
     /// one launch per layer (kernels/gated_deltanet.cu `gdn_decode_r*`, thread-block
     /// clusters) on compute capability 9.0 and later (default); `false` launches the three
@@ -296,6 +301,7 @@ impl Default for CudaOptions {
             attn_split: on("FLASHRT_ATTN_SPLIT"),
             moe_wgmma: on("FLASHRT_MOE_WGMMA"),
             moe_wide: on("FLASHRT_MOE_WIDE"),
+            moe_route_in_up: on("FLASHRT_MOE_ROUTE_IN_UP"),
             gdn_fused: on("FLASHRT_GDN_FUSED"),
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
             gemv_mma: on("FLASHRT_GEMV_MMA"),
@@ -778,6 +784,7 @@ fn builder<'a>(
         wgmma: model.wgmma,
         moe_wgmma: model.moe_wgmma,
         moe_wide: model.options.moe_wide,
+        moe_route_in_up: model.options.moe_route_in_up,
         gdn_fused: model.gdn_fused,
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,

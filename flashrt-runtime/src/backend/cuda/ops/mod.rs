@@ -374,6 +374,8 @@ pub struct Builder<'a> {
     pub moe_wgmma: bool,
     /// ... over 128 x 256 tiles with persistent blocks (`moe_*_w2`; `CudaOptions::moe_wide`).
     pub moe_wide: bool,
+    /// Small phases route inside the up launch (`moe_up_routed`; `CudaOptions::moe_route_in_up`).
+    pub moe_route_in_up: bool,
     /// Small phases' Gated DeltaNet layers (conv, recurrence, gated norm) as one clustered
     /// launch ([`Builder::gdn_small`], sm_90).
     pub gdn_fused: bool,

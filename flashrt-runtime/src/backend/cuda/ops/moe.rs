@@ -122,9 +122,11 @@ fn mm16(t: DType) -> bool {
 
 impl Builder<'_> {
     /// Small 16-bit phases: the `Op::Moe` at `ops[0]` (or `ops[1]` after the RMSNorm that
-    /// produces its input) with the shared-expert ops the lowering writes after it, as four
-    /// launches: norm + router + token gate, route + plan, the experts' up projections with
-    /// the shared expert as one more, and down + combine with the shared down projection.
+    /// produces its input) with the shared-expert ops the lowering writes after it, as three
+    /// launches: norm + router + token gate, route + plan + the experts' up projections with
+    /// the shared expert as one more (`moe_up_routed*`; four launches with a separate
+    /// `moe_route` where `CudaOptions::moe_route_in_up` is off or x does not fit in shared
+    /// memory), and down + combine with the shared down projection.
     /// Returns the ops consumed, `None` where the head is not such a block (the ops then run
     /// one by one).
     pub(super) fn moe_small(
@@ -299,7 +301,8 @@ impl Builder<'_> {
     }
 
     /// The launches of an `Op::Moe` (kernels/moe.cu): router logits, route (+ plan in small
-    /// phases; else the plan and the tile list over many blocks, `moe_hist` + `moe_plan2`),
+    /// phases, or both inside the up launch, `moe_up_routed*`; else the plan and the tile list
+    /// over many blocks, `moe_hist` + `moe_plan2`),
     /// then for prefill plans the grouped tensor-core GEMMs (kernels/moe_wgmma.cu) and the
     /// combine, for decode and verify the CUDA-core up and a fused down + combine.
     pub(super) fn moe(
@@ -481,14 +484,20 @@ impl Builder<'_> {
                 &p,
             )?);
         }
-        cmds.push(self.kernel_smem(
-            &format!("{label} route"),
-            self.kernels.typed("moe_route", t)?,
-            (ceil_div(rows, 8), 1, 1),
-            256,
-            (8 * 2 * e * 4) as u32,
-            &p,
-        )?);
+        // Small phases: the up launch routes and plans itself where its rows of x and routing
+        // scratch fit in shared memory.
+        let routed_smem = rows * (h * t.size() + 2 * e * 4);
+        let routed = small && !mm && self.moe_route_in_up && routed_smem <= 160 * 1024;
+        if !routed {
+            cmds.push(self.kernel_smem(
+                &format!("{label} route"),
+                self.kernels.typed("moe_route", t)?,
+                (ceil_div(rows, 8), 1, 1),
+                256,
+                (8 * 2 * e * 4) as u32,
+                &p,
+            )?);
+        }
         if !small {
             cmds.push(self.kernel(
                 &format!("{label} plan (counts)"),
@@ -574,12 +583,36 @@ impl Builder<'_> {
             }
         } else {
             let feats = sh.map_or(i, |s| s.inter.max(i));
+            let ys = active + sh.is_some() as u32;
+            let mut xs = ceil_div(feats, 8);
+            let (name, smem) = if routed {
+                let name = if rows == 1 {
+                    "moe_up_routed1"
+                } else {
+                    "moe_up_routed_tiles"
+                };
+                (name, routed_smem as u32)
+            } else {
+                ("moe_up", (MOE_TILE * h * t.size()) as u32)
+            };
+            let func = self.kernels.typed(name, t)?;
+            if routed {
+                // As many blocks as are resident (the warps stride over the features): every
+                // block routes once, none waits for a second wave.
+                self.allow_smem(label, func, smem)?;
+                let resident = func
+                    .occupancy_max_active_blocks_per_multiprocessor(256, smem as usize, None)
+                    .unwrap_or(1)
+                    .max(1)
+                    * self.sms.max(1) as u32;
+                xs = xs.min((resident / ys).max(1));
+            }
             cmds.push(self.kernel_smem(
                 &format!("{label} up"),
-                self.kernels.typed("moe_up", t)?,
-                (ceil_div(feats, 8), active + sh.is_some() as u32, 1),
+                func,
+                (xs, ys, 1),
                 256,
-                (MOE_TILE * h * t.size()) as u32,
+                smem,
                 &p,
             )?);
             if small {
