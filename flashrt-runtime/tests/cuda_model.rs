@@ -1410,7 +1410,7 @@ fn moe_wide_tiles_compute_what_the_narrow_tiles_compute() {
 }
 
 /// `CudaOptions::moe_route_in_up` (a small phase's MoE block routed and planned inside its up
-/// launch, kernels/moe.cu `moe_up_routed`) computes what `moe_route` + `moe_up` compute: decode
+/// launch, kernels/moe_small.cu `moe_up_routed*`) computes what `moe_route` + `moe_up` compute: decode
 /// and verify steps of 1..5 rows after prefill chunks give the same logits and states bit for
 /// bit, on the Qwen3.5-MoE-like model (softmax, renormalised, gated shared expert) and on the
 /// LFM2-MoE and Nemotron-H MoE fixtures' configurations (sigmoid scores, a selection bias, a

@@ -164,7 +164,7 @@ pub struct CudaOptions {
     /// phase of a model uses the same kernels either way. Default from `FLASHRT_MOE_WIDE`
     /// (`0` = off).
     pub moe_wide: bool,
-    /// Route a small phase's MoE block inside its up-projection launch (kernels/moe.cu
+    /// Route a small phase's MoE block inside its up-projection launch (kernels/moe_small.cu
     /// `moe_up_routed`: every block routes every row and plans the pairs in shared memory)
     /// instead of a `moe_route` launch whose plan the up launch reads back (default). Default
     /// from `FLASHRT_MOE_ROUTE_IN_UP` (`0` = off).

@@ -17,8 +17,8 @@
 //! matmuls: cuBLASLt, the FP8 path in `fp8.rs`), `gemv.rs` (small phases' matmuls,
 //! kernels/gemv.cu and gemv_mma.cu), `attention.rs` (kernels/attention*.cu), `conv.rs`
 //! (kernels/conv.cu), `gated_deltanet.rs` (the recurrence, and a small phase's conv +
-//! recurrence + gated norm as one launch), `mamba2.rs`, `moe.rs` (kernels/moe.cu and
-//! moe_wgmma.cu), `norm.rs` (kernels/norm.cu), `elementwise.rs` (kernels/elementwise.cu:
+//! recurrence + gated norm as one launch), `mamba2.rs`, `moe.rs` (kernels/moe.cu,
+//! moe_small.cu and moe_wgmma.cu), `norm.rs` (kernels/norm.cu), `elementwise.rs` (kernels/elementwise.cu:
 //! products, activations, head splits, state rows), `embed.rs` and `rope.rs`. Adding an op
 //! touches its family's file and the dispatch in `Builder::op`; the program, the shared
 //! helpers and the dispatch are here.

@@ -1,5 +1,6 @@
 //! `Op::Moe` -> the launches of kernels/moe.cu (router logits, routing and planning, the
-//! experts' projections, the combine).
+//! experts' projections, the combine), moe_small.cu (small phases) and moe_wgmma.cu (prefill
+//! GEMMs).
 
 use super::*;
 use flashrt_ir::{ExpertAct, RouteIr, RouterScore};

@@ -1,0 +1,178 @@
+// flashrt kernels: an MoE block's small phases (decode, verify, batched steps: <= 8 rows), the
+// `moe` family's second file (compiled in one unit after kernels/moe.cu, whose parameters,
+// routing (`route_row`) and dot products (`tile_dots_at`, `up_tile`) it uses). With
+// moe_logits (kernels/moe.cu) a small phase's block is three launches:
+//
+//   moe_logits                 the fused RMSNorm, router logits, the shared expert's token gate
+//   moe_up_routed1 / _tiles    routing and the pair plan in every block, then the experts' and
+//                              the shared expert's up projections
+//   moe_down_small             the down projections and the combine, the shared expert's down
+//
+// (`CudaOptions::moe_route_in_up` off, or x too wide for shared memory: moe_route with the plan,
+// then moe_up, kernels/moe.cu, instead of moe_up_routed*.)
+#include "common.cuh"
+
+// Small phases (<= 8 rows, E <= 256): the routing, the plan and the experts' up projections in
+// one launch (the decode step's chain loses moe_route's launch and the plan's round trips).
+// grid = (x, min(E, rows * k) + shared), block = 256, x <= ceil(max(inter, s_inter) / 8) chosen
+// so the launch is resident at once (every block routes once, none waits for a second wave;
+// the warps stride over the features); dynamic shared memory rows * hidden T (the rows of x)
+// + rows * 2 * E floats (routing scratch). Every block but the shared expert's routes every
+// row (warp w routes row w, route_row: moe_route's arithmetic), then warp 0 groups the pairs by
+// expert (experts in index order, each expert's pairs in pair order; a pair's arithmetic does
+// not depend on its place) and block y takes the y-th active expert; the last y with `shared`
+// runs the shared expert over every row from the start. Block (0, 0) stores the rows' ids and
+// weights for moe_down_small.
+template <typename T, int ROWS, int B> static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int keep[8][32];
+    __shared__ int sid[8 * MOE_MAX_K];
+    __shared__ float swt[8 * MOE_MAX_K];
+    __shared__ int plist[8 * MOE_MAX_K];
+    __shared__ int act_e[8 * MOE_MAX_K], act_lo[8 * MOE_MAX_K], act_hi[8 * MOE_MAX_K];
+    __shared__ unsigned amask[8];
+    __shared__ int n_act;
+    const int len = flashrt::load_len(p.len), H = p.hidden, K = p.top_k, E = p.experts;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    T* xall = reinterpret_cast<T*>(smem);
+    float* scratch = reinterpret_cast<float*>(smem + (size_t)len * H * sizeof(T));
+    constexpr int N = flashrt::Pack16<T>::N;
+    for (int i = threadIdx.x; i < len * (H / N); i += blockDim.x) {
+        const int q = i / (H / N), col = (i % (H / N)) * N;
+        flashrt::st16(xall + (size_t)q * H + col, flashrt::ld16(static_cast<const T*>(p.x) + (size_t)q * p.ld_x + col));
+    }
+    const bool sh = p.shared && blockIdx.y == gridDim.y - 1;
+    if (!sh) {
+        float* score = scratch + (size_t)warp * 2 * E;
+        if (warp < len) route_row<T>(p, warp, score, score + E, keep[warp], sid + warp * K, swt + warp * K);
+        if (warp == 0 && lane < 8) amask[lane] = 0u;
+        __syncthreads();
+        const int n = len * K;
+        if (blockIdx.x == 0 && blockIdx.y == 0)
+            for (int q = threadIdx.x; q < n; q += blockDim.x) {
+                moe::ids_of<T>(p, q / K)[q % K] = sid[q];
+                moe::weights_of<T>(p, q / K)[q % K] = swt[q];
+            }
+        if (warp == 0) {
+            for (int q = lane; q < n; q += 32) atomicOr(&amask[sid[q] >> 5], 1u << (sid[q] & 31));
+            __syncwarp();
+            for (int q = lane; q < n; q += 32) {
+                const int x = sid[q];
+                int less = 0, same = 0, before = 0;
+                for (int r = 0; r < n; ++r) {
+                    const int y = sid[r];
+                    less += y < x;
+                    same += y == x;
+                    before += y == x && r < q;
+                }
+                plist[less + before] = q;
+                if (before == 0) {
+                    int a = __popc(amask[x >> 5] & ((1u << (x & 31)) - 1u));
+                    for (int w = 0; w < (x >> 5); ++w) a += __popc(amask[w]);
+                    act_e[a] = x;
+                    act_lo[a] = less;
+                    act_hi[a] = less + same;
+                }
+            }
+            if (lane == 0) {
+                int a = 0;
+                for (int w = 0; w < 8; ++w) a += __popc(amask[w]);
+                n_act = a;
+            }
+        }
+    }
+    __syncthreads();
+    if (!sh && (int)blockIdx.y >= n_act) return;
+    const int e = sh ? 0 : act_e[blockIdx.y];
+    const int lo = sh ? 0 : act_lo[blockIdx.y];
+    const int hi = sh ? len : act_hi[blockIdx.y];
+    const int I = sh ? p.s_inter : p.inter;
+    for (int c = blockIdx.x * warps + warp; c < I; c += gridDim.x * warps) {
+        const T* wg;
+        const T* wu;
+        up_rows<T>(p, sh, e, c, wg, wu);
+        for (int t = lo; t < hi; t += ROWS) {
+            const int n = min(ROWS, hi - t);
+            auto row_of = [&](int q) { return sh ? t + q : plist[t + q] / K; };
+            auto out_of = [&](int q) -> T* {
+                if (sh) return static_cast<T*>(p.s_h) + (size_t)(t + q) * p.ld_s_h;
+                const int pair = plist[t + q];
+                return moe::hidden_of<T>(p, pair / K, pair % K);
+            };
+            const T* xr[ROWS];
+#pragma unroll
+            for (int q = 0; q < ROWS; ++q) xr[q] = xall + (size_t)row_of(q < n ? q : 0) * H;
+            up_tile<T, ROWS, B>(p, sh, c, wg, wu, xr, n, row_of, out_of);
+        }
+    }
+}
+
+template <typename T> static __device__ __forceinline__ void moe_up_routed_tiles_impl(const MoeParams& p) {
+    moe_up_routed_impl<T, MOE_TILE, MOE_BATCH / 2>(p);
+}
+// One-row plans (a decode step): tiles of one pair, a feature's gate and up rows loaded whole
+// (16 packs a lane in flight for hidden 2048) and fewer registers, so more blocks resident.
+template <typename T> static __device__ __forceinline__ void moe_up_routed1_impl(const MoeParams& p) {
+    moe_up_routed_impl<T, 1, 8>(p);
+}
+
+FLASHRT_ENTRY(moe_up_routed_tiles, MoeParams, 256)
+FLASHRT_ENTRY(moe_up_routed1, MoeParams, 256)
+
+// Small phases (<= 8 rows): down projection and combine in one launch. grid = ceil(hidden / 8),
+// block = 256: warp w owns output feature 8 * bx + w of every row. Its lanes walk the
+// (rank, pack) pairs of all ranks at once, MOE_BATCH loads in flight each, summing
+// w_j * down_{e_j}[c] . hidden(r, j) (f32, the y of the prefill path not rounded), then the
+// shared expert's down_s[c] . s_h(r) (weight 1), one warp sum, added to out.
+template <typename T> static __device__ __forceinline__ void moe_down_small_impl(const MoeParams& p) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int c = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (c >= p.hidden) return;
+    constexpr int N = flashrt::Pack16<T>::N;
+    const int len = flashrt::load_len(p.len), K = p.top_k, H = p.hidden, I = p.inter;
+    const int P = I / N, SP = p.shared ? p.s_inter / N : 0;
+    const int total = K * P + SP;
+    for (int r = 0; r < len; ++r) {
+        const int* ids = moe::ids_of<T>(p, r);
+        const float* wts = moe::weights_of<T>(p, r);
+        float acc = 0.0f;
+        for (int q0 = lane; q0 < total; q0 += MOE_BATCH * 32) {
+            uint4 wp[MOE_BATCH], hp[MOE_BATCH];
+            float sc[MOE_BATCH];
+#pragma unroll
+            for (int b = 0; b < MOE_BATCH; ++b) {
+                const int q = q0 + b * 32;
+                wp[b] = hp[b] = make_uint4(0, 0, 0, 0);
+                sc[b] = 0.0f;
+                if (q < K * P) {
+                    const int j = q / P, col = (q % P) * N;
+                    wp[b] = flashrt::ld16(static_cast<const T*>(p.down) + ((size_t)ids[j] * H + c) * I + col);
+                    hp[b] = flashrt::ld16(moe::hidden_of<T>(p, r, j) + col);
+                    sc[b] = wts[j];
+                } else if (q < total) {
+                    const int col = (q - K * P) * N;
+                    wp[b] = flashrt::ld16(static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + col);
+                    hp[b] = flashrt::ld16(static_cast<const T*>(p.s_h) + (size_t)r * p.ld_s_h + col);
+                    sc[b] = 1.0f;
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < MOE_BATCH; ++b) {
+                float wv[N], hv[N];
+                flashrt::unpack16<T>(wp[b], wv);
+                flashrt::unpack16<T>(hp[b], hv);
+                float d = 0.0f;
+#pragma unroll
+                for (int e = 0; e < N; ++e) d += wv[e] * hv[e];
+                acc += sc[b] * d;
+            }
+        }
+        acc = flashrt::warp_sum(acc);
+        if (lane == 0) {
+            T* o = static_cast<T*>(p.out) + (size_t)r * p.ld_out + c;
+            *o = flashrt::from_f32<T>(flashrt::to_f32(*o) + acc);
+        }
+    }
+}
+
+FLASHRT_ENTRY(moe_down_small, MoeParams, 256)
