@@ -97,6 +97,11 @@ const MOE_MM_M: usize = 64;
 const MOE_MM_N: usize = 64;
 const MOE_MM_K: usize = 64;
 const MOE_HIST_PAIRS: usize = 1024;
+/// kernels/moe_small.cu `moe_up_routed*`: the most dynamic shared memory (rows of x and
+/// routing scratch) the routed up launch takes; wider blocks (f32 rows of 8k hidden) route in
+/// `moe_route` instead. Leaves room under the 227 KiB opt-in for the kernel's ~7 KiB of
+/// static plan arrays.
+const MOE_ROUTED_MAX_SMEM: usize = 160 * 1024;
 /// kernels/moe_wgmma.cu `MOE_WG_SMEM`: 4 stages of a 64-row A slab and a 128-row B slab
 /// (128-byte rows), plus 1 KiB of alignment slack.
 fn moe_wg_smem(stages: u32) -> u32 {
@@ -488,7 +493,7 @@ impl Builder<'_> {
         // Small phases: the up launch routes and plans itself where its rows of x and routing
         // scratch fit in shared memory.
         let routed_smem = rows * (h * t.size() + 2 * e * 4);
-        let routed = small && !mm && self.moe_route_in_up && routed_smem <= 160 * 1024;
+        let routed = small && self.moe_route_in_up && routed_smem <= MOE_ROUTED_MAX_SMEM;
         if !routed {
             cmds.push(self.kernel_smem(
                 &format!("{label} route"),
