@@ -21,35 +21,18 @@ impl Lower<'_> {
         let kvw = a.kv_heads * a.head_dim;
         let q = self.scratch("q", qw);
         let gate = a.output_gate.then(|| self.scratch("gate", qw));
-        if let Some(gate) = gate {
-            let qg = self.scratch("q_gate", 2 * qw);
-            self.linear(
-                i,
-                "attn.q_proj",
-                &format!("{p}.q_proj"),
-                hn,
-                qg,
-                false,
-                ops,
-                false,
-            );
-            ops.push(Op::SplitHeads {
-                x: qg,
-                heads: a.q_heads,
-                outs: vec![q, gate],
-            });
-        } else {
-            self.linear(
-                i,
-                "attn.q_proj",
-                &format!("{p}.q_proj"),
-                hn,
-                q,
-                false,
-                ops,
-                false,
-            );
-        }
+        let q_gate = gate.map(|_| self.scratch("q_gate", 2 * qw));
+        // Qwen3.5's q_proj emits `[query | gate]` per head, split below.
+        self.linear(
+            i,
+            "attn.q_proj",
+            &format!("{p}.q_proj"),
+            hn,
+            q_gate.unwrap_or(q),
+            false,
+            ops,
+            false,
+        );
         let k = self.scratch("k", kvw);
         let v = self.scratch("v", kvw);
         self.linear(
@@ -72,6 +55,15 @@ impl Lower<'_> {
             ops,
             false,
         );
+        // The query / gate split after the three projections, so that they stay adjacent
+        // reads of `hn` (one launch for all three in a decode step, with the norm before them).
+        if let (Some(qg), Some(gate)) = (q_gate, gate) {
+            ops.push(Op::SplitHeads {
+                x: qg,
+                heads: a.q_heads,
+                outs: vec![q, gate],
+            });
+        }
         if a.qk_norm {
             for (t, nm) in [(q, qn), (k, kn)] {
                 let src = self.hf(i, &format!("{p}.{nm}.weight"));
