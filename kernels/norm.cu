@@ -210,6 +210,45 @@ template <int N> static __device__ __forceinline__ void norm_load_w(const float*
     }
 }
 
+// A group's 1 / rms from each thread's packs `v` (slots past the group hold zeros): the thread
+// sums its squares in slot order, then the group's threads combine them (`norm_group_sum`).
+// Shared by `rms_norm_vec` and `qk_prep` (norm_qk.cu), which must agree bit for bit.
+template <typename T>
+static __device__ __forceinline__ float norm_vec_inv(const uint4 (&v)[NORM_VPT], int tpg, float* scratch, int group,
+                                                     float eps) {
+    constexpr int N = flashrt::Pack16<T>::N;
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; ++k) {
+        float f[N];
+        flashrt::unpack16<T>(v[k], f);
+#pragma unroll
+        for (int e = 0; e < N; ++e) ss += f[e] * f[e];
+    }
+    ss = norm_group_sum(ss, tpg, scratch);
+    return 1.0f / sqrtf(ss / (float)group + eps);
+}
+
+// A pack normalised: x * inv * s, rounded to T.
+template <typename T>
+static __device__ __forceinline__ uint4 norm_vec_scale(uint4 v, float inv, const float (&w)[flashrt::Pack16<T>::N]) {
+    constexpr int N = flashrt::Pack16<T>::N;
+    float f[N];
+    flashrt::unpack16<T>(v, f);
+#pragma unroll
+    for (int e = 0; e < N; ++e) f[e] = f[e] * inv * w[e];
+    return flashrt::pack16<T>(f);
+}
+
+// Eight (or four) scale factors of an RMSNorm weight at an aligned address: w, or 1 + w.
+template <int N> static __device__ __forceinline__ void norm_load_scale(const float* w, int one_plus, float (&f)[N]) {
+    norm_load_w(w, f);
+    if (one_plus) {
+#pragma unroll
+        for (int e = 0; e < N; ++e) f[e] = 1.0f + f[e];
+    }
+}
+
 template <typename T> static __device__ __forceinline__ void rms_norm_vec_impl(const RmsNormVecParams& q) {
     constexpr int N = flashrt::Pack16<T>::N;
     __shared__ float scratch[32];
@@ -231,35 +270,14 @@ template <typename T> static __device__ __forceinline__ void rms_norm_vec_impl(c
         for (int e = 0; e < N; ++e) w[k][e] = 1.0f;
         if (valid && j < nvec) {
             v[k] = flashrt::ld16(x + (size_t)j * N);
-            if (p.weight) {
-                norm_load_w(p.weight + (size_t)j * N, w[k]);
-                if (p.one_plus) {
-#pragma unroll
-                    for (int e = 0; e < N; ++e) w[k][e] = 1.0f + w[k][e];
-                }
-            }
+            if (p.weight) norm_load_scale(p.weight + (size_t)j * N, p.one_plus, w[k]);
         }
     }
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NORM_VPT; ++k) {
-        float f[N];
-        flashrt::unpack16<T>(v[k], f);
-#pragma unroll
-        for (int e = 0; e < N; ++e) ss += f[e] * f[e];
-    }
-    ss = norm_group_sum(ss, q.tpg, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)p.group + p.eps);
+    const float inv = norm_vec_inv<T>(v, q.tpg, scratch, p.group, p.eps);
 #pragma unroll
     for (int k = 0; k < NORM_VPT; ++k) {
         const int j = s.lane + k * q.tpg;
-        if (valid && j < nvec) {
-            float f[N];
-            flashrt::unpack16<T>(v[k], f);
-#pragma unroll
-            for (int e = 0; e < N; ++e) f[e] = f[e] * inv * w[k][e];
-            flashrt::st16(out + (size_t)j * N, flashrt::pack16<T>(f));
-        }
+        if (valid && j < nvec) flashrt::st16(out + (size_t)j * N, norm_vec_scale<T>(v[k], inv, w[k]));
     }
 }
 

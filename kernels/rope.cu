@@ -17,7 +17,7 @@
 // pairs. Each thread owns its pair, so reading both halves before writing them is race-free.
 //
 // Memory traffic: rotary_dims elements read and written per head and row.
-#include "common.cuh"
+#include "rope.cuh"
 
 struct RopeParams {
     void* x;
@@ -38,12 +38,7 @@ template <typename T> static __device__ __forceinline__ void rope_impl(const Rop
     if (half == 0) return;
     const float position = (float)flashrt::row_pos(p.pos, p.rows_pos, row);
     const float theta = (float)p.theta;
-    auto cos_sin = [&](int i) {
-        const float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)p.rotary_dims);
-        float sf, cf;
-        sincosf(position * inv_freq, &sf, &cf);
-        return make_float2(cf, sf);
-    };
+    auto cos_sin = [&](int i) { return flashrt::rope_cos_sin(position, theta, i, p.rotary_dims); };
     if (half <= (int)blockDim.x) {
         const int hb = blockDim.x / half;
         const int i = threadIdx.x % half, h = blockIdx.x * hb + threadIdx.x / half;
@@ -58,16 +53,16 @@ template <typename T> static __device__ __forceinline__ void rope_impl(const Rop
         __syncthreads();
         if (!own) return;
         const float2 cs = angle[i];
-        x[i] = flashrt::from_f32<T>(a * cs.x - b * cs.y);
-        x[i + half] = flashrt::from_f32<T>(b * cs.x + a * cs.y);
+        x[i] = flashrt::from_f32<T>(flashrt::rope_first(a, b, cs));
+        x[i + half] = flashrt::from_f32<T>(flashrt::rope_second(a, b, cs));
         return;
     }
     T* x = static_cast<T*>(p.x) + (size_t)row * p.ld_x + (size_t)blockIdx.x * p.head_dim;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         const float2 cs = cos_sin(i);
         const float a = flashrt::to_f32(x[i]), b = flashrt::to_f32(x[i + half]);
-        x[i] = flashrt::from_f32<T>(a * cs.x - b * cs.y);
-        x[i + half] = flashrt::from_f32<T>(b * cs.x + a * cs.y);
+        x[i] = flashrt::from_f32<T>(flashrt::rope_first(a, b, cs));
+        x[i + half] = flashrt::from_f32<T>(flashrt::rope_second(a, b, cs));
     }
 }
 

@@ -1438,6 +1438,45 @@ fn moe_routing_in_the_up_launch_computes_what_moe_route_computes() {
     }
 }
 
+/// `CudaOptions::qk_prep` (an attention layer's query / gate split, q and k norms, rotary
+/// embeddings and cache write in one launch, kernels/norm_qk.cu) computes what the plan's
+/// separate launches compute: prefill chunks (the tensor-core attention's buckets too), decode
+/// and verify steps give the same logits and states bit for bit, in bf16 and f32, on the
+/// Qwen3.5-like model (gated attention, `1 + w` norms, a partial rotation), on its MTP head,
+/// and on the LFM2 fixture's configuration (no gate, plain norm weights).
+#[test]
+fn qk_prep_computes_what_the_separate_launches_compute() {
+    let name = "qk_prep_computes_what_the_separate_launches_compute";
+    let with = |qk_prep| CudaOptions {
+        qk_prep,
+        ..CudaOptions::default()
+    };
+    let mut models = vec![
+        ("qwen-like".to_string(), QWEN_LIKE.to_string()),
+        ("qwen-like + MTP".to_string(), qwen_like_mtp()),
+    ];
+    if let Some(dir) = fixtures_dir() {
+        let json = std::fs::read_to_string(dir.join("lfm2-public").join("config.json"))
+            .unwrap_or_else(|e| panic!("lfm2-public: {e}"));
+        models.push(("lfm2-public".to_string(), json));
+    }
+    for (model, json) in &models {
+        for dtype in [DType::Bf16, DType::F32] {
+            if !same_bits_in(
+                name,
+                json,
+                dtype,
+                &[with(false), with(true)],
+                &[8, 32, 64],
+                &[70, 2, 5, 1, 40, 3],
+            ) {
+                return;
+            }
+            println!("{model} {}: qk_prep on and off bit-identical", dtype.name());
+        }
+    }
+}
+
 /// `CudaOptions::gdn_prep` (the chunked Gated DeltaNet kernel's per-chunk phases that do not
 /// depend on the state run for every chunk at once, kernels/gated_deltanet.cu `GDNC_PREP`, and
 /// the serial loop copies their records, with one buffer or two) computes the same values in
@@ -1571,6 +1610,18 @@ fn same_bits_over(
     buckets: &[usize],
     chunks: &[usize],
 ) -> bool {
+    same_bits_in(name, json, DType::Bf16, options, buckets, chunks)
+}
+
+/// [`same_bits_over`] with the model's dtype `dtype`.
+fn same_bits_in(
+    name: &str,
+    json: &str,
+    dtype: DType,
+    options: &[CudaOptions],
+    buckets: &[usize],
+    chunks: &[usize],
+) -> bool {
     let mut gpus = Vec::new();
     for o in options {
         match cuda_with(name, *o) {
@@ -1579,7 +1630,7 @@ fn same_bits_over(
         }
     }
     let max_seq = chunks.iter().sum::<usize>().next_multiple_of(256);
-    let ir = ir_of(json, DType::Bf16, buckets, max_seq);
+    let ir = ir_of(json, dtype, buckets, max_seq);
     let models: Vec<Model> = gpus.into_iter().map(|g| model_on(g, &ir, None)).collect();
     let vocab = models[0].vocab();
     for m in &models {
@@ -1640,10 +1691,19 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
     let mma: Arc<dyn Backend> = cuda_gemv16m("batched decode").expect("a CUDA device");
     // And in the CUDA-core kernel's blocks (`gemv16s`, opt-in).
     let smem: Arc<dyn Backend> = cuda_gemv16s("batched decode").expect("a CUDA device");
+    // And with an attention layer's per-head work in one launch (`qk_prep`, opt-in).
+    let prep: Arc<dyn Backend> = cuda_with(
+        "batched decode (qk_prep)",
+        CudaOptions {
+            qk_prep: true,
+            ..CudaOptions::default()
+        },
+    )
+    .expect("a CUDA device");
     let gpu: Arc<dyn Backend> = gpu;
     // (what, config, dtype, batched on the device, backend)
     type Case<'a> = (&'a str, &'a str, DType, bool, &'a Arc<dyn Backend>);
-    let cases: [Case; 6] = [
+    let cases: [Case; 7] = [
         ("qwen-like bf16", QWEN_LIKE, DType::Bf16, true, &gpu),
         ("qwen-like + MTP bf16", &mtp, DType::Bf16, true, &gpu),
         (
@@ -1668,6 +1728,13 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
             &smem,
         ),
         ("qwen-moe-like bf16", QWEN_MOE_LIKE, DType::Bf16, true, &gpu),
+        (
+            "qwen-like + MTP bf16, qk_prep",
+            &mtp,
+            DType::Bf16,
+            true,
+            &prep,
+        ),
     ];
     for (what, json, dtype, batched, backend) in cases {
         let ir = ir_of(json, dtype, &[8, 32], 512);

@@ -32,6 +32,7 @@ const PER_DTYPE: &[&str] = &[
     "store_last_row",
     "load_state",
     "rope",
+    "qk_prep",
     "kv_write",
     "attention_d64",
     "attention_d128",

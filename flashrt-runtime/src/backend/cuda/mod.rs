@@ -169,6 +169,12 @@ pub struct CudaOptions {
     /// instead of a `moe_route` launch whose plan the up launch reads back (default). Default
     /// from `FLASHRT_MOE_ROUTE_IN_UP` (`0` = off).
     pub moe_route_in_up: bool,
+    /// Run an attention layer's query / gate split, q and k norms, rotary embeddings and cache
+    /// write as one launch (kernels/norm_qk.cu `qk_prep`) instead of five or six, in every
+    /// phase, where the norms' shapes take their vector kernel. The same values bit for bit
+    /// (tests/cuda_model.rs). Default off until measured on a GPU (`FLASHRT_QK_PREP=1` turns
+    /// it on).
+    pub qk_prep: bool,
     /// Run small phases' Gated DeltaNet layers (causal conv, recurrence, gated RMSNorm) as
     /// one launch per layer (kernels/gated_deltanet.cu `gdn_decode_r*`, thread-block
     /// clusters) on compute capability 9.0 and later (default); `false` launches the three
@@ -302,6 +308,7 @@ impl Default for CudaOptions {
             moe_wgmma: on("FLASHRT_MOE_WGMMA"),
             moe_wide: on("FLASHRT_MOE_WIDE"),
             moe_route_in_up: on("FLASHRT_MOE_ROUTE_IN_UP"),
+            qk_prep: std::env::var("FLASHRT_QK_PREP").is_ok_and(|v| v == "1"),
             gdn_fused: on("FLASHRT_GDN_FUSED"),
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
             gemv_mma: on("FLASHRT_GEMV_MMA"),
@@ -785,6 +792,7 @@ fn builder<'a>(
         moe_wgmma: model.moe_wgmma,
         moe_wide: model.options.moe_wide,
         moe_route_in_up: model.options.moe_route_in_up,
+        qk_prep: model.options.qk_prep,
         gdn_fused: model.gdn_fused,
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,

@@ -337,6 +337,21 @@ impl Builder<'_> {
         label: &str,
         cmds: &mut Vec<Cmd>,
     ) -> Result<()> {
+        self.attention_after(op, rows, shared, label, cmds, true)
+    }
+
+    /// [`Builder::attention`], with its first launch (`kv_write`) left out where `write_kv` is
+    /// false: an earlier launch of the program wrote the rows' keys and values into the caches
+    /// (`qk_prep`, [`Builder::qk_prep`]).
+    pub(super) fn attention_after(
+        &self,
+        op: &Op,
+        rows: usize,
+        shared: Option<usize>,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+        write_kv: bool,
+    ) -> Result<()> {
         let Op::Attention {
             q,
             k,
@@ -417,13 +432,15 @@ impl Builder<'_> {
             rows_pos: self.rows_pos(),
             slots: self.slots(),
         };
-        cmds.push(self.kernel(
-            &format!("{label} kv_write"),
-            self.kernels.typed("kv_write", t)?,
-            (ceil_div(kvw, 256), r, 1),
-            256,
-            &kw,
-        ));
+        if write_kv {
+            cmds.push(self.kernel(
+                &format!("{label} kv_write"),
+                self.kernels.typed("kv_write", t)?,
+                (ceil_div(kvw, 256), r, 1),
+                256,
+                &kw,
+            ));
+        }
         let mut p = AttentionParams {
             q: qp,
             cache_k: self.addr(*cache_k),

@@ -18,7 +18,8 @@
 //! kernels/gemv.cu and gemv_mma.cu), `attention.rs` (kernels/attention*.cu), `conv.rs`
 //! (kernels/conv.cu), `gated_deltanet.rs` (the recurrence, and a small phase's conv +
 //! recurrence + gated norm as one launch), `mamba2.rs`, `moe.rs` (kernels/moe.cu,
-//! moe_small.cu and moe_wgmma.cu), `norm.rs` (kernels/norm.cu), `elementwise.rs` (kernels/elementwise.cu:
+//! moe_small.cu and moe_wgmma.cu), `norm.rs` (kernels/norm.cu), `qk_prep.rs` (an attention
+//! layer's per-head work in one launch, kernels/norm_qk.cu), `elementwise.rs` (kernels/elementwise.cu:
 //! products, activations, head splits, state rows), `embed.rs` and `rope.rs`. Adding an op
 //! touches its family's file and the dispatch in `Builder::op`; the program, the shared
 //! helpers and the dispatch are here.
@@ -45,6 +46,7 @@ pub(super) use gemv::gemvm_sync_bytes;
 mod mamba2;
 mod moe;
 mod norm;
+mod qk_prep;
 mod rope;
 pub use fp8::{Fp8DequantParams, Fp8GridParams, Fp8QuantizeParams, Fp8Scratch, fp8_scratch_needs};
 use gemv::*;
@@ -376,6 +378,9 @@ pub struct Builder<'a> {
     pub moe_wide: bool,
     /// Small phases route inside the up launch (`moe_up_routed`; `CudaOptions::moe_route_in_up`).
     pub moe_route_in_up: bool,
+    /// An attention layer's split, q / k norms, rotations and cache write as one launch
+    /// ([`Builder::qk_prep`]; `CudaOptions::qk_prep`).
+    pub qk_prep: bool,
     /// Small phases' Gated DeltaNet layers (conv, recurrence, gated norm) as one clustered
     /// launch ([`Builder::gdn_small`], sm_90).
     pub gdn_fused: bool,
@@ -712,6 +717,10 @@ impl Builder<'_> {
             ) && keep
             {
                 unkept += 1;
+            }
+            if let Some(used) = self.qk_prep(&plan.ops[i..], rows, shared, &label, &mut cmds)? {
+                i += used;
+                continue;
             }
             // gemv computes a row the same way whatever the row count (see kernels/gemv.cu),
             // so it runs at the plan's own rows even where phases share a GEMM shape.

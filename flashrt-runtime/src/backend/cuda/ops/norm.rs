@@ -51,6 +51,18 @@ struct NormVecParams<P> {
     groups: i32,
 }
 
+/// Threads per group of the vector norms (kernels/norm.cu) over groups of `group` elements of
+/// `dtype`: NORM_VPT packs a thread at most, a power of two up to a warp, else whole warps.
+/// `qk_prep` (kernels/norm_qk.cu) owns a head with as many, so its sums are the norm's.
+pub(super) fn norm_vec_tpg(group: usize, dtype: DType) -> usize {
+    let per = (group / (16 / dtype.size())).div_ceil(NORM_VPT);
+    if per <= 32 {
+        per.next_power_of_two()
+    } else {
+        per.next_multiple_of(32)
+    }
+}
+
 /// Threads for a block that normalises `n` elements: a power of two in 32..=1024, about four
 /// elements per thread (the norm kernels keep up to 8 per thread in registers).
 fn reduce_threads(n: usize) -> u32 {
@@ -219,12 +231,7 @@ impl Builder<'_> {
     ) -> Result<Cmd> {
         let groups = width / group;
         let pack = 16 / dtype.size();
-        let per = (group / pack).div_ceil(NORM_VPT);
-        let tpg = if per <= 32 {
-            per.next_power_of_two()
-        } else {
-            per.next_multiple_of(32)
-        };
+        let tpg = norm_vec_tpg(group, dtype);
         let vec = group.is_multiple_of(pack)
             && tpg <= NORM_VEC_THREADS
             && addrs.iter().all(|a| a.is_multiple_of(16))
