@@ -88,6 +88,11 @@ struct AttentionDecodeParams {
     // state arena): exactly what a one-row step of that session computes. Null otherwise.
     const int* rows_pos;
     const unsigned long long* slots;
+    // The plan's output gate after the attention (`Mul`: out = act(gate) * out), fused into the
+    // stores of the output (`dec_store4`); null: none.
+    const void* gate;
+    int ld_gate;
+    int gate_act;
 };
 
 namespace flashrt_dec {
@@ -405,6 +410,22 @@ static __device__ __forceinline__ void consume(const AttentionParams& p, const B
 
 } // namespace flashrt_dec
 
+// Four outputs rounded to T; with a fused output gate `g` (the four gates of those columns),
+// each times act(g) as the plan's `Mul` computes it (elementwise.cu `mul` / `mul_vec`: in f32
+// on the rounded output, rounded again), so the fused and separate launches agree bit for bit.
+template <typename T>
+static __device__ __forceinline__ void dec_store4(T* o, float4 v, const T* g, int act) {
+    T r[4] = {flashrt::from_f32<T>(v.x), flashrt::from_f32<T>(v.y), flashrt::from_f32<T>(v.z),
+              flashrt::from_f32<T>(v.w)};
+    if (g) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            r[e] = flashrt::from_f32<T>(flashrt::apply_act(act, flashrt::to_f32(g[e])) * flashrt::to_f32(r[e]));
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[e] = r[e];
+}
+
 template <typename T, int D>
 static __device__ __forceinline__ void attention_decode_impl(const AttentionDecodeParams& dp) {
     using namespace flashrt_dec;
@@ -416,6 +437,7 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
     // Row `row0` is this block's first query row: 0, or in a batched step (one row per block,
     // blockIdx.z) the block's row, whose query, output, caches and position are its session's.
     AttentionParams p = dp.a;
+    const T* gate = static_cast<const T*>(dp.gate);
     int len, row0 = 0, pos0;
     if (dp.slots) {
         row0 = blockIdx.z;
@@ -424,6 +446,7 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
         pos0 = __ldg(dp.rows_pos + row0);
         p.q = static_cast<const T*>(p.q) + (size_t)row0 * p.ld_q;
         p.out = static_cast<T*>(p.out) + (size_t)row0 * p.ld_out;
+        if (gate) gate += (size_t)row0 * dp.ld_gate;
         p.cache_k = flashrt::in_slot(p.cache_k, dp.slots, row0);
         p.cache_v = flashrt::in_slot(p.cache_v, dp.slots, row0);
     } else {
@@ -562,11 +585,10 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
             *reinterpret_cast<float4*>(po + slot(i) * hd + d) = acc;
         } else {
             const float inv = 1.0f / mg.L[i];
-            T* orow = static_cast<T*>(p.out) + (size_t)(i / G) * p.ld_out + (size_t)(b.kvh * G + i % G) * hd + d;
-            orow[0] = flashrt::from_f32<T>(acc.x * inv);
-            orow[1] = flashrt::from_f32<T>(acc.y * inv);
-            orow[2] = flashrt::from_f32<T>(acc.z * inv);
-            orow[3] = flashrt::from_f32<T>(acc.w * inv);
+            const size_t col = (size_t)(b.kvh * G + i % G) * hd + d;
+            T* orow = static_cast<T*>(p.out) + (size_t)(i / G) * p.ld_out + col;
+            dec_store4(orow, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
+                       gate ? gate + (size_t)(i / G) * dp.ld_gate + col : nullptr, dp.gate_act);
         }
     }
 }
@@ -649,11 +671,10 @@ static __device__ __forceinline__ void attention_decode_combine_impl(const Atten
             sum.w += x.w;
         }
         const float inv = 1.0f / den;
-        T* orow = static_cast<T*>(p.out) + (size_t)r * p.ld_out + (size_t)h * hd + 4 * c;
-        orow[0] = flashrt::from_f32<T>(sum.x * inv);
-        orow[1] = flashrt::from_f32<T>(sum.y * inv);
-        orow[2] = flashrt::from_f32<T>(sum.z * inv);
-        orow[3] = flashrt::from_f32<T>(sum.w * inv);
+        const size_t col = (size_t)h * hd + 4 * c;
+        T* orow = static_cast<T*>(p.out) + (size_t)r * p.ld_out + col;
+        dec_store4(orow, make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv),
+                   dp.gate ? static_cast<const T*>(dp.gate) + (size_t)r * dp.ld_gate + col : nullptr, dp.gate_act);
     }
 }
 

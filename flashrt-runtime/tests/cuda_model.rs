@@ -1439,18 +1439,27 @@ fn moe_routing_in_the_up_launch_computes_what_moe_route_computes() {
 }
 
 /// `CudaOptions::qk_prep` (an attention layer's query / gate split, q and k norms, rotary
-/// embeddings and cache write in one launch, kernels/norm_qk.cu) computes what the plan's
-/// separate launches compute: prefill chunks (the tensor-core attention's buckets too), decode
-/// and verify steps give the same logits and states bit for bit, in bf16 and f32, on the
-/// Qwen3.5-like model (gated attention, `1 + w` norms, a partial rotation), on its MTP head,
-/// and on the LFM2 fixture's configuration (no gate, plain norm weights).
+/// embeddings and cache write in one launch, kernels/norm_qk.cu) and `CudaOptions::attn_gate`
+/// (its output gate in the small-phase attention's stores, kernels/attention_decode.cu), alone
+/// and together, compute what the plan's separate launches compute: prefill chunks (the
+/// tensor-core attention's buckets too), decode and verify steps give the same logits and
+/// states bit for bit, in bf16 and f32, on the Qwen3.5-like model (gated attention, `1 + w`
+/// norms, a partial rotation), on its MTP head, and on the LFM2 fixture's configuration (no
+/// gate, plain norm weights).
 #[test]
-fn qk_prep_computes_what_the_separate_launches_compute() {
-    let name = "qk_prep_computes_what_the_separate_launches_compute";
-    let with = |qk_prep| CudaOptions {
+fn attention_fusions_compute_what_the_separate_launches_compute() {
+    let name = "attention_fusions_compute_what_the_separate_launches_compute";
+    let with = |qk_prep, attn_gate| CudaOptions {
         qk_prep,
+        attn_gate,
         ..CudaOptions::default()
     };
+    let options = [
+        with(false, false),
+        with(true, false),
+        with(false, true),
+        with(true, true),
+    ];
     let mut models = vec![
         ("qwen-like".to_string(), QWEN_LIKE.to_string()),
         ("qwen-like + MTP".to_string(), qwen_like_mtp()),
@@ -1466,13 +1475,16 @@ fn qk_prep_computes_what_the_separate_launches_compute() {
                 name,
                 json,
                 dtype,
-                &[with(false), with(true)],
+                &options,
                 &[8, 32, 64],
                 &[70, 2, 5, 1, 40, 3],
             ) {
                 return;
             }
-            println!("{model} {}: qk_prep on and off bit-identical", dtype.name());
+            println!(
+                "{model} {}: qk_prep and attn_gate on and off bit-identical",
+                dtype.name()
+            );
         }
     }
 }
@@ -1691,11 +1703,13 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
     let mma: Arc<dyn Backend> = cuda_gemv16m("batched decode").expect("a CUDA device");
     // And in the CUDA-core kernel's blocks (`gemv16s`, opt-in).
     let smem: Arc<dyn Backend> = cuda_gemv16s("batched decode").expect("a CUDA device");
-    // And with an attention layer's per-head work in one launch (`qk_prep`, opt-in).
+    // And with an attention layer's per-head work in one launch and its output gate in the
+    // attention's stores (`qk_prep`, `attn_gate`, opt-in).
     let prep: Arc<dyn Backend> = cuda_with(
-        "batched decode (qk_prep)",
+        "batched decode (qk_prep, attn_gate)",
         CudaOptions {
             qk_prep: true,
+            attn_gate: true,
             ..CudaOptions::default()
         },
     )
@@ -1729,7 +1743,7 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
         ),
         ("qwen-moe-like bf16", QWEN_MOE_LIKE, DType::Bf16, true, &gpu),
         (
-            "qwen-like + MTP bf16, qk_prep",
+            "qwen-like + MTP bf16, qk_prep + attn_gate",
             &mtp,
             DType::Bf16,
             true,

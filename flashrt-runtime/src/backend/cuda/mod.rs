@@ -175,6 +175,11 @@ pub struct CudaOptions {
     /// (tests/cuda_model.rs). Default off until measured on a GPU (`FLASHRT_QK_PREP=1` turns
     /// it on).
     pub qk_prep: bool,
+    /// Apply an attention layer's output gate (Qwen3.5's `out * sigmoid(gate)`) in the
+    /// small-phase attention kernel's output stores (kernels/attention_decode.cu `dec_store4`)
+    /// instead of a `mul` launch after it. The same values bit for bit (tests/cuda_model.rs).
+    /// Default off until measured on a GPU (`FLASHRT_ATTN_GATE=1` turns it on).
+    pub attn_gate: bool,
     /// Run small phases' Gated DeltaNet layers (causal conv, recurrence, gated RMSNorm) as
     /// one launch per layer (kernels/gated_deltanet.cu `gdn_decode_r*`, thread-block
     /// clusters) on compute capability 9.0 and later (default); `false` launches the three
@@ -309,6 +314,7 @@ impl Default for CudaOptions {
             moe_wide: on("FLASHRT_MOE_WIDE"),
             moe_route_in_up: on("FLASHRT_MOE_ROUTE_IN_UP"),
             qk_prep: std::env::var("FLASHRT_QK_PREP").is_ok_and(|v| v == "1"),
+            attn_gate: std::env::var("FLASHRT_ATTN_GATE").is_ok_and(|v| v == "1"),
             gdn_fused: on("FLASHRT_GDN_FUSED"),
             fp8_gemm: on("FLASHRT_FP8_GEMM"),
             gemv_mma: on("FLASHRT_GEMV_MMA"),
@@ -793,6 +799,7 @@ fn builder<'a>(
         moe_wide: model.options.moe_wide,
         moe_route_in_up: model.options.moe_route_in_up,
         qk_prep: model.options.qk_prep,
+        attn_gate: model.options.attn_gate,
         gdn_fused: model.gdn_fused,
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,

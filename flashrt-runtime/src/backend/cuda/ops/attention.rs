@@ -128,6 +128,20 @@ pub(super) struct AttentionDecodeParams {
     /// A batched step's tables (kernels/common.cuh), else 0.
     pub(super) rows_pos: u64,
     pub(super) slots: u64,
+    /// The fused output gate ([`OutGate`]), else 0.
+    pub(super) gate: u64,
+    pub(super) ld_gate: i32,
+    pub(super) gate_act: i32,
+}
+
+/// The plan's `Mul` right after an attention op (`out = act(gate) * out`: Qwen3.5's output
+/// gate), fused into the small-phase attention's output stores (attention_decode.cu
+/// `dec_store4`, same bits) where `CudaOptions::attn_gate` is on.
+#[derive(Clone, Copy)]
+pub(super) struct OutGate {
+    pub(super) addr: u64,
+    pub(super) ld: i32,
+    pub(super) act: i32,
 }
 
 impl Builder<'_> {
@@ -231,6 +245,7 @@ impl Builder<'_> {
         p: &AttentionParams,
         rows: usize,
         shared: Option<usize>,
+        gate: Option<OutGate>,
     ) -> Result<Option<Vec<Cmd>>> {
         const MAX_ROWS: usize = 8; // attention_decode.cu MAX_ROWS
         const MAX_QUERIES: usize = 64; // 8 warps x 8 query columns
@@ -287,6 +302,9 @@ impl Builder<'_> {
             qtiles: (group * shape_rows).div_ceil(8) as i32,
             rows_pos: self.rows_pos(),
             slots: self.slots(),
+            gate: gate.map_or(0, |g| g.addr),
+            ld_gate: gate.map_or(0, |g| g.ld),
+            gate_act: gate.map_or(0, |g| g.act),
         };
         // attention_decode.cu `Shape::SMEM`: STAGES tiles of tk keys of K and of V, rows padded
         // by 16 bytes, tk = max(16, 32 KiB / (2 d size)); then 2 STAGES mbarriers.
@@ -337,12 +355,47 @@ impl Builder<'_> {
         label: &str,
         cmds: &mut Vec<Cmd>,
     ) -> Result<()> {
-        self.attention_after(op, rows, shared, label, cmds, true)
+        self.attention_after(op, rows, shared, label, cmds, true, None)
+            .map(|_| ())
+    }
+
+    /// The output gate `next` applies to attention `op`'s output, if it is one the small-phase
+    /// kernel can fuse ([`OutGate`]) and `CudaOptions::attn_gate` is on.
+    pub(super) fn out_gate(
+        &self,
+        op: &Op,
+        next: Option<&Op>,
+        rows: usize,
+        label: &str,
+    ) -> Result<Option<OutGate>> {
+        let (
+            Op::Attention { out, .. },
+            Some(Op::Mul {
+                gate,
+                act,
+                x,
+                out: mout,
+            }),
+        ) = (op, next)
+        else {
+            return Ok(None);
+        };
+        if !self.attn_gate || x != out || mout != out || gate.width != out.width {
+            return Ok(None);
+        }
+        let (addr, ld, d) = self.view(gate, rows, label, "gate")?;
+        Ok((d == self.target()).then_some(OutGate {
+            addr,
+            ld,
+            act: act_code(*act),
+        }))
     }
 
     /// [`Builder::attention`], with its first launch (`kv_write`) left out where `write_kv` is
-    /// false: an earlier launch of the program wrote the rows' keys and values into the caches
-    /// (`qk_prep`, [`Builder::qk_prep`]).
+    /// false (an earlier launch of the program wrote the rows' keys and values into the caches:
+    /// `qk_prep`, [`Builder::qk_prep`]), and the output gate `gate` fused where the small-phase
+    /// kernel runs: returns whether it did (else the caller launches the gate's `Mul`).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_after(
         &self,
         op: &Op,
@@ -351,7 +404,8 @@ impl Builder<'_> {
         label: &str,
         cmds: &mut Vec<Cmd>,
         write_kv: bool,
-    ) -> Result<()> {
+        gate: Option<OutGate>,
+    ) -> Result<bool> {
         let Op::Attention {
             q,
             k,
@@ -528,13 +582,14 @@ impl Builder<'_> {
             cmds.extend(v);
         } else if let Some(dec) = self
             .attn_decode
-            .then(|| self.attention_decode(label, &p, rows, shared))
+            .then(|| self.attention_decode(label, &p, rows, shared, gate))
             .transpose()?
             .flatten()
         {
             // Small phases (<= 8 rows, or every phase of a speculative model's shared
             // <= 5 rows): one block per (KV head, split), see `attention_decode`.
             cmds.extend(dec);
+            return Ok(gate.is_some());
         } else if self.batch.is_some() {
             return Err(Error::Unsupported(format!(
                 "{label}: no batched decode (the small-phase attention kernel does not apply)"
@@ -560,7 +615,7 @@ impl Builder<'_> {
             ));
             cmds.extend(self.attention_combine(label, &p, t, r)?);
         }
-        Ok(())
+        Ok(false)
     }
 
     /// With `p.splits > 1`: the launch of `attention_combine` (kernels/attention.cu) that

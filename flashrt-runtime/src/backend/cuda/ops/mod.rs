@@ -381,6 +381,9 @@ pub struct Builder<'a> {
     /// An attention layer's split, q / k norms, rotations and cache write as one launch
     /// ([`Builder::qk_prep`]; `CudaOptions::qk_prep`).
     pub qk_prep: bool,
+    /// An attention op's output gate (the `Mul` after it) in the small-phase attention's output
+    /// stores ([`Builder::out_gate`]; `CudaOptions::attn_gate`).
+    pub attn_gate: bool,
     /// Small phases' Gated DeltaNet layers (conv, recurrence, gated norm) as one clustered
     /// launch ([`Builder::gdn_small`], sm_90).
     pub gdn_fused: bool,
@@ -720,6 +723,13 @@ impl Builder<'_> {
             }
             if let Some(used) = self.qk_prep(&plan.ops[i..], rows, shared, &label, &mut cmds)? {
                 i += used;
+                continue;
+            }
+            if matches!(op, Op::Attention { .. }) {
+                let gate = self.out_gate(op, plan.ops.get(i + 1), rows, &label)?;
+                let gated =
+                    self.attention_after(op, rows, shared, &label, &mut cmds, true, gate)?;
+                i += 1 + gated as usize;
                 continue;
             }
             // gemv computes a row the same way whatever the row count (see kernels/gemv.cu),

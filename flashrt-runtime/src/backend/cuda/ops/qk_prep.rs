@@ -78,7 +78,8 @@ impl Builder<'_> {
     /// attention layer with per-head norms and a rotary embedding lowers to, flashrt-ir
     /// `lower/attention.rs`) as `qk_prep` and the attention op without its cache write, where
     /// `CudaOptions::qk_prep` is on and the separate norms would take their vector kernel
-    /// (every value the same, bit for bit: kernels/norm_qk.cu). Returns how many ops it took.
+    /// (every value the same, bit for bit: kernels/norm_qk.cu); with the output gate's `Mul`
+    /// after it where that fuses ([`Builder::out_gate`]). Returns how many ops it took.
     pub(super) fn qk_prep(
         &self,
         ops: &[Op],
@@ -233,7 +234,8 @@ impl Builder<'_> {
             QK_PREP_THREADS as u32,
             &p,
         ));
-        self.attention_after(att, rows, shared, label, cmds, false)?;
-        Ok(Some(5 + split.is_some() as usize))
+        let gate = self.out_gate(att, rest.get(5), rows, label)?;
+        let gated = self.attention_after(att, rows, shared, label, cmds, false, gate)?;
+        Ok(Some(5 + split.is_some() as usize + gated as usize))
     }
 }
