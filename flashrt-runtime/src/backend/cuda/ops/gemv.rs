@@ -576,6 +576,17 @@ impl Builder<'_> {
         self.row_norm(norm, rows)
     }
 
+    /// The address of an RMSNorm weight a fused kernel reads in 16-byte packs: f32, `group`
+    /// elements, 16-byte aligned (0 for no weight); `None` where it is not such a weight.
+    pub(super) fn norm_weight(&self, weight: Option<BufferId>, group: usize) -> Option<u64> {
+        let Some(w) = weight else {
+            return Some(0);
+        };
+        let b = self.buf(w);
+        (b.dtype == DType::F32 && b.numel() == group && self.addr(w).is_multiple_of(16))
+            .then(|| self.addr(w))
+    }
+
     /// `op` as an RmsNorm a kernel can fuse into its prologue: over whole 16-byte-aligned rows
     /// (`group == width`) of the target dtype, with an f32 weight (or none).
     pub(super) fn row_norm(&self, op: &Op, rows: usize) -> Option<GemvNorm> {
@@ -593,14 +604,7 @@ impl Builder<'_> {
         let t = self.target();
         let (xp, ld_x, xd) = self.view(x, rows, "", "").ok()?;
         let (op_, ld_o, od) = self.view(out, rows, "", "").ok()?;
-        let w = match weight {
-            Some(w) => {
-                let b = self.buf(*w);
-                (b.dtype == DType::F32 && b.numel() == *group && self.addr(*w).is_multiple_of(16))
-                    .then(|| self.addr(*w))?
-            }
-            None => 0,
-        };
+        let w = self.norm_weight(*weight, *group)?;
         let fits = *group == x.width
             && x.width == out.width
             && xd == t

@@ -60,15 +60,7 @@ fn head_norm(b: &Builder<'_>, op: &Op, x: &View, head_dim: usize) -> Option<(u64
     if nx != x || out != x || *group != head_dim {
         return None;
     }
-    let w = match weight {
-        Some(w) => {
-            let buf = b.buf(*w);
-            let a = b.addr(*w);
-            (buf.dtype == DType::F32 && buf.numel() == head_dim && a.is_multiple_of(16))
-                .then_some(a)?
-        }
-        None => 0,
-    };
+    let w = b.norm_weight(*weight, head_dim)?;
     let one_plus = weight.is_some() && *weight_kind == NormWeight::OnePlus;
     Some((w, one_plus as i32, eps.get() as f32))
 }
