@@ -5,7 +5,7 @@
 //   rms_norm     q per head (q_norm), in place
 //   rms_norm     k per head (k_norm), in place
 //   rope         q, k (the first rotary_dims dims of each head, rotate-half pairs)
-//   kv_write     k, v -> the caches at row r's position       (optional: the attention op's first launch)
+//   kv_write     k, v -> the caches at row r's position       (the attention op's first launch)
 //
 // five or six launches of a few kilobytes each, every one a launch latency in a decode step.
 // The values are bit-identical to those launches': the norm is `rms_norm_vec`'s arithmetic
@@ -40,8 +40,8 @@ struct QkPrepParams {
     void* gate;       // the gate parts (split), else null
     void* k;          // keys, normalised and rotated in place
     const void* v;    // values (read only to fill the cache)
-    void* cache_k;    // [max_seq, kv_heads * head_dim] (an arena offset in a batched step), or null
-    void* cache_v;
+    void* cache_k;    // [max_seq, kv_heads * head_dim]; in a batched step an offset into each row's
+    void* cache_v;    // state arena (0 for a cache at the arena's start: never a null test)
     const float* q_w; // [head_dim] norm weights, or null (s = 1)
     const float* k_w;
     const int* pos;
@@ -82,7 +82,7 @@ template <typename T> static __device__ __forceinline__ void qk_prep_impl(const 
     const T* src = is_q ? static_cast<const T*>(p.src) + (size_t)row * p.ld_src + (size_t)u * p.src_stride
                         : static_cast<const T*>(p.k) + (size_t)row * p.ld_k + (size_t)kh * hd;
     const T* other = is_q ? (p.gate ? src + hd : nullptr)
-                          : (p.cache_v ? static_cast<const T*>(p.v) + (size_t)row * p.ld_v + (size_t)kh * hd : nullptr);
+                          : static_cast<const T*>(p.v) + (size_t)row * p.ld_v + (size_t)kh * hd;
     const float* wt = is_q ? p.q_w : p.k_w;
     const int one_plus = is_q ? p.one_plus_q : p.one_plus_k;
     uint4 v[NORM_VPT], x[NORM_VPT];
@@ -113,7 +113,7 @@ template <typename T> static __device__ __forceinline__ void qk_prep_impl(const 
     }
     __syncthreads();
     if (!active) return;
-    const bool cache = p.cache_k && t >= 0 && t < p.max_seq; // the host rejects such steps; never write out of bounds
+    const bool cache = t >= 0 && t < p.max_seq; // the host rejects other steps; never write out of bounds
     const size_t kvw = (size_t)p.kv_heads * hd;
     T* dst = is_q ? static_cast<T*>(p.q) + (size_t)row * p.ld_q + (size_t)u * hd
                   : static_cast<T*>(p.k) + (size_t)row * p.ld_k + (size_t)kh * hd;

@@ -16,8 +16,14 @@ static __device__ __forceinline__ float2 rope_cos_sin(float position, float thet
     return make_float2(cf, sf);
 }
 
-// The rotate-half pair (a = x[i], b = x[i + half]) by (cos, sin) `cs`.
-static __device__ __forceinline__ float rope_first(float a, float b, float2 cs) { return a * cs.x - b * cs.y; }
-static __device__ __forceinline__ float rope_second(float a, float b, float2 cs) { return b * cs.x + a * cs.y; }
+// The rotate-half pair (a = x[i], b = x[i + half]) by (cos, sin) `cs`: a cos - b sin and
+// b cos + a sin, with the multiply-adds pinned (the form nvcc chose for rope.cu's plain
+// expressions), so that no kernel's context can contract them another way.
+static __device__ __forceinline__ float rope_first(float a, float b, float2 cs) {
+    return __fmaf_rn(a, cs.x, -__fmul_rn(b, cs.y));
+}
+static __device__ __forceinline__ float rope_second(float a, float b, float2 cs) {
+    return __fmaf_rn(b, cs.x, __fmul_rn(a, cs.y));
+}
 
 } // namespace flashrt

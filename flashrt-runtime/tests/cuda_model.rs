@@ -1463,6 +1463,7 @@ fn attention_fusions_compute_what_the_separate_launches_compute() {
     let mut models = vec![
         ("qwen-like".to_string(), QWEN_LIKE.to_string()),
         ("qwen-like + MTP".to_string(), qwen_like_mtp()),
+        ("attention first".to_string(), qwen_like_attention_first()),
     ];
     if let Some(dir) = fixtures_dir() {
         let json = std::fs::read_to_string(dir.join("lfm2-public").join("config.json"))
@@ -1714,10 +1715,13 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
         },
     )
     .expect("a CUDA device");
+    // A first layer of attention: its key cache starts the state arena, so a batched step
+    // addresses it at offset 0 of each row's arena.
+    let attn_first = qwen_like_attention_first();
     let gpu: Arc<dyn Backend> = gpu;
     // (what, config, dtype, batched on the device, backend)
     type Case<'a> = (&'a str, &'a str, DType, bool, &'a Arc<dyn Backend>);
-    let cases: [Case; 7] = [
+    let cases: [Case; 8] = [
         ("qwen-like bf16", QWEN_LIKE, DType::Bf16, true, &gpu),
         ("qwen-like + MTP bf16", &mtp, DType::Bf16, true, &gpu),
         (
@@ -1745,6 +1749,13 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
         (
             "qwen-like + MTP bf16, qk_prep + attn_gate",
             &mtp,
+            DType::Bf16,
+            true,
+            &prep,
+        ),
+        (
+            "attention first bf16, qk_prep + attn_gate",
+            &attn_first,
             DType::Bf16,
             true,
             &prep,

@@ -120,6 +120,17 @@ pub fn qwen_like_mtp() -> String {
     json
 }
 
+/// [`QWEN_LIKE`] with attention as its first layer: that layer's key cache starts the state
+/// arena (offset 0 in a batched step's per-row arenas).
+pub fn qwen_like_attention_first() -> String {
+    let json = QWEN_LIKE.replace(
+        r#""layer_types": ["linear_attention","#,
+        r#""layer_types": ["full_attention","#,
+    );
+    assert_ne!(json, QWEN_LIKE, "the first layer type was replaced");
+    json
+}
+
 // ---- random data ------------------------------------------------------------------------
 
 /// SplitMix64: small, seeded, reproducible.

@@ -380,7 +380,13 @@ impl Builder<'_> {
         else {
             return Ok(None);
         };
-        if !self.attn_gate || x != out || mout != out || gate.width != out.width {
+        // (The kernel reads a gate before it stores that output: never the same buffer.)
+        if !self.attn_gate
+            || x != out
+            || mout != out
+            || gate.width != out.width
+            || gate.buf == out.buf
+        {
             return Ok(None);
         }
         let (addr, ld, d) = self.view(gate, rows, label, "gate")?;
