@@ -748,6 +748,7 @@ mod tests {
                 "attention combine",
             ),
             ("decode op 7 (gated_deltanet)", "gated_deltanet"),
+            ("decode op 47 (qk_prep)", "qk_prep"),
             (
                 "verify[3] op 2 (rms_norm) rms_norm + `mtp.0.q_proj.weight`",
                 "rms_norm rms_norm + mtp.*.q_proj.weight",

@@ -721,7 +721,11 @@ impl Builder<'_> {
             {
                 unkept += 1;
             }
-            if let Some(used) = self.qk_prep(&plan.ops[i..], rows, shared, &label, &mut cmds)? {
+            let label_at = |k: usize| {
+                let op = &plan.ops[i + k];
+                format!("{} op {} ({})", plan.phase.label(), i + k, op.name())
+            };
+            if let Some(used) = self.qk_prep(&plan.ops[i..], rows, shared, &label_at, &mut cmds)? {
                 i += used;
                 continue;
             }

@@ -72,17 +72,20 @@ impl Builder<'_> {
     /// `CudaOptions::qk_prep` is on and the separate norms would take their vector kernel
     /// (every value the same, bit for bit: kernels/norm_qk.cu); with the output gate's `Mul`
     /// after it where that fuses ([`Builder::out_gate`]). Returns how many ops it took.
+    /// `label_at(k)`: the label of `ops[k]` (the attention's launches keep theirs, so that
+    /// profiles group them as before).
     pub(super) fn qk_prep(
         &self,
         ops: &[Op],
         rows: usize,
         shared: Option<usize>,
-        label: &str,
+        label_at: &dyn Fn(usize) -> String,
         cmds: &mut Vec<Cmd>,
     ) -> Result<Option<usize>> {
         if !self.qk_prep {
             return Ok(None);
         }
+        let label = &label_at(0);
         let (split, rest) = match ops {
             [Op::SplitHeads { x, heads, outs }, rest @ ..] if outs.len() == 2 => {
                 (Some((x, *heads, outs[0], outs[1])), rest)
@@ -215,8 +218,13 @@ impl Builder<'_> {
             max_seq: to_i32(max_seq, "max_seq", label)?,
         };
         let heads_per_block = QK_PREP_THREADS / tpg;
+        // `<phase> op <i> (qk_prep)`: a group of its own in profiles.
+        let prep_label = match label.rfind(" (") {
+            Some(at) => format!("{} (qk_prep)", &label[..at]),
+            None => format!("{label} qk_prep"),
+        };
         cmds.push(self.kernel(
-            &format!("{label} qk_prep"),
+            &prep_label,
             self.kernels.typed("qk_prep", t)?,
             (
                 ceil_div(q_heads + kv_heads, heads_per_block),
@@ -226,8 +234,10 @@ impl Builder<'_> {
             QK_PREP_THREADS as u32,
             &p,
         ));
-        let gate = self.out_gate(att, rest.get(5), rows, label)?;
-        let gated = self.attention_after(att, rows, shared, label, cmds, false, gate)?;
-        Ok(Some(5 + split.is_some() as usize + gated as usize))
+        let at = 4 + split.is_some() as usize;
+        let att_label = label_at(at);
+        let gate = self.out_gate(att, rest.get(5), rows, &att_label)?;
+        let gated = self.attention_after(att, rows, shared, &att_label, cmds, false, gate)?;
+        Ok(Some(at + 1 + gated as usize))
     }
 }
