@@ -450,10 +450,17 @@ impl CudaBackend {
         } else {
             ""
         };
+        // The opt-in attention fusions too, while they are opt-in.
+        let fused = match (options.qk_prep, options.attn_gate) {
+            (true, true) => ", attention qk_prep + gate fused",
+            (true, false) => ", attention qk_prep",
+            (false, true) => ", attention gate fused",
+            (false, false) => "",
+        };
         Ok(Self {
             ctx,
             ordinal,
-            name: format!("cuda:{ordinal} {dev} (sm_{major}{minor}){units}"),
+            name: format!("cuda:{ordinal} {dev} (sm_{major}{minor}){units}{fused}"),
             options,
         })
     }
