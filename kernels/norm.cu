@@ -249,6 +249,26 @@ template <int N> static __device__ __forceinline__ void norm_load_scale(const fl
     }
 }
 
+// A thread's packs of a group at `x` (pack j = lane + k * tpg, slot k; zeros past the group or
+// where `valid` is false) and their scale factors (1 without a weight).
+template <typename T>
+static __device__ __forceinline__ void norm_vec_load(const T* x, const float* weight, int one_plus, int lane, int tpg,
+                                                     int nvec, bool valid, uint4 (&v)[NORM_VPT],
+                                                     float (&w)[NORM_VPT][flashrt::Pack16<T>::N]) {
+    constexpr int N = flashrt::Pack16<T>::N;
+#pragma unroll
+    for (int k = 0; k < NORM_VPT; ++k) {
+        const int j = lane + k * tpg;
+        v[k] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int e = 0; e < N; ++e) w[k][e] = 1.0f;
+        if (valid && j < nvec) {
+            v[k] = flashrt::ld16(x + (size_t)j * N);
+            if (weight) norm_load_scale(weight + (size_t)j * N, one_plus, w[k]);
+        }
+    }
+}
+
 template <typename T> static __device__ __forceinline__ void rms_norm_vec_impl(const RmsNormVecParams& q) {
     constexpr int N = flashrt::Pack16<T>::N;
     __shared__ float scratch[32];
@@ -262,17 +282,7 @@ template <typename T> static __device__ __forceinline__ void rms_norm_vec_impl(c
     T* out = static_cast<T*>(p.out) + (size_t)s.row * p.ld_out + col0;
     uint4 v[NORM_VPT];
     float w[NORM_VPT][N];
-#pragma unroll
-    for (int k = 0; k < NORM_VPT; ++k) {
-        const int j = s.lane + k * q.tpg;
-        v[k] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int e = 0; e < N; ++e) w[k][e] = 1.0f;
-        if (valid && j < nvec) {
-            v[k] = flashrt::ld16(x + (size_t)j * N);
-            if (p.weight) norm_load_scale(p.weight + (size_t)j * N, p.one_plus, w[k]);
-        }
-    }
+    norm_vec_load<T>(x, p.weight, p.one_plus, s.lane, q.tpg, nvec, valid, v, w);
     const float inv = norm_vec_inv<T>(v, q.tpg, scratch, p.group, p.eps);
 #pragma unroll
     for (int k = 0; k < NORM_VPT; ++k) {

@@ -85,20 +85,14 @@ template <typename T> static __device__ __forceinline__ void qk_prep_impl(const 
                           : static_cast<const T*>(p.v) + (size_t)row * p.ld_v + (size_t)kh * hd;
     const float* wt = is_q ? p.q_w : p.k_w;
     const int one_plus = is_q ? p.one_plus_q : p.one_plus_k;
+    // The head's packs as `rms_norm_vec` loads them, and its gate or value packs to copy.
     uint4 v[NORM_VPT], x[NORM_VPT];
     float w[NORM_VPT][N];
+    norm_vec_load<T>(src, wt, one_plus, lane, tpg, nvec, active, v, w);
 #pragma unroll
     for (int k = 0; k < NORM_VPT; ++k) {
         const int j = lane + k * tpg;
-        v[k] = make_uint4(0, 0, 0, 0);
-        x[k] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int e = 0; e < N; ++e) w[k][e] = 1.0f;
-        if (active && j < nvec) {
-            v[k] = flashrt::ld16(src + (size_t)j * N);
-            if (other) x[k] = flashrt::ld16(other + (size_t)j * N);
-            if (wt) norm_load_scale(wt + (size_t)j * N, one_plus, w[k]);
-        }
+        x[k] = other && active && j < nvec ? flashrt::ld16(other + (size_t)j * N) : make_uint4(0, 0, 0, 0);
     }
     for (int i = threadIdx.x; i < half; i += blockDim.x)
         angle[i] = flashrt::rope_cos_sin((float)t, (float)p.theta, i, p.rotary_dims);

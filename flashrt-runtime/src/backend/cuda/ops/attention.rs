@@ -344,21 +344,6 @@ impl Builder<'_> {
 }
 
 impl Builder<'_> {
-    /// The launches of an `Op::Attention` over `rows`: the KV-cache write, then decode
-    /// (split over the cache, combined) or prefill (tensor-core tiles) attention. With
-    /// `shared = Some(s)` the split count is a one-row step's (see [`Builder::op`]).
-    pub(super) fn attention(
-        &self,
-        op: &Op,
-        rows: usize,
-        shared: Option<usize>,
-        label: &str,
-        cmds: &mut Vec<Cmd>,
-    ) -> Result<()> {
-        self.attention_after(op, rows, shared, label, cmds, true, None)
-            .map(|_| ())
-    }
-
     /// The output gate `next` applies to attention `op`'s output, if it is one the small-phase
     /// kernel can fuse ([`OutGate`]) and `CudaOptions::attn_gate` is on.
     pub(super) fn out_gate(
@@ -397,12 +382,14 @@ impl Builder<'_> {
         }))
     }
 
-    /// [`Builder::attention`], with its first launch (`kv_write`) left out where `write_kv` is
-    /// false (an earlier launch of the program wrote the rows' keys and values into the caches:
-    /// `qk_prep`, [`Builder::qk_prep`]), and the output gate `gate` fused where the small-phase
-    /// kernel runs: returns whether it did (else the caller launches the gate's `Mul`).
+    /// The launches of an `Op::Attention` over `rows`: the KV-cache write (left out where
+    /// `write_kv` is false: an earlier launch of the program wrote the rows' keys and values
+    /// into the caches, [`Builder::qk_prep`]), then decode (split over the cache, combined) or
+    /// prefill (tensor-core tiles) attention. With `shared = Some(s)` the split count is a
+    /// one-row step's (see [`Builder::op`]). The output gate `gate` is fused where the
+    /// small-phase kernel runs: returns whether it was (else the caller launches its `Mul`).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn attention_after(
+    pub(super) fn attention(
         &self,
         op: &Op,
         rows: usize,

@@ -683,7 +683,12 @@ impl Builder<'_> {
         let mut i = 0;
         while i < plan.ops.len() {
             let op = &plan.ops[i];
-            let label = format!("{} op {i} ({})", plan.phase.label(), op.name());
+            // The label of op i + k (commands keep their op's label: profiles group by it).
+            let label_at = |k: usize| {
+                let op = &plan.ops[i + k];
+                format!("{} op {} ({})", plan.phase.label(), i + k, op.name())
+            };
+            let label = label_at(0);
             if logits != StepLogits::All
                 && matches!(op, Op::Linear { out, .. } if out.buf == io.logits)
             {
@@ -721,18 +726,14 @@ impl Builder<'_> {
             {
                 unkept += 1;
             }
-            let label_at = |k: usize| {
-                let op = &plan.ops[i + k];
-                format!("{} op {} ({})", plan.phase.label(), i + k, op.name())
-            };
             if let Some(used) = self.qk_prep(&plan.ops[i..], rows, shared, &label_at, &mut cmds)? {
                 i += used;
                 continue;
             }
+            // Attention here rather than in `op`: it may take the gate's `Mul` after it.
             if matches!(op, Op::Attention { .. }) {
                 let gate = self.out_gate(op, plan.ops.get(i + 1), rows, &label)?;
-                let gated =
-                    self.attention_after(op, rows, shared, &label, &mut cmds, true, gate)?;
+                let gated = self.attention(op, rows, shared, &label, &mut cmds, true, gate)?;
                 i += 1 + gated as usize;
                 continue;
             }
@@ -845,7 +846,9 @@ impl Builder<'_> {
             op @ Op::GatedRmsNorm { .. } => self.gated_rms_norm(op, rows, label, cmds)?,
             op @ Op::StoreLastRow { .. } => self.store_last_row(op, rows, label, cmds)?,
             op @ Op::LoadState { .. } => self.load_state(op, rows, label, cmds)?,
-            op @ Op::Attention { .. } => self.attention(op, rows, shared, label, cmds)?,
+            op @ Op::Attention { .. } => {
+                self.attention(op, rows, shared, label, cmds, true, None)?;
+            }
             op @ Op::CausalConv1d { .. } => {
                 self.not_batched(
                     label,

@@ -237,7 +237,7 @@ impl Builder<'_> {
         let at = 4 + split.is_some() as usize;
         let att_label = label_at(at);
         let gate = self.out_gate(att, rest.get(5), rows, &att_label)?;
-        let gated = self.attention_after(att, rows, shared, &att_label, cmds, false, gate)?;
+        let gated = self.attention(att, rows, shared, &att_label, cmds, false, gate)?;
         Ok(Some(at + 1 + gated as usize))
     }
 }
