@@ -71,8 +71,8 @@
 // and a chunk outside a row's own piece is an exact no-op for that row (max unchanged ->
 // correction 1 by select, p = 0 times finite V).
 //
-// Both entries are PDL-ready (not in kernels.rs NOT_PDL): they start with `pdl_enter()` (the wait
-// and the trigger), so the combine's launch overlaps the main kernel.
+// Both entries are PDL-ready (not in kernels.rs NOT_PDL): they start with the wait and (but the
+// gated combine, below) the trigger, so the combine's launch overlaps the main kernel.
 //
 // Traffic per step and KV head: n * head_dim * 2 elements of K and V read once (plus tile
 // rounding at piece ends, mostly L2 hits), Q read once; partials 4 (head_dim + 2) bytes per (row,
@@ -679,10 +679,15 @@ static __device__ __forceinline__ void attention_decode_combine_impl(const Atten
 }
 
 // At most 64 registers, so that combine blocks launched early (PDL) fit beside a main block.
+// With the output gate fused the launch after the combine is the output projection's matmul:
+// let it launch only when the combine ends (an implicit trigger), or its blocks take the SMs
+// while the main kernel still runs (0.2 ms a 27B decode step on the H100 with the early
+// trigger; even without it, benches/RESULTS.md 2026-12-06 15:35 UTC).
 #define FLASHRT_DEC_COMBINE(suffix, T)                                                                 \
     extern "C" __global__ void __launch_bounds__(flashrt_dec::COMBINE_THREADS, 8)                      \
         attention_decode_combine_##suffix(const AttentionDecodeParams p) {                             \
-        flashrt::pdl_enter();                                                                           \
+        flashrt::pdl_wait();                                                                            \
+        if (!p.gate) flashrt::pdl_trigger();                                                            \
         attention_decode_combine_impl<T>(p);                                                           \
     }
 FLASHRT_DEC_COMBINE(bf16, __nv_bfloat16)

@@ -352,17 +352,17 @@ static __device__ __forceinline__ void gdnd_put(float* local, unsigned rank, flo
 // Threads of a block of gdn_decode_*_c{NB}: one warp per 8 of its GDND_DV / NB columns.
 #define GDND_THREADS(NB) (GDND_DV / (NB) / GDN_COLS_PER_WARP * 32)
 
-template <typename T, int R, int NB> static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q) {
+template <typename T, int R, int NB, int MAXR> static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int RPT = GDND_DK / GDN_SLICES;
     constexpr int COLS = GDND_DV / NB; // value columns of this block
     constexpr int THREADS = GDND_THREADS(NB);
     constexpr int GROUPS = GDND_DV / 32; // 32-column groups of a head (the norm's partial sums)
-    __shared__ float cqk[GDND_ROWS][2 * GDND_DK]; // q then k, after the conv (T-rounded)
-    __shared__ float cv[GDND_ROWS][COLS];
-    __shared__ float zs[GDND_ROWS][COLS], so[GDND_ROWS][COLS];
-    __shared__ float sab[GDND_ROWS][2];
-    __shared__ float red[GDND_ROWS][GROUPS];
+    __shared__ float cqk[MAXR][2 * GDND_DK]; // q then k, after the conv (T-rounded)
+    __shared__ float cv[MAXR][COLS];
+    __shared__ float zs[MAXR][COLS], so[MAXR][COLS];
+    __shared__ float sab[MAXR][2];
+    __shared__ float red[MAXR][GROUPS];
     const GdnParams& p = q.g;
     FLASHRT_MARK(0);
     gdnd_cluster_arrive();
@@ -423,13 +423,13 @@ template <typename T, int R, int NB> static __device__ __forceinline__ void gdn_
     FLASHRT_MARK(2);
     const int live = flashrt::load_len(p.len);
     if (q.slots && row0 >= live) return; // a batched step's padding row (the whole cluster)
-    const int len = q.slots ? 1 : min(live, GDND_ROWS);
+    const int len = q.slots ? 1 : min(live, MAXR);
     // Activation rows from row0 on (r below counts from there).
     const T* x = static_cast<const T*>(p.qkv) + (size_t)row0 * p.ld_qkv;
     // The norm's gate and the recurrence's a, b for every row, requested first and held in
     // registers until the conv's loads are in flight too (one trip to L2 for all of them: the
     // compiler keeps loads after the conv's stores in program order, as the pointers may alias).
-    constexpr int ZPER = (GDND_ROWS * COLS + THREADS - 1) / THREADS;
+    constexpr int ZPER = (MAXR * COLS + THREADS - 1) / THREADS;
     float zr[ZPER], ar = 0.0f, br = 0.0f;
 #pragma unroll
     for (int u = 0; u < ZPER; ++u) {
@@ -532,9 +532,9 @@ template <typename T, int R, int NB> static __device__ __forceinline__ void gdn_
     __syncthreads();
     // ---- the gated RMSNorm of the head's dv outputs (thread t = column c0 + t): each 32-column
     // group's sum of squares to the head's NB blocks, then every group's in order
-    float hv[GDND_ROWS], gv[GDND_ROWS];
+    float hv[MAXR], gv[MAXR];
 #pragma unroll
-    for (int r = 0; r < GDND_ROWS; ++r) {
+    for (int r = 0; r < MAXR; ++r) {
         hv[r] = 0.0f, gv[r] = 0.0f;
         if (r < len && norm_ok) {
             const float xv = so[r][t];
@@ -557,7 +557,7 @@ template <typename T, int R, int NB> static __device__ __forceinline__ void gdn_
     gdnd_cluster_sync();
     if (norm_ok) {
 #pragma unroll
-        for (int r = 0; r < GDND_ROWS; ++r) {
+        for (int r = 0; r < MAXR; ++r) {
             if (r < len) {
                 float tot = 0.0f;
                 for (int w = 0; w < dv / 32; ++w) tot += red[r][w];
@@ -577,15 +577,25 @@ template <typename T, int R, int NB> static __device__ __forceinline__ void gdn_
 #else
 #define GDND_CLUSTER(n)
 #endif
-#define FLASHRT_GDND_ENTRY(R, NB)                                                                      \
-    extern "C" __global__ void GDND_CLUSTER(R * NB) __launch_bounds__(GDND_THREADS(NB))               \
-        gdn_decode_r##R##_c##NB##_bf16(const GdnDecodeParams p) {                                      \
-        gdn_decode_impl<__nv_bfloat16, R, NB>(p);                                                      \
+// `gdn_decode_r{R}_c{NB}` runs up to GDND_ROWS rows a block (decode and verify passes);
+// `gdn_decode1_r{R}_c{NB}` one (a batched step's block rows: each its own session's row), with
+// arrays sized for one row: 255 registers a thread at 8 rows leave one 256-thread block an SM,
+// so a batched step's Hv x NB x b blocks would run in many waves. The same arithmetic per row.
+#ifndef GDND1_MINB
+#define GDND1_MINB(NB) (512 / GDND_THREADS(NB))
+#endif
+#define FLASHRT_GDND_ENTRY_ROWS(NAME, R, NB, MAXR, MINB)                                               \
+    extern "C" __global__ void GDND_CLUSTER(R * NB) __launch_bounds__(GDND_THREADS(NB), MINB)         \
+        NAME##_r##R##_c##NB##_bf16(const GdnDecodeParams p) {                                          \
+        gdn_decode_impl<__nv_bfloat16, R, NB, MAXR>(p);                                                \
     }                                                                                                  \
-    extern "C" __global__ void GDND_CLUSTER(R * NB) __launch_bounds__(GDND_THREADS(NB))               \
-        gdn_decode_r##R##_c##NB##_f16(const GdnDecodeParams p) {                                       \
-        gdn_decode_impl<__half, R, NB>(p);                                                             \
+    extern "C" __global__ void GDND_CLUSTER(R * NB) __launch_bounds__(GDND_THREADS(NB), MINB)         \
+        NAME##_r##R##_c##NB##_f16(const GdnDecodeParams p) {                                           \
+        gdn_decode_impl<__half, R, NB, MAXR>(p);                                                       \
     }
+#define FLASHRT_GDND_ENTRY(R, NB)                                                                      \
+    FLASHRT_GDND_ENTRY_ROWS(gdn_decode, R, NB, GDND_ROWS, 1)                                           \
+    FLASHRT_GDND_ENTRY_ROWS(gdn_decode1, R, NB, 1, GDND1_MINB(NB))
 
 FLASHRT_GDND_ENTRY(1, 1)
 FLASHRT_GDND_ENTRY(2, 1)

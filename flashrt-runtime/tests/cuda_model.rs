@@ -1704,8 +1704,8 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
     let mma: Arc<dyn Backend> = cuda_gemv16m("batched decode").expect("a CUDA device");
     // And in the CUDA-core kernel's blocks (`gemv16s`, opt-in).
     let smem: Arc<dyn Backend> = cuda_gemv16s("batched decode").expect("a CUDA device");
-    // And with an attention layer's per-head work in one launch and its output gate in the
-    // attention's stores (`qk_prep`, `attn_gate`, opt-in).
+    // And with the attention's output gate in its stores too (`attn_gate`, opt-in; `qk_prep`,
+    // the default, named).
     let prep: Arc<dyn Backend> = cuda_with(
         "batched decode (qk_prep, attn_gate)",
         CudaOptions {

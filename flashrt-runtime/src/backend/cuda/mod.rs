@@ -179,7 +179,12 @@ pub struct CudaOptions {
     /// Apply an attention layer's output gate (Qwen3.5's `out * sigmoid(gate)`) in the
     /// small-phase attention kernel's output stores (kernels/attention_decode.cu `dec_store4`)
     /// instead of a `mul` launch after it. The same values bit for bit (tests/cuda_model.rs).
-    /// Default off until measured on a GPU (`FLASHRT_ATTN_GATE=1` turns it on).
+    /// Off by default: it saves no time. On the H100 at the 27B shape it first cost 0.2 ms a
+    /// decode step (18.57 against 18.36 ms; without PDL it saved 0.02), as the matmul after
+    /// the combine then launched while the attention still held the SMs; with the combine
+    /// releasing its dependant only at its end when it applies the gate it is even (17.97
+    /// against 17.96 ms; batched steps 0.5 % slower at 8 rows), benches/RESULTS.md
+    /// 2026-12-06 15:35 UTC. `FLASHRT_ATTN_GATE=1` turns it on.
     pub attn_gate: bool,
     /// Run small phases' Gated DeltaNet layers (causal conv, recurrence, gated RMSNorm) as
     /// one launch per layer (kernels/gated_deltanet.cu `gdn_decode_r*`, thread-block
@@ -268,7 +273,9 @@ pub struct CudaOptions {
     /// 32 state columns a block; kernels/gated_deltanet.cu `gdn_decode_r*_c*`). Outputs do not
     /// depend on it. 2 on the H200: 27B decode 13.96 -> 13.53 ms, 35B-A3B 3.61 -> 3.43 ms against
     /// 1; 4 (clusters of 12 at the 27B shape) is slower there (benches/RESULTS.md, 2026-12-04
-    /// 20:10 UTC). Any other value runs 1. Default 2 from `FLASHRT_GDN_COL_BLOCKS`.
+    /// 20:10 UTC). Batched steps too (their one-row blocks, `gdn_decode1_*`: 8 rows at 2048 on
+    /// the H100 30.56 ms with 2, 30.62 with 4, 30.96 with 1; 2026-12-06 15:35 UTC). Any other
+    /// value runs 1. Default 2 from `FLASHRT_GDN_COL_BLOCKS`.
     pub gdn_col_blocks: u32,
     /// Split the chunked Gated DeltaNet prefill kernel's per-chunk phases that do not depend
     /// on the state (q / k norms, gates, the chunk's K K^T and Q K^T products and the

@@ -220,9 +220,15 @@ impl Builder<'_> {
             p.ckpt_conv = c;
             p.ckpt_row_bytes = a.row_bytes as i64;
         }
-        // A batched step: one cluster row per session row (grid y).
-        let gy = if self.batch.is_some() { rows as u32 } else { 1 };
-        let func = self.kernels.typed(&format!("gdn_decode_r{r}_c{nb}"), t)?;
+        // A batched step: one cluster row per session row (grid y), each block one row, so
+        // the entry whose arrays hold one row (`gdn_decode1`: half the registers, twice the
+        // blocks an SM; the same arithmetic per row).
+        let (gy, entry) = if self.batch.is_some() {
+            (rows as u32, "gdn_decode1")
+        } else {
+            (1, "gdn_decode")
+        };
+        let func = self.kernels.typed(&format!("{entry}_r{r}_c{nb}"), t)?;
         if r * nb > 8 {
             // Clusters of more than 8 blocks (up to 16 on sm_90) need the opt-in.
             func.set_attribute(
