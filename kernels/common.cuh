@@ -89,6 +89,55 @@ static __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// warp_sum of each of a thread's N values, bit for bit (every stage adds the same xor partner's
+// partial in the same operand order; the partners' sums are equal as a + b == b + a), with
+// fewer shuffles: while a stage has an even count M of values left, each lane keeps half of
+// them (the upper half where its lane bit O is set) and sends the partner the other half, one
+// shuffle per kept value; an odd count exchanges them all, as warp_sum does. 32 values take 31
+// shuffles instead of 160, 8 take 9 instead of 40 (a warp's shuffles issue at one a clock per
+// SM: the reduction of a several-row gemv tile cost more than its multiply-adds). On return the
+// lane holds `warp_sum_many_count(N)` sums in a[0..]: a[j] is the sum of original value
+// `base + j`, identical on the lanes that differ only in `warp_sum_many_dup_mask(N)`'s bits.
+__host__ __device__ constexpr int warp_sum_many_count(int n) {
+    for (int o = 16; o > 0; o >>= 1)
+        if (n % 2 == 0) n /= 2;
+    return n;
+}
+__host__ __device__ constexpr int warp_sum_many_dup_mask(int n) {
+    int mask = 0;
+    for (int o = 16; o > 0; o >>= 1) {
+        if (n % 2 == 0) n /= 2;
+        else mask |= o;
+    }
+    return mask;
+}
+template <int O, int M, int N> static __device__ __forceinline__ void warp_sum_many_stage(float (&a)[N], int& base) {
+    if constexpr (O > 0) {
+        if constexpr (M % 2 == 0) {
+            constexpr int H = M / 2;
+            const bool hi = (threadIdx.x & O) != 0;
+#pragma unroll
+            for (int j = 0; j < H; ++j) {
+                const float send = hi ? a[j] : a[j + H];
+                const float keep = hi ? a[j + H] : a[j];
+                a[j] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+            }
+            if (hi) base += H;
+            warp_sum_many_stage<O / 2, H>(a, base);
+        } else {
+#pragma unroll
+            for (int j = 0; j < M; ++j) a[j] += __shfl_xor_sync(0xffffffffu, a[j], O);
+            warp_sum_many_stage<O / 2, M>(a, base);
+        }
+    }
+}
+// Returns `base` (see above).
+template <int N> static __device__ __forceinline__ int warp_sum_many(float (&a)[N]) {
+    int base = 0;
+    warp_sum_many_stage<16, N>(a, base);
+    return base;
+}
+
 // Inclusive prefix sum over the 64 values of a warp held 2 per lane (lane l holds elements 2l
 // and 2l + 1): on return v0, v1 are the sums up to and including them, and the result is the
 // total (the chunked recurrences' cumulative log-decays).

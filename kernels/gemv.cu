@@ -49,6 +49,18 @@
 
 #define GEMV_WARPS 8
 #define GEMV_MATS 4
+// A tile's cross-lane reduction with `warp_sum_many` (common.cuh): at R rows and F features a
+// thread reduces R x F partial sums, one warp_sum (5 shuffles) each, 160 shuffles at 8 rows
+// against ~2.5 chunks of multiply-adds a thread per tile at the 27B shape's k = 5120, and a
+// warp's shuffle issues at one a clock per SM; warp_sum_many takes 31 for those 32 values (9
+// instead of 40 at one row), with the same bits (it adds the same partners in the same order;
+// an emulation of both over 32 lanes agreed bit for bit at every R x F the kernels use). Built
+// 2026-12-06 without a device left to measure it: off until a GPU run
+// (benches/run-gemv-reduce-h200.sh) shows it faster; build with
+// `FLASHRT_NVCC_FLAGS=-DGEMV_REDUCE_MANY=1` to try it.
+#ifndef GEMV_REDUCE_MANY
+#define GEMV_REDUCE_MANY 0
+#endif
 
 struct GemvMat {
     const void* w;
@@ -453,14 +465,27 @@ static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, 
     }
     }
 
-    // Fixed-order reduction: across the warp with shuffles, then the warps in order.
+    // Fixed-order reduction: across the warp with shuffles, then the warps in order. With
+    // GEMV_REDUCE_MANY, warp_sum_many (the same bits, half the values exchanged per stage).
+    if constexpr (!GEMV_REDUCE_MANY) {
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int i = 0; i < GEMV_FEATS; ++i) {
-            const float v = flashrt::warp_sum(acc[r][i]);
-            if (lane == 0) red[warp][r][i] = v;
+            for (int i = 0; i < GEMV_FEATS; ++i) {
+                const float v = flashrt::warp_sum(acc[r][i]);
+                if (lane == 0) red[warp][r][i] = v;
+            }
+    } else {
+        constexpr int N = R * GEMV_FEATS;
+        float(&flat)[N] = reinterpret_cast<float(&)[N]>(acc);
+        constexpr int KEPT = flashrt::warp_sum_many_count(N), DUP = flashrt::warp_sum_many_dup_mask(N);
+        const int base = flashrt::warp_sum_many(flat);
+        if ((lane & DUP) == 0) {
+            float* out = &red[warp][0][0];
+#pragma unroll
+            for (int j = 0; j < KEPT; ++j) out[base + j] = flat[j];
         }
+    }
     __syncthreads();
     gemv_finish<T, R, GEMV_FEATS, GEMV_FEATS>(p, red, mi, j0, row0);
 }

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GPU check of the gemv tiles' reduction with half the values exchanged per shuffle stage
+# (kernels/common.cuh `warp_sum_many`, kernels/gemv.cu `GEMV_REDUCE_MANY`; the same bits as one
+# warp_sum per value, off by default until this runs), one device call:
+#
+#   1. GPU tests on the NEW build: cuda_ops `linear`, `gemv_groups_and_glu`, `fp8_linear`
+#      (against the CPU reference); cuda_model `bf16_tracks_cpu_reference`,
+#      `fixtures_f32_match_transformers`, the batched-decode test, short suffixes as verify
+#      passes, speculative decoding.
+#   2. `flashrt bench --batch 1,2,4,8` at 2048 on models/qwen36-27b.toml, BASE and NEW
+#      alternated; then both with `--quantize fp8` at one row (the FP8 step's CUDA-core gemv8
+#      launches), and the 35B-A3B shape at one row.
+#
+# Built here and carried packed (the working tree plus carry must stay under 64 MiB, so only
+# these binaries):
+#   cargo build --release --features cuda && strip --strip-debug target/release/flashrt -o .gpu/flashrt2
+#   tar -cJf .gpupack/v2.tar.xz .gpu/flashrt2                                   # BASE
+#   FLASHRT_NVCC_FLAGS=-DGEMV_REDUCE_MANY=1 cargo build --release --features cuda
+#   strip --strip-debug target/release/flashrt -o .gpu/flashrt3
+#   FLASHRT_NVCC_FLAGS=-DGEMV_REDUCE_MANY=1 bash scripts/gpu-check.sh --collect
+#   cp .gpu/bin/cuda_model .gpu/cuda_model3 && cp .gpu/bin/cuda_ops .gpu/cuda_ops3
+#   tar -cJf .gpupack/v3.tar.xz .gpu/flashrt3 .gpu/cuda_model3 .gpu/cuda_ops3   # NEW
+# Usage (repository root on the GPU machine, carry .gpupack): [REPS=2] bash benches/run-gemv-reduce-h200.sh OUT
+set -uo pipefail
+OUT="${1:-${OUT:-benches/results/latest-gemv-reduce}}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mkdir -p "$OUT"
+for f in v2 v3; do tar -xJf "$ROOT/.gpupack/$f.tar.xz" -C "$ROOT"; done
+export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/device.txt" 2>&1
+date -u +"%Y-%m-%dT%H:%M:%SZ" >>"$OUT/device.txt"
+status=0
+BASE="$ROOT/.gpu/flashrt2" NEW="$ROOT/.gpu/flashrt3"
+"$ROOT/.gpu/cuda_ops3" --test-threads=1 linear gemv_groups_and_glu fp8_linear >"$OUT/cuda_ops.log" 2>&1 || status=1
+"$ROOT/.gpu/cuda_model3" --test-threads=1 bf16_tracks_cpu_reference fixtures_f32 batched_decode short_suffixes \
+  speculative_greedy >"$OUT/cuda_model.log" 2>&1 || status=1
+grep -hE '^test |test result|panicked' "$OUT/cuda_ops.log" "$OUT/cuda_model.log"
+b() {
+  local name="$1" bin="$2"
+  shift 2
+  timeout 200 "$bin" bench "$@" --random-weights --backend cuda --iters 1 --lengths 2048 \
+    --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
+  echo "== $name"
+  grep -E '^ +2048 +[1248] ' "$OUT/$name.log" | head -4
+}
+M27="$ROOT/models/qwen36-27b.toml"
+for i in $(seq "${REPS:-2}"); do
+  b base-batch-$i "$BASE" "$M27" --decode-steps 32 --batch 1,2,4,8
+  b new-batch-$i "$NEW" "$M27" --decode-steps 32 --batch 1,2,4,8
+done
+b base-fp8 "$BASE" "$M27" --quantize fp8 --decode-steps 64 --batch 1
+b new-fp8 "$NEW" "$M27" --quantize fp8 --decode-steps 64 --batch 1
+b base-35b "$BASE" "$ROOT/models/qwen36-35b-a3b.toml" --decode-steps 64 --batch 1
+b new-35b "$NEW" "$ROOT/models/qwen36-35b-a3b.toml" --decode-steps 64 --batch 1
+exit $status
