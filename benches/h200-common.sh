@@ -13,18 +13,28 @@ export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/device.txt" 2>&1
 date -u +"%Y-%m-%dT%H:%M:%SZ" >>"$OUT/device.txt"
 status=0
-# bench27 NAME [VAR=value ...] -- ARGS...: `flashrt bench` on models/qwen36-27b.toml with random
-# weights on the GPU, log and JSON under $OUT/NAME.*, its headline lines printed; a failure
+# run_bench NAME BIN [VAR=value ...] -- ARGS...: `BIN bench ARGS --random-weights --backend
+# cuda` with those variables set, log and JSON under $OUT/NAME.*, its name printed; a failure
 # sets status=1.
+run_bench() {
+  local name="$1" bin="$2"
+  shift 2
+  local envs=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  env "${envs[@]}" timeout "${BENCH_TIMEOUT:-280}" "$bin" bench "$@" --random-weights --backend cuda \
+    --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
+  echo "== $name (${envs[*]})"
+}
+# bench27 NAME [VAR=value ...] -- ARGS...: run_bench on models/qwen36-27b.toml with the
+# committed binary, its headline lines printed.
 bench27() {
   local name="$1"
   shift
   local envs=()
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
-  env "${envs[@]}" timeout "${BENCH_TIMEOUT:-280}" "$FLASHRT" bench "$ROOT/models/qwen36-27b.toml" --random-weights \
-    --backend cuda "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
-  echo "== $name (${envs[*]})"
+  run_bench "$name" "$FLASHRT" "${envs[@]}" -- "$ROOT/models/qwen36-27b.toml" "$@"
   grep -E 'per step|restored TTFT [0-9]|^ +[0-9]+ +[1248] ' "$OUT/$name.log" | head -12
   grep -E '^\[bench --serve\] (prefix|chat)' "$OUT/$name.log" | head -14
 }

@@ -23,17 +23,10 @@ source "$ROOT/benches/h200-common.sh"
 BASE="$FLASHRT" NEW="$ROOT/.gpu/flashrt2"
 "$ROOT/.gpu/cuda_model2" --test-threads=1 batched_decode attention_fusions >"$OUT/cuda_model.log" 2>&1 || status=1
 grep -hE '^test |test result|panicked' "$OUT/cuda_model.log"
-# b NAME BIN [VAR=value ...] -- ARGS...
+# b NAME BIN [VAR=value ...] -- ARGS...: run_bench at one iteration, the step lines printed.
 b() {
-  local name="$1" bin="$2"
-  shift 2
-  local envs=()
-  while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
-  shift
-  env "${envs[@]}" timeout 200 "$bin" bench "$@" --random-weights --backend cuda --iters 1 \
-    --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
-  echo "== $name (${envs[*]})"
-  grep -E '^ +[0-9]+ +[1248] |^ +16384 ' "$OUT/$name.log" | head -6
+  run_bench "$@" --iters 1
+  grep -E '^ +[0-9]+ +[1248] |^ +16384 ' "$OUT/$1.log" | head -6
 }
 M27="$ROOT/models/qwen36-27b.toml"
 for i in $(seq "${REPS:-2}"); do

@@ -24,24 +24,17 @@
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-gemv-reduce}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-mkdir -p "$OUT"
+# shellcheck source=benches/h200-common.sh
+source "$ROOT/benches/h200-common.sh"
 for f in v2 v3; do tar -xJf "$ROOT/.gpupack/$f.tar.xz" -C "$ROOT"; done
-export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/device.txt" 2>&1
-date -u +"%Y-%m-%dT%H:%M:%SZ" >>"$OUT/device.txt"
-status=0
 BASE="$ROOT/.gpu/flashrt2" NEW="$ROOT/.gpu/flashrt3"
 "$ROOT/.gpu/cuda_ops3" --test-threads=1 linear gemv_groups_and_glu fp8_linear >"$OUT/cuda_ops.log" 2>&1 || status=1
 "$ROOT/.gpu/cuda_model3" --test-threads=1 bf16_tracks_cpu_reference fixtures_f32 batched_decode short_suffixes \
   speculative_greedy >"$OUT/cuda_model.log" 2>&1 || status=1
 grep -hE '^test |test result|panicked' "$OUT/cuda_ops.log" "$OUT/cuda_model.log"
 b() {
-  local name="$1" bin="$2"
-  shift 2
-  timeout 200 "$bin" bench "$@" --random-weights --backend cuda --iters 1 --lengths 2048 \
-    --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || status=1
-  echo "== $name"
-  grep -E '^ +2048 +[1248] ' "$OUT/$name.log" | head -4
+  run_bench "$1" "$2" -- "${@:3}" --iters 1 --lengths 2048
+  grep -E '^ +2048 +[1248] ' "$OUT/$1.log" | head -4
 }
 M27="$ROOT/models/qwen36-27b.toml"
 for i in $(seq "${REPS:-2}"); do
