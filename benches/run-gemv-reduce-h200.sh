@@ -45,4 +45,12 @@ b base-fp8 "$BASE" "$M27" --quantize fp8 --decode-steps 64 --batch 1
 b new-fp8 "$NEW" "$M27" --quantize fp8 --decode-steps 64 --batch 1
 b base-35b "$BASE" "$ROOT/models/qwen36-35b-a3b.toml" --decode-steps 64 --batch 1
 b new-35b "$NEW" "$ROOT/models/qwen36-35b-a3b.toml" --decode-steps 64 --batch 1
+# Where a 2-row step's extra time goes (issue 15's b = 2 bar): its commands and a one-row step's, timed.
+run_bench new-profile2 "$NEW" -- "$M27" --iters 1 --lengths 2048 --decode-steps 16 --batch 1,2 --profile
+grep -E '^profile:' "$OUT/new-profile2.log"
+# On an H200 (the bars' device), also issue 16's cold TTFT of the 35B-A3B shape at 2k and 16k.
+if grep -q H200 "$OUT/device.txt"; then
+  run_bench h200-35b-cold "$NEW" -- "$ROOT/models/qwen36-35b-a3b.toml" --lengths 2048,16384 --iters 2 --decode-steps 32
+  grep -E '^ +(2048|16384) ' "$OUT/h200-35b-cold.log"
+fi
 exit $status

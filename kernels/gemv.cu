@@ -54,12 +54,12 @@
 // against ~2.5 chunks of multiply-adds a thread per tile at the 27B shape's k = 5120, and a
 // warp's shuffle issues at one a clock per SM; warp_sum_many takes 31 for those 32 values (9
 // instead of 40 at one row), with the same bits (it adds the same partners in the same order;
-// an emulation of both over 32 lanes agreed bit for bit at every R x F the kernels use). Built
-// 2026-12-06 without a device left to measure it: off until a GPU run
-// (benches/run-gemv-reduce-h200.sh) shows it faster; build with
-// `FLASHRT_NVCC_FLAGS=-DGEMV_REDUCE_MANY=1` to try it.
+// an emulation of both over 32 lanes agreed bit for bit at every R x F the kernels use, and the
+// GPU tests pass). H100, 27B shape at 2048, same machine: batched steps of 2 / 4 / 8 rows
+// 19.79 / 23.42 / 30.74 -> 19.66 / 22.98 / 29.72 ms, one row and FP8 unchanged
+// (benches/RESULTS.md, 2026-12-06 18:01). `-DGEMV_REDUCE_MANY=0`: one warp_sum per value.
 #ifndef GEMV_REDUCE_MANY
-#define GEMV_REDUCE_MANY 0
+#define GEMV_REDUCE_MANY 1
 #endif
 
 struct GemvMat {
@@ -270,7 +270,11 @@ static __device__ __forceinline__ void gemv_finish(const GemvParams& p, const fl
 #define GEMV_STAGED(R, NORM, FP8) ((R) > 1 && (NORM) && !(FP8))
 // More than two rows of 16-bit weights: the next chunk's weights are requested while this
 // chunk's multiply-adds run (see gemv_tile).
-#define GEMV_PIPELINED(R, FP8) ((R) > 2 && !(FP8))
+// (`-DGEMV_PIPE_MIN_ROWS=2` builds two-row launches that way too, for an A/B.)
+#ifndef GEMV_PIPE_MIN_ROWS
+#define GEMV_PIPE_MIN_ROWS 3
+#endif
+#define GEMV_PIPELINED(R, FP8) ((R) >= GEMV_PIPE_MIN_ROWS && !(FP8))
 
 // One tile: GEMV_FEATS outputs of every row (see gemv_impl), `tile` counted over the launch's
 // matrices in order. `inv`: the rows' norm scales (NORM); `xs`: the staged rows
@@ -810,7 +814,11 @@ FLASHRT_GEMVS_ENTRY(8)
 
 // Blocks per SM the register budget must allow: a decode step's single row streams with
 // many resident blocks; more rows need more registers.
-#define GEMV_MINB_OF(R) ((R) == 1 ? 4 : 2)
+// (`-DGEMV_MINB_R2=3` or `=4` builds two-row launches with a smaller budget, for an A/B.)
+#ifndef GEMV_MINB_R2
+#define GEMV_MINB_R2 2
+#endif
+#define GEMV_MINB_OF(R) ((R) == 1 ? 4 : (R) == 2 ? GEMV_MINB_R2 : 2)
 
 // FP8 weights keep a scale pointer per feature and convert codes in registers: 8 features
 // for one row, 4 for more, and a register budget that holds them without spilling.

@@ -1335,23 +1335,25 @@ fn short_suffixes_run_as_verify_passes_on_gpu() {
 }
 
 /// `CudaOptions::gemv_tiles` (several rows' gemv launches as resident blocks looping over
-/// tiles) changes which block computes a tile, and `CudaOptions::gemv_stage` (the fused norm's
-/// rows normalised once per block into shared memory) where a tile reads its normalised
-/// inputs, never the arithmetic: verify passes of 2..5 rows give the same logits and state bit
-/// for bit under every combination.
+/// tiles) changes which block computes a tile, and `CudaOptions::gemv_stage_rows` (the fused
+/// norm's rows normalised once per block into shared memory, from that many rows up) where a
+/// tile reads its normalised inputs, never the arithmetic: verify passes of 2..5 rows give the
+/// same logits and state bit for bit under every combination (staged from 2 rows, from 3, or
+/// never).
 #[test]
 fn gemv_tiles_compute_what_one_block_per_tile_computes() {
     let name = "gemv_tiles_compute_what_one_block_per_tile_computes";
-    let with = |gemv_tiles, gemv_stage| CudaOptions {
+    let with = |gemv_tiles, gemv_stage_rows| CudaOptions {
         gemv_tiles,
-        gemv_stage,
+        gemv_stage_rows,
         ..CudaOptions::default()
     };
     let all = [
-        with(false, false),
-        with(true, false),
-        with(false, true),
-        with(true, true),
+        with(false, 0),
+        with(true, 0),
+        with(false, 2),
+        with(true, 2),
+        with(false, 3),
     ];
     if same_bits_with(name, QWEN_LIKE, &all) {
         println!("gemv_tiles and gemv_stage on and off: verify passes of 2..5 rows bit-identical");

@@ -257,6 +257,28 @@ pub fn dtype_suffix(d: DType) -> Option<&'static str> {
     }
 }
 
+/// A kernel family's fatbin from `FLASHRT_KERNELS_DIR/<family>.fatbin`, when that variable
+/// names a folder holding one: for kernel work, an A/B of a family built with other flags
+/// (`nvcc -fatbin` of that family's `kernels/<family>*.cu` with build.rs's arguments) against
+/// the same binary, without rebuilding it. Every entry point is still resolved at load, so a
+/// fatbin missing one fails here. Logged, since it replaces what the binary was built with.
+fn override_fatbin(
+    dir: Option<&std::ffi::OsStr>,
+    family: &str,
+) -> Result<Option<(Vec<u8>, String)>> {
+    let Some(dir) = dir else { return Ok(None) };
+    let path = std::path::Path::new(dir).join(format!("{family}.fatbin"));
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let bytes = std::fs::read(&path).map_err(|e| Error::Backend {
+        op: "load kernels".into(),
+        msg: format!("FLASHRT_KERNELS_DIR: cannot read {}: {e}", path.display()),
+    })?;
+    tracing::warn!(family, path = %path.display(), "kernel family loaded from FLASHRT_KERNELS_DIR, not the embedded fatbin");
+    Ok(Some((bytes, path.display().to_string())))
+}
+
 /// The loaded modules and every entry point, by full name (`rms_norm_bf16`).
 pub struct Kernels {
     _modules: Vec<Arc<CudaModule>>,
@@ -267,13 +289,18 @@ pub struct Kernels {
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let dir = std::env::var_os("FLASHRT_KERNELS_DIR").filter(|d| !d.is_empty());
         let modules = FATBINS
             .iter()
             .map(|(family, fatbin)| {
-                ctx.load_module(Ptx::from_binary(fatbin.to_vec()))
+                let (bytes, from) = match override_fatbin(dir.as_deref(), family)? {
+                    Some((bytes, path)) => (bytes, path),
+                    None => (fatbin.to_vec(), "the embedded".to_string()),
+                };
+                ctx.load_module(Ptx::from_binary(bytes))
                     .map_err(|e| Error::Backend {
                         op: "load kernels".into(),
-                        msg: format!("cuModuleLoadData of the embedded `{family}` fatbin failed: {e:?} (built for sm_90; set FLASHRT_CUDA_ARCHS for other GPUs)"),
+                        msg: format!("cuModuleLoadData of {from} `{family}` fatbin failed: {e:?} (built for sm_90; set FLASHRT_CUDA_ARCHS for other GPUs)"),
                     })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -240,8 +240,10 @@ pub struct CudaOptions {
     /// Several rows' 16-bit `gemv` launches with a fused RMSNorm read their input rows
     /// normalised once per block from shared memory, as resident blocks looping over tiles,
     /// instead of normalising them again in every tile (kernels/gemv.cu `GEMV_STAGED`; same
-    /// values, same arithmetic per row). Default on; `FLASHRT_GEMV_STAGE=0` turns it off.
-    pub gemv_stage: bool,
+    /// values, same arithmetic per row), from this many rows up (0: never). Default 2;
+    /// `FLASHRT_GEMV_STAGE=0` turns it off, `=N` (N >= 2) stages launches of N rows or more
+    /// (fewer rows normalise per tile, one block a tile, as at one row).
+    pub gemv_stage_rows: u32,
     /// Keep each row's Gated DeltaNet states in verify passes (the fused decode kernel writes
     /// the recurrent and conv states after every row to a model-wide area of `MAX_DRAFT + 1`
     /// rows of them), so that a speculative round whose drafts are rejected rolls back with
@@ -331,7 +333,10 @@ impl Default for CudaOptions {
             device_sampler: on("FLASHRT_DEVICE_SAMPLER"),
             defer_logits: on("FLASHRT_DEFER_LOGITS"),
             gemv_tiles: std::env::var("FLASHRT_GEMV_TILES").is_ok_and(|v| v == "1"),
-            gemv_stage: on("FLASHRT_GEMV_STAGE"),
+            gemv_stage_rows: match num("FLASHRT_GEMV_STAGE", 2) {
+                0 => 0,
+                n => n.max(2),
+            },
             row_states: on("FLASHRT_ROW_STATES"),
             gemvm_prefetch: (
                 num("FLASHRT_GEMV16M_PREFETCH", 4),
@@ -821,7 +826,7 @@ fn builder<'a>(
         gemv16_mma: model.gemv16_mma,
         gemv16_smem: model.gemv16_smem,
         gemv_tiles: model.options.gemv_tiles,
-        gemv_stage: model.options.gemv_stage,
+        gemv_stage_rows: model.options.gemv_stage_rows,
         gemvm_prefetch: model.options.gemvm_prefetch,
         gemv8m_max_splits: model.options.gemv8m_max_splits,
         gdn_col_blocks: model.options.gdn_col_blocks,

@@ -325,11 +325,12 @@ impl Builder<'_> {
         // kernels/gemv.cu): resident blocks looping over tiles, each with its rows normalised
         // once into `rows x k` elements of shared memory, where 8 rows fit (otherwise each tile
         // normalises what it reads, as before: the same values either way).
-        let cores_staged = self.gemv_stage
+        let cores_staged = self.gemv_stage_rows > 0
             && !mma
             && !smem_mma
             && norm.is_some()
             && shape_rows > 1
+            && shape_rows >= self.gemv_stage_rows as usize
             && first.weights == GemvWeights::Plain
             && 8 * k * t.size() <= GEMV_MAX_SMEM;
         let cores_smem = shape_rows * k * t.size();

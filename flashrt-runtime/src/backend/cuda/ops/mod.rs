@@ -413,8 +413,8 @@ pub struct Builder<'a> {
     /// ([`Builder::gemv`]; `CudaOptions::gemv_tiles`).
     pub gemv_tiles: bool,
     /// Several rows' fused-norm 16-bit `gemv` launches with their rows staged in shared
-    /// memory ([`Builder::gemv`]; `CudaOptions::gemv_stage`).
-    pub gemv_stage: bool,
+    /// memory, from this many rows up, 0 never ([`Builder::gemv`]; `CudaOptions::gemv_stage_rows`).
+    pub gemv_stage_rows: u32,
     /// Steps per warp a tensor-core `gemv` launch asks of the L2 before its PDL wait, over
     /// 16-bit and FP8 weights (`CudaOptions::gemvm_prefetch`).
     pub gemvm_prefetch: (u32, u32),
