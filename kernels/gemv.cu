@@ -849,6 +849,14 @@ FLASHRT_GEMV_ENTRY_T(gemv_r1f4, 1, 4, false, 4, false)
 FLASHRT_GEMV_ENTRY_T(gemv_norm_r1f4, 1, 4, true, 4, false)
 FLASHRT_GEMV_ENTRY_T(gemv_r1f2, 1, 2, false, 4, false)
 FLASHRT_GEMV_ENTRY_T(gemv_norm_r1f2, 1, 2, true, 4, false)
+// Two rows with 4 features a block (`gemv_r2f4`, `CudaOptions::gemv_r2_feats`): half the
+// partial sums and weight registers of `gemv_r2`, so more blocks an SM stream at once. Same
+// arithmetic per output.
+#ifndef GEMV_MINB_R2F4
+#define GEMV_MINB_R2F4 3
+#endif
+FLASHRT_GEMV_ENTRY_T(gemv_r2f4, 2, 4, false, GEMV_MINB_R2F4, false)
+FLASHRT_GEMV_ENTRY_T(gemv_norm_r2f4, 2, 4, true, GEMV_MINB_R2F4, false)
 FLASHRT_GEMV_ENTRY_T(gemv8_r1f4, 1, 4, false, 3, true)
 FLASHRT_GEMV_ENTRY_T(gemv8_norm_r1f4, 1, 4, true, 3, true)
 FLASHRT_GEMV_ENTRY_T(gemv8_r1f2, 1, 2, false, 3, true)
