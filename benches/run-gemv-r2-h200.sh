@@ -12,6 +12,9 @@
 #     chunk's weights requested before this chunk's multiply-adds, as past two rows),
 #     `pipe2m2` (the same with gemv_r2f4 at 2 an SM, no spills), `f4m4` (gemv_r2f4 at 4 an SM).
 # First the GPU tests (bit-identity of every option; each fatbin's batched rows).
+# Ran once (2026-12-06 18:51, H100, benches/results/2026-12-06-h100-gemv-r2/): none beat the
+# default, so gemv_r2f4, FLASHRT_GEMV_R2_FEATS and the three flags were removed afterwards;
+# rerun from commit 119712e, which has them.
 # Usage (repository root on the GPU machine, carry .gpupack): bash benches/run-gemv-r2-h200.sh OUT
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-gemv-r2}}"

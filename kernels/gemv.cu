@@ -270,11 +270,9 @@ static __device__ __forceinline__ void gemv_finish(const GemvParams& p, const fl
 #define GEMV_STAGED(R, NORM, FP8) ((R) > 1 && (NORM) && !(FP8))
 // More than two rows of 16-bit weights: the next chunk's weights are requested while this
 // chunk's multiply-adds run (see gemv_tile).
-// (`-DGEMV_PIPE_MIN_ROWS=2` builds two-row launches that way too, for an A/B.)
-#ifndef GEMV_PIPE_MIN_ROWS
-#define GEMV_PIPE_MIN_ROWS 3
-#endif
-#define GEMV_PIPELINED(R, FP8) ((R) >= GEMV_PIPE_MIN_ROWS && !(FP8))
+// (Two rows that way too, at 128 or 80 registers: slower, 2-row steps 1.24-1.52x one row
+// against 1.08x; benches/RESULTS.md, 2026-12-06 18:51.)
+#define GEMV_PIPELINED(R, FP8) ((R) > 2 && !(FP8))
 
 // One tile: GEMV_FEATS outputs of every row (see gemv_impl), `tile` counted over the launch's
 // matrices in order. `inv`: the rows' norm scales (NORM); `xs`: the staged rows
@@ -814,11 +812,8 @@ FLASHRT_GEMVS_ENTRY(8)
 
 // Blocks per SM the register budget must allow: a decode step's single row streams with
 // many resident blocks; more rows need more registers.
-// (`-DGEMV_MINB_R2=3` or `=4` builds two-row launches with a smaller budget, for an A/B.)
-#ifndef GEMV_MINB_R2
-#define GEMV_MINB_R2 2
-#endif
-#define GEMV_MINB_OF(R) ((R) == 1 ? 4 : (R) == 2 ? GEMV_MINB_R2 : 2)
+// (Two rows at 3 an SM spill and run slower: benches/RESULTS.md, 2026-12-06 18:51.)
+#define GEMV_MINB_OF(R) ((R) == 1 ? 4 : 2)
 
 // FP8 weights keep a scale pointer per feature and convert codes in registers: 8 features
 // for one row, 4 for more, and a register budget that holds them without spilling.
@@ -849,14 +844,6 @@ FLASHRT_GEMV_ENTRY_T(gemv_r1f4, 1, 4, false, 4, false)
 FLASHRT_GEMV_ENTRY_T(gemv_norm_r1f4, 1, 4, true, 4, false)
 FLASHRT_GEMV_ENTRY_T(gemv_r1f2, 1, 2, false, 4, false)
 FLASHRT_GEMV_ENTRY_T(gemv_norm_r1f2, 1, 2, true, 4, false)
-// Two rows with 4 features a block (`gemv_r2f4`, `CudaOptions::gemv_r2_feats`): half the
-// partial sums and weight registers of `gemv_r2`, so more blocks an SM stream at once. Same
-// arithmetic per output.
-#ifndef GEMV_MINB_R2F4
-#define GEMV_MINB_R2F4 3
-#endif
-FLASHRT_GEMV_ENTRY_T(gemv_r2f4, 2, 4, false, GEMV_MINB_R2F4, false)
-FLASHRT_GEMV_ENTRY_T(gemv_norm_r2f4, 2, 4, true, GEMV_MINB_R2F4, false)
 FLASHRT_GEMV_ENTRY_T(gemv8_r1f4, 1, 4, false, 3, true)
 FLASHRT_GEMV_ENTRY_T(gemv8_norm_r1f4, 1, 4, true, 3, true)
 FLASHRT_GEMV_ENTRY_T(gemv8_r1f2, 1, 2, false, 3, true)

@@ -107,8 +107,6 @@ const PER_HALF_DTYPE: &[&str] = &[
     "gemv_norm_r1f4",
     "gemv_r1f2",
     "gemv_norm_r1f2",
-    "gemv_r2f4",
-    "gemv_norm_r2f4",
     "gemv8_r1",
     "gemv8_r2",
     "gemv8_r3",

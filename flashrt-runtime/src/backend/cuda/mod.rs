@@ -244,10 +244,6 @@ pub struct CudaOptions {
     /// `FLASHRT_GEMV_STAGE=0` turns it off, `=N` (N >= 2) stages launches of N rows or more
     /// (fewer rows normalise per tile, one block a tile, as at one row).
     pub gemv_stage_rows: u32,
-    /// Outputs a block of a 2-row 16-bit `gemv` launch computes: 8 (`gemv_r2`, default) or 4
-    /// (`gemv_r2f4`: half the registers, more blocks an SM); same arithmetic per output.
-    /// `FLASHRT_GEMV_R2_FEATS=4` picks 4.
-    pub gemv_r2_feats: u32,
     /// Keep each row's Gated DeltaNet states in verify passes (the fused decode kernel writes
     /// the recurrent and conv states after every row to a model-wide area of `MAX_DRAFT + 1`
     /// rows of them), so that a speculative round whose drafts are rejected rolls back with
@@ -340,11 +336,6 @@ impl Default for CudaOptions {
             gemv_stage_rows: match num("FLASHRT_GEMV_STAGE", 2) {
                 0 => 0,
                 n => n.max(2),
-            },
-            gemv_r2_feats: if num("FLASHRT_GEMV_R2_FEATS", 8) == 4 {
-                4
-            } else {
-                8
             },
             row_states: on("FLASHRT_ROW_STATES"),
             gemvm_prefetch: (
@@ -836,7 +827,6 @@ fn builder<'a>(
         gemv16_smem: model.gemv16_smem,
         gemv_tiles: model.options.gemv_tiles,
         gemv_stage_rows: model.options.gemv_stage_rows,
-        gemv_r2_feats: model.options.gemv_r2_feats,
         gemvm_prefetch: model.options.gemvm_prefetch,
         gemv8m_max_splits: model.options.gemv8m_max_splits,
         gdn_col_blocks: model.options.gdn_col_blocks,

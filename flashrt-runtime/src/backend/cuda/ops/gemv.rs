@@ -504,9 +504,6 @@ impl Builder<'_> {
         weights: GemvWeights,
     ) -> Result<(usize, &'static str)> {
         let fp8 = weights != GemvWeights::Plain;
-        if rows == 2 && !fp8 && self.gemv_r2_feats == 4 {
-            return Ok((4, "f4"));
-        }
         if rows != 1 {
             return Ok((gemv_feats(rows, fp8), ""));
         }

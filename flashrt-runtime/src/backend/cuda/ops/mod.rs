@@ -415,8 +415,6 @@ pub struct Builder<'a> {
     /// Several rows' fused-norm 16-bit `gemv` launches with their rows staged in shared
     /// memory, from this many rows up, 0 never ([`Builder::gemv`]; `CudaOptions::gemv_stage_rows`).
     pub gemv_stage_rows: u32,
-    /// Outputs a 2-row 16-bit `gemv` block computes, 8 or 4 (`CudaOptions::gemv_r2_feats`).
-    pub gemv_r2_feats: u32,
     /// Steps per warp a tensor-core `gemv` launch asks of the L2 before its PDL wait, over
     /// 16-bit and FP8 weights (`CudaOptions::gemvm_prefetch`).
     pub gemvm_prefetch: (u32, u32),
