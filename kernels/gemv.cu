@@ -125,8 +125,10 @@ static __device__ __forceinline__ uint4 load_stream(const void* p) {
 // Fused RMSNorm prologue (`p.norm`), shared by the gemv kernels. Each block reduces the sum of
 // squares of its R input rows itself (k elements each, from L2) in a fixed order, so a row's
 // scale depends on that row only. Ends with a block barrier.
+// `nred`: WARPS x R floats of shared memory for the warps' sums (the caller's, or see below).
 template <typename T, int R>
-static __device__ __forceinline__ void gemv_norm_inv(const GemvParams& p, const T* x, float (&inv)[R]) {
+static __device__ __forceinline__ void gemv_norm_inv_in(const GemvParams& p, const T* x, float (&inv)[R],
+                                                        float (&nred)[GEMV_WARPS][R]) {
     constexpr int WARPS = GEMV_WARPS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = p.k >> 3;
     float ss[R];
@@ -141,7 +143,6 @@ static __device__ __forceinline__ void gemv_norm_inv(const GemvParams& p, const 
             for (int e = 0; e < 8; ++e) ss[r] = fmaf(xf[e], xf[e], ss[r]);
         }
     }
-    __shared__ float nred[WARPS][R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const float v = flashrt::warp_sum(ss[r]);
@@ -155,6 +156,12 @@ static __device__ __forceinline__ void gemv_norm_inv(const GemvParams& p, const 
         for (int w = 0; w < WARPS; ++w) t += nred[w][r];
         inv[r] = 1.0f / sqrtf(t / (float)p.k + p.eps);
     }
+}
+
+template <typename T, int R>
+static __device__ __forceinline__ void gemv_norm_inv(const GemvParams& p, const T* x, float (&inv)[R]) {
+    __shared__ float nred[GEMV_WARPS][R];
+    gemv_norm_inv_in<T, R>(p, x, inv, nred);
 }
 
 // The norm weights of chunk c (elements 8c .. 8c + 7): w, 1 + w with `one_plus`, or 1
@@ -270,6 +277,20 @@ static __device__ __forceinline__ void gemv_finish(const GemvParams& p, const fl
 #define GEMV_STAGED(R, NORM, FP8) ((R) > 1 && (NORM) && !(FP8))
 // More than two rows of 16-bit weights: the next chunk's weights are requested while this
 // chunk's multiply-adds run (see gemv_tile).
+// Past two rows of 16-bit weights, launches with the fused norm (their rows staged in shared
+// memory) stream each thread's weight chunks through a ring of GEMV_ASYNC_DEPTH slots in
+// shared memory instead (gemv_async_tiles): two chunks in flight, not one, without the
+// registers. H100, 27B at 2048, same machine: 4-row steps 23.00 -> 21.54 ms, 8 rows 29.73 ->
+// 29.13, with every launch past two rows that way (`-DGEMV_ASYNC=2`); launches without the
+// norm read their inputs from L2 after the ring's wait, and their 8-row profile got slower,
+// so by default (1) they keep the register pipeline. `-DGEMV_ASYNC=0`: none.
+#ifndef GEMV_ASYNC
+#define GEMV_ASYNC 1
+#endif
+#ifndef GEMV_ASYNC_DEPTH
+#define GEMV_ASYNC_DEPTH 2
+#endif
+#define GEMV_ASYNC_ON(R, NORM, FP8) (GEMV_ASYNC && (R) > 2 && !(FP8) && ((NORM) || GEMV_ASYNC == 2))
 // (Two rows that way too, at 128 or 80 registers: slower, 2-row steps 1.24-1.52x one row
 // against 1.08x; benches/RESULTS.md, 2026-12-06 18:51.)
 #define GEMV_PIPELINED(R, FP8) ((R) > 2 && !(FP8))
@@ -301,6 +322,33 @@ static __device__ __forceinline__ void gemv_rows16(const GemvParams& p, int tile
         const GemvMat& m = p.glu ? p.m[i / HALF] : p.m[mi];
         ok[i] = j < (p.glu ? p.m[0].n : m.n);
         wr[i] = static_cast<const char*>(m.w) + (size_t)(ok[i] ? j : 0) * p.k * wsize;
+    }
+}
+
+// A tile's fixed-order reduction: each partial sum across the warp with shuffles (lane 0's
+// value, or with GEMV_REDUCE_MANY warp_sum_many's: the same bits, half the values exchanged
+// per stage) into `red[warp]`; the warps are then added in order by gemv_finish.
+template <int R, int F>
+static __device__ __forceinline__ void gemv_reduce(float (&acc)[R][F], float (&red)[GEMV_WARPS][R][F], int lane,
+                                                   int warp) {
+    if constexpr (!GEMV_REDUCE_MANY) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int i = 0; i < F; ++i) {
+                const float v = flashrt::warp_sum(acc[r][i]);
+                if (lane == 0) red[warp][r][i] = v;
+            }
+    } else {
+        constexpr int N = R * F;
+        float(&flat)[N] = reinterpret_cast<float(&)[N]>(acc);
+        constexpr int KEPT = flashrt::warp_sum_many_count(N), DUP = flashrt::warp_sum_many_dup_mask(N);
+        const int base = flashrt::warp_sum_many(flat);
+        if ((lane & DUP) == 0) {
+            float* out = &red[warp][0][0];
+#pragma unroll
+            for (int j = 0; j < KEPT; ++j) out[base + j] = flat[j];
+        }
     }
 }
 
@@ -467,29 +515,93 @@ static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, 
     }
     }
 
-    // Fixed-order reduction: across the warp with shuffles, then the warps in order. With
-    // GEMV_REDUCE_MANY, warp_sum_many (the same bits, half the values exchanged per stage).
-    if constexpr (!GEMV_REDUCE_MANY) {
+    gemv_reduce<R, GEMV_FEATS>(acc, red, lane, warp);
+    __syncthreads();
+    gemv_finish<T, R, GEMV_FEATS, GEMV_FEATS>(p, red, mi, j0, row0);
+}
+
+// The block's tiles with each thread's weight chunks streamed through its own ring of
+// GEMV_ASYNC_DEPTH slots in shared memory (`cp.async`, past L1): while a chunk's R x F x 8
+// multiply-adds run, the next GEMV_ASYNC_DEPTH chunks are in flight — across the block's tile
+// boundaries — without registers to hold them (the register-carried pipeline above keeps one).
+// A thread reads back only what it copied itself, so no block barrier guards the ring. The
+// chunks, their order and every product and sum are gemv_tile's: the same bits.
+template <typename T, int R, int F, bool NORM>
+static __device__ __forceinline__ void gemv_async_tiles(const GemvParams& p, const T* x, const T* xs, int row0,
+                                                        const float (&inv)[R], float (&red)[GEMV_WARPS][R][F]) {
+    constexpr int D = GEMV_ASYNC_DEPTH, S = GEMV_WARPS * 32, WSIZE = (int)sizeof(T);
+    __shared__ __align__(16) uint4 ring[D][F][S];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int k = p.k, wchunks = k / 8;
+    int tiles = p.m[0].blocks;
+    if (!p.glu)
+        for (int mi = 1; mi < p.nmats; ++mi) tiles += p.m[mi].blocks;
+    // The next entry this thread copies: tile `ptile`, chunk `pc` of its F weight rows `pw`.
+    int ptile = blockIdx.x, pc = t;
+    const char* pw[F];
+    bool pok[F];
+    gemv_rows16<F>(p, ptile < tiles ? ptile : 0, WSIZE, pw, pok);
+    const bool any = t < wchunks;
+    auto issue = [&](int slot) {
+        const bool valid = any && ptile < tiles;
+#pragma unroll
+        for (int i = 0; i < F; ++i)
+            flashrt::cp_async16(flashrt::smem_u32(&ring[slot][i][t]), pw[i] + (valid && pok[i] ? (size_t)pc * 16 : 0),
+                                valid && pok[i]);
+        flashrt::cp_async_commit();
+        if (valid) {
+            pc += S;
+            if (pc >= wchunks) {
+                pc = t;
+                ptile += gridDim.x;
+                if (ptile < tiles) gemv_rows16<F>(p, ptile, WSIZE, pw, pok);
+            }
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < D; ++s) issue(s);
+    int slot = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int b = tile, mi = 0;
+        while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
+            b -= p.m[mi].blocks;
+            ++mi;
+        }
+        const int j0 = p.glu ? b * (F / 2) : b * F;
+        float acc[R][F];
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int i = 0; i < GEMV_FEATS; ++i) {
-                const float v = flashrt::warp_sum(acc[r][i]);
-                if (lane == 0) red[warp][r][i] = v;
-            }
-    } else {
-        constexpr int N = R * GEMV_FEATS;
-        float(&flat)[N] = reinterpret_cast<float(&)[N]>(acc);
-        constexpr int KEPT = flashrt::warp_sum_many_count(N), DUP = flashrt::warp_sum_many_dup_mask(N);
-        const int base = flashrt::warp_sum_many(flat);
-        if ((lane & DUP) == 0) {
-            float* out = &red[warp][0][0];
+            for (int i = 0; i < F; ++i) acc[r][i] = 0.0f;
+        for (int c = t; c < wchunks; c += S) {
+            flashrt::cp_async_wait<D - 1>();
+            float wf[F][8];
 #pragma unroll
-            for (int j = 0; j < KEPT; ++j) out[base + j] = flat[j];
+            for (int i = 0; i < F; ++i) flashrt::unpack16<T>(ring[slot][i][t], wf[i]);
+            issue(slot);
+            slot = slot + 1 == D ? 0 : slot + 1;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float xf[8];
+                if (GEMV_STAGED(R, NORM, false) && p.stage) {
+                    flashrt::unpack16<T>(*reinterpret_cast<const uint4*>(xs + (size_t)r * k + (size_t)c * 8), xf);
+                } else {
+                    flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
+                    if (NORM) gemv_norm_chunk<T>(p, inv[r], c, xf);
+                }
+#pragma unroll
+                for (int i = 0; i < F; ++i)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[r][i] = fmaf(xf[e], wf[i][e], acc[r][i]);
+            }
         }
+        gemv_reduce<R, F>(acc, red, lane, warp);
+        __syncthreads();
+        gemv_finish<T, R, F, F>(p, red, mi, j0, row0);
+        // `red` is reused by the next tile.
+        __syncthreads();
     }
-    __syncthreads();
-    gemv_finish<T, R, GEMV_FEATS, GEMV_FEATS>(p, red, mi, j0, row0);
+    flashrt::cp_async_wait<0>();
 }
 
 // A block takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the host launches one block per
@@ -505,7 +617,17 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
     const int row0 = p.last_row ? flashrt::load_len(p.len) - 1 : 0;
     x += (size_t)row0 * p.ld_x;
     float inv[R];
-    if (NORM) gemv_norm_inv<T, R>(p, x, inv);
+    if constexpr (GEMV_ASYNC_ON(R, NORM, FP8)) {
+        // The warps' sums of squares in `red` (free until the first tile's reduction; the
+        // barrier below or the staging's keeps them apart), so that 8 staged rows of k = 5120,
+        // the ring and `red` fit two blocks an SM.
+        if (NORM) {
+            gemv_norm_inv_in<T, R>(p, x, inv, reinterpret_cast<float(&)[GEMV_WARPS][R]>(red));
+            if (!p.stage) __syncthreads();
+        }
+    } else if (NORM) {
+        gemv_norm_inv<T, R>(p, x, inv);
+    }
     extern __shared__ __align__(16) unsigned char gemv_xs_smem[];
     T* xs = reinterpret_cast<T*>(gemv_xs_smem);
     if (GEMV_STAGED(R, NORM, FP8) && p.stage) {
@@ -538,6 +660,10 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
         gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, blockIdx.x, x, xs, row0, inv, red);
         return;
     }
+    if constexpr (GEMV_ASYNC_ON(R, NORM, FP8)) {
+        gemv_async_tiles<T, R, GEMV_FEATS, NORM>(p, x, xs, row0, inv, red);
+        return;
+    } else {
     int tiles = p.m[0].blocks;
     if (!p.glu)
         for (int mi = 1; mi < p.nmats; ++mi) tiles += p.m[mi].blocks;
@@ -548,6 +674,7 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
         gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, tile, x, xs, row0, inv, red, next, carry, &carried);
         // `red` is reused by the next tile.
         __syncthreads();
+    }
     }
 }
 
