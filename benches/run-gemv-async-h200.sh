@@ -8,12 +8,12 @@
 #   Second run (VARIANTS="off all"): the binary's default = the ring for fused-norm launches
 #   only (`GEMV_ASYNC` 1), `off` = `-DGEMV_ASYNC=0` (no ring), `all` = `-DGEMV_ASYNC=2` (every
 #   launch past two rows).
-#   1. GPU tests of the default (and of each variant: batched rows bit-identical to single
+#   1. GPU tests of the default (and of each variant in TEST_VARIANTS: batched rows bit-identical to single
 #      steps, every gemv option's verify passes bit-identical, short suffixes as verify
 #      passes, bf16 against the CPU reference, speculative decoding; cuda_ops' gemv tests).
 #   2. `flashrt bench --batch 1,2,4,8` at 2048 on models/qwen36-27b.toml, default and variants
 #      alternated, then the default's 8-row step profiled.
-# Usage (repository root on the GPU machine, carry .gpupack): [REPS=2] [VARIANTS="off all"] bash benches/run-gemv-async-h200.sh OUT
+# Usage (repository root on the GPU machine, carry .gpupack): [REPS=2] [VARIANTS="off all"] [TEST_VARIANTS=...] bash benches/run-gemv-async-h200.sh OUT
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-gemv-async}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,7 +21,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/benches/h200-common.sh"
 [ -d "$ROOT/.gpu/kv" ] || tar -xf "$ROOT/.gpupack/kv.tar" -C "$ROOT"
 VARIANTS="${VARIANTS:-off all}"
-for v in default $VARIANTS; do
+for v in default ${TEST_VARIANTS:-}; do
   kd=""; [ "$v" = default ] || kd="$ROOT/.gpu/kv/$v"
   tests="batched_decode gemv_tiles_compute short_suffixes bf16_tracks_cpu_reference speculative_greedy"
   [ "$v" = default ] && tests="$tests fixtures_f32 capsules_on_gpu unaligned_restore"
