@@ -280,10 +280,10 @@ static __device__ __forceinline__ void gemv_finish(const GemvParams& p, const fl
 // Past two rows of 16-bit weights, launches with the fused norm (their rows staged in shared
 // memory) stream each thread's weight chunks through a ring of GEMV_ASYNC_DEPTH slots in
 // shared memory instead (gemv_async_tiles): two chunks in flight, not one, without the
-// registers. H100, 27B at 2048, same machine: 4-row steps 23.00 -> 21.54 ms, 8 rows 29.73 ->
-// 29.13, with every launch past two rows that way (`-DGEMV_ASYNC=2`); launches without the
-// norm read their inputs from L2 after the ring's wait, and their 8-row profile got slower,
-// so by default (1) they keep the register pipeline. `-DGEMV_ASYNC=0`: none.
+// registers. H100, 27B at 2048, same machine (benches/RESULTS.md, 2026-12-06 19:10 and
+// 19:36): 4-row steps 22.53 -> 21.11 ms, 8 rows 29.60 -> 29.33; every launch past two rows
+// through the ring (`-DGEMV_ASYNC=2`: launches without the norm then read their input rows
+// from L2 after the ring's wait, a compiler barrier) 21.28 / 29.02. `-DGEMV_ASYNC=0`: none.
 #ifndef GEMV_ASYNC
 #define GEMV_ASYNC 1
 #endif
