@@ -8,6 +8,11 @@ FLASHRT="$ROOT/.gpu/flashrt"
 if [ ! -x "$FLASHRT" ] && [ -f "$ROOT/.gpupack/p.tar.xz" ]; then
   tar -xJf "$ROOT/.gpupack/p.tar.xz" -C "$ROOT"
 fi
+# Kernel-family variants (`.gpu/kv/<name>/<family>.fatbin`, loaded with FLASHRT_KERNELS_DIR)
+# travel as .gpupack/kv.tar (fatbins are compressed already).
+if [ ! -d "$ROOT/.gpu/kv" ] && [ -f "$ROOT/.gpupack/kv.tar" ]; then
+  tar -xf "$ROOT/.gpupack/kv.tar" -C "$ROOT"
+fi
 mkdir -p "$OUT"
 export FLASHRT_FIXTURES="$ROOT/tests/fixtures" RUST_BACKTRACE=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/device.txt" 2>&1

@@ -2,7 +2,7 @@
 # Several-row gemv launches with each thread's weight chunks streamed through a ring of two
 # slots in shared memory (kernels/gemv.cu `gemv_async_tiles`). One device call, one binary;
 # variants are the gemv family's fatbin built with other flags and loaded through
-# FLASHRT_KERNELS_DIR (`bash .gpu/kv/build.sh NAME FLAGS`).
+# FLASHRT_KERNELS_DIR (`bash scripts/build-kernel-variant.sh NAME gemv FLAGS`).
 #   First run (2026-12-06 19:10, H100; the binary's default then had no ring): the variant
 #   `-DGEMV_ASYNC=1` of that build, every launch past two rows through the ring.
 #   Second run (VARIANTS="off all"): the binary's default = the ring for fused-norm launches
@@ -19,7 +19,6 @@ OUT="${1:-${OUT:-benches/results/latest-gemv-async}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=benches/h200-common.sh
 source "$ROOT/benches/h200-common.sh"
-[ -d "$ROOT/.gpu/kv" ] || tar -xf "$ROOT/.gpupack/kv.tar" -C "$ROOT"
 VARIANTS="${VARIANTS:-off all}"
 for v in default ${TEST_VARIANTS:-}; do
   kd=""; [ "$v" = default ] || kd="$ROOT/.gpu/kv/$v"

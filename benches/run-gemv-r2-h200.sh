@@ -7,7 +7,7 @@
 #     per-tile norm, as at one row);
 #   - `FLASHRT_GEMV_R2_FEATS=4`: `gemv_r2f4`, 4 outputs a block (75 registers, 3 an SM);
 #   - fatbins of the gemv family built with other flags, loaded through FLASHRT_KERNELS_DIR
-#     (.gpu/kv/<name>/gemv.fatbin, `bash .gpu/kv/build.sh NAME FLAGS`): `minb3`
+#     (.gpu/kv/<name>/gemv.fatbin, `bash scripts/build-kernel-variant.sh NAME gemv FLAGS`): `minb3`
 #     (-DGEMV_MINB_R2=3: gemv_r2 at 80 registers), `pipe2` (-DGEMV_PIPE_MIN_ROWS=2: the next
 #     chunk's weights requested before this chunk's multiply-adds, as past two rows),
 #     `pipe2m2` (the same with gemv_r2f4 at 2 an SM, no spills), `f4m4` (gemv_r2f4 at 4 an SM).
@@ -21,7 +21,6 @@ OUT="${1:-${OUT:-benches/results/latest-gemv-r2}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=benches/h200-common.sh
 source "$ROOT/benches/h200-common.sh"
-[ -d "$ROOT/.gpu/kv" ] || tar -xf "$ROOT/.gpupack/kv.tar" -C "$ROOT"
 KV="$ROOT/.gpu/kv"
 "$BIN/cuda_model" --test-threads=1 gemv_tiles_compute batched_decode short_suffixes bf16_tracks_cpu_reference \
   >"$OUT/cuda_model-base.log" 2>&1 || status=1

@@ -259,7 +259,8 @@ pub fn dtype_suffix(d: DType) -> Option<&'static str> {
 
 /// A kernel family's fatbin from `FLASHRT_KERNELS_DIR/<family>.fatbin`, when that variable
 /// names a folder holding one: for kernel work, an A/B of a family built with other flags
-/// (`nvcc -fatbin` of that family's `kernels/<family>*.cu` with build.rs's arguments) against
+/// (scripts/build-kernel-variant.sh: `nvcc -fatbin` of that family's `kernels/<family>*.cu`
+/// with build.rs's arguments and the variant's flags) against
 /// the same binary, without rebuilding it. Every entry point is still resolved at load, so a
 /// fatbin missing one fails here. Logged, since it replaces what the binary was built with.
 fn override_fatbin(
