@@ -275,8 +275,6 @@ static __device__ __forceinline__ void gemv_finish(const GemvParams& p, const fl
 // R * k * sizeof(T) bytes of dynamic shared memory).
 // (`p.stage` = 1; otherwise each tile normalises the chunks it reads, as at one row.)
 #define GEMV_STAGED(R, NORM, FP8) ((R) > 1 && (NORM) && !(FP8))
-// More than two rows of 16-bit weights: the next chunk's weights are requested while this
-// chunk's multiply-adds run (see gemv_tile).
 // Past two rows of 16-bit weights, launches with the fused norm (their rows staged in shared
 // memory) stream each thread's weight chunks through a ring of GEMV_ASYNC_DEPTH slots in
 // shared memory instead (gemv_async_tiles): two chunks in flight, not one, without the
@@ -291,6 +289,8 @@ static __device__ __forceinline__ void gemv_finish(const GemvParams& p, const fl
 #define GEMV_ASYNC_DEPTH 2
 #endif
 #define GEMV_ASYNC_ON(R, NORM, FP8) (GEMV_ASYNC && (R) > 2 && !(FP8) && ((NORM) || GEMV_ASYNC == 2))
+// More than two rows of 16-bit weights otherwise: the next chunk's weights are requested while
+// this chunk's multiply-adds run (see gemv_tile).
 // (Two rows that way too, at 128 or 80 registers: slower, 2-row steps 1.24-1.52x one row
 // against 1.08x; benches/RESULTS.md, 2026-12-06 18:51.)
 #define GEMV_PIPELINED(R, FP8) ((R) > 2 && !(FP8))
@@ -305,6 +305,36 @@ static __device__ __forceinline__ void gemv_finish(const GemvParams& p, const fl
 #define GEMV_XTILE 1
 #endif
 
+// A launch's tile (counted over its matrices in order) to its matrix: on entry `b` is the
+// tile and `mi` 0, on return `mi` is the matrix and `b` the tile's index within it.
+static __device__ __forceinline__ void gemv_tile_in(const GemvParams& p, int& b, int& mi) {
+    while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
+        b -= p.m[mi].blocks;
+        ++mi;
+    }
+}
+
+// The launch's tiles: every matrix's blocks, or in glu mode the gate's (each tile holds both).
+static __device__ __forceinline__ int gemv_tile_count(const GemvParams& p) {
+    int tiles = p.m[0].blocks;
+    if (!p.glu)
+        for (int mi = 1; mi < p.nmats; ++mi) tiles += p.m[mi].blocks;
+    return tiles;
+}
+
+// Input chunk c of row r as f32: the raw input, or its normalised, rounded value (staged rows,
+// `xs`: as the block's prologue stored it in shared memory, the same value).
+template <typename T, int R, bool NORM, bool FP8>
+static __device__ __forceinline__ void gemv_load_x(const GemvParams& p, int k, const T* x, const T* xs,
+                                                   const float (&inv)[R], int r, int c, float (&xf)[8]) {
+    if (GEMV_STAGED(R, NORM, FP8) && p.stage) {
+        flashrt::unpack16<T>(*reinterpret_cast<const uint4*>(xs + (size_t)r * k + (size_t)c * 8), xf);
+    } else {
+        flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
+        if (NORM) gemv_norm_chunk<T>(p, inv[r], c, xf);
+    }
+}
+
 // Weight row i (< F) of tile `tile` of a 16-bit launch: its address (row 0 past n) and whether
 // it exists (as gemv_tile's own, below).
 template <int F>
@@ -312,10 +342,7 @@ static __device__ __forceinline__ void gemv_rows16(const GemvParams& p, int tile
                                                    bool (&ok)[F]) {
     constexpr int HALF = F / 2;
     int b = tile, mi = 0;
-    while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
-        b -= p.m[mi].blocks;
-        ++mi;
-    }
+    gemv_tile_in(p, b, mi);
 #pragma unroll
     for (int i = 0; i < F; ++i) {
         const int j = p.glu ? b * HALF + (i % HALF) : b * F + i;
@@ -363,10 +390,7 @@ static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, 
     constexpr int CH = 16 / WSIZE;
     // Which matrix this tile belongs to, and its index within it.
     int b = tile, mi = 0;
-    while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
-        b -= p.m[mi].blocks;
-        ++mi;
-    }
+    gemv_tile_in(p, b, mi);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int k = p.k, wchunks = k / CH;
 
@@ -398,18 +422,7 @@ static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, 
             sr[i] = FP8 ? m.scale + (size_t)((ok[i] ? j0 + i : 0) / p.qbr) * m.scale_ld : nullptr;
         }
     }
-    // Input chunk c of row r as f32: the raw input, or its normalised, rounded value (staged
-    // rows: as the block's prologue stored it in shared memory, the same value).
-    auto load_x = [&](int r, int c, float (&xf)[8]) {
-        if constexpr (GEMV_STAGED(R, NORM, FP8)) {
-            if (p.stage) {
-                flashrt::unpack16<T>(*reinterpret_cast<const uint4*>(xs + (size_t)r * k + (size_t)c * 8), xf);
-                return;
-            }
-        }
-        flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
-        if (NORM) gemv_norm_chunk<T>(p, inv[r], c, xf);
-    };
+    auto load_x = [&](int r, int c, float (&xf)[8]) { gemv_load_x<T, R, NORM, FP8>(p, k, x, xs, inv, r, c, xf); };
 
     float acc[R][GEMV_FEATS];
 #pragma unroll
@@ -533,9 +546,7 @@ static __device__ __forceinline__ void gemv_async_tiles(const GemvParams& p, con
     __shared__ __align__(16) uint4 ring[D][F][S];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int k = p.k, wchunks = k / 8;
-    int tiles = p.m[0].blocks;
-    if (!p.glu)
-        for (int mi = 1; mi < p.nmats; ++mi) tiles += p.m[mi].blocks;
+    const int tiles = gemv_tile_count(p);
     // The next entry this thread copies: tile `ptile`, chunk `pc` of its F weight rows `pw`.
     int ptile = blockIdx.x, pc = t;
     const char* pw[F];
@@ -562,6 +573,8 @@ static __device__ __forceinline__ void gemv_async_tiles(const GemvParams& p, con
     for (int s = 0; s < D; ++s) issue(s);
     int slot = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        // (gemv_tile_in written out: calling it here compiles these kernels differently from
+        // the measured build, benches/RESULTS.md 2026-12-06 19:36.)
         int b = tile, mi = 0;
         while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
             b -= p.m[mi].blocks;
@@ -583,12 +596,7 @@ static __device__ __forceinline__ void gemv_async_tiles(const GemvParams& p, con
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 float xf[8];
-                if (GEMV_STAGED(R, NORM, false) && p.stage) {
-                    flashrt::unpack16<T>(*reinterpret_cast<const uint4*>(xs + (size_t)r * k + (size_t)c * 8), xf);
-                } else {
-                    flashrt::unpack16<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)r * p.ld_x) + c), xf);
-                    if (NORM) gemv_norm_chunk<T>(p, inv[r], c, xf);
-                }
+                gemv_load_x<T, R, NORM, false>(p, k, x, xs, inv, r, c, xf);
 #pragma unroll
                 for (int i = 0; i < F; ++i)
 #pragma unroll
@@ -664,9 +672,7 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
         gemv_async_tiles<T, R, GEMV_FEATS, NORM>(p, x, xs, row0, inv, red);
         return;
     } else {
-    int tiles = p.m[0].blocks;
-    if (!p.glu)
-        for (int mi = 1; mi < p.nmats; ++mi) tiles += p.m[mi].blocks;
+    const int tiles = gemv_tile_count(p);
     uint4 carry[GEMV_FEATS];
     bool carried = false;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -768,10 +774,7 @@ static __device__ __forceinline__ void gemvs_tile(const GemvParams& p, int tile,
     constexpr int WARPS = GEMV_WARPS, HALF = F / 2;
     constexpr bool XS = GEMVS_XS(R);
     int b = tile, mi = 0;
-    while (mi + 1 < p.nmats && b >= p.m[mi].blocks) {
-        b -= p.m[mi].blocks;
-        ++mi;
-    }
+    gemv_tile_in(p, b, mi);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     const int k = p.k, chunks = k >> 3;

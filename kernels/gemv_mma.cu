@@ -204,10 +204,7 @@ static __device__ __forceinline__ void gemvm_tile(const GemvParams& p, int t, in
         j0 = t * 8;
         return;
     }
-    while (mi + 1 < p.nmats && t >= p.m[mi].blocks) {
-        t -= p.m[mi].blocks;
-        ++mi;
-    }
+    gemv_tile_in(p, t, mi);
     j0 = t * 16;
 }
 
@@ -279,9 +276,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     const int g = lane >> 2, q = lane & 3;
     FLASHRT_MARK(0);
     const int k = p.k, spt = k / GEMVM_STEP;
-    int tiles = p.m[0].blocks;
-    if (!p.glu)
-        for (int mi = 1; mi < p.nmats; ++mi) tiles += p.m[mi].blocks;
+    const int tiles = gemv_tile_count(p);
     const long long S = (long long)tiles * spt, TW = (long long)gridDim.x * WARPS;
     const int gw = blockIdx.x * WARPS + warp;
     // (S < 2^31: the host checks.)

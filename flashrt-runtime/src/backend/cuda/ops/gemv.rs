@@ -329,8 +329,7 @@ impl Builder<'_> {
             && !mma
             && !smem_mma
             && norm.is_some()
-            && shape_rows > 1
-            && shape_rows >= self.gemv_stage_rows as usize
+            && shape_rows >= (self.gemv_stage_rows as usize).max(2)
             && first.weights == GemvWeights::Plain
             && 8 * k * t.size() <= GEMV_MAX_SMEM;
         let cores_smem = shape_rows * k * t.size();
