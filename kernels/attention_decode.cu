@@ -52,6 +52,13 @@
 //    and the block writes, per (row, head, split), (m, l) and the unnormalised o[head_dim] (f32) to
 //    the partial buffer; with S == 1 it writes the output directly.
 //
+//    A batched step (rows of different sessions, each at its own position on its own caches)
+//    runs `attention_decode_rows_d<D>` instead: grid = (kv_heads, S, RB), each block taking rows
+//    z, z + RB, ... one after another, every row exactly as the one-row block computes it; the
+//    ring (ROWS_STAGES = 4 stages) runs across rows and the merge area follows it, so the
+//    producers stream the next row's tiles while the consumers merge this one
+//    (`attention_decode_rows_impl`).
+//
 // 2. `attention_decode_combine`: grid = (q_heads, rows, ceil(head_dim / 64)), 128 threads, at most
 //    64 registers (so that its blocks, launched early by PDL, fit beside a main block): out =
 //    sum_s o_s 2^(m_s - M) / sum_s l_s 2^(m_s - M) (empty splits, m = -inf, weigh 0) over 64 dims
@@ -93,6 +100,10 @@ struct AttentionDecodeParams {
     const void* gate;
     int ld_gate;
     int gate_act;
+    // The next matmul's first weights, asked of the L2 by the main kernel
+    // (`flashrt::prefetch_l2_share`; null: none).
+    const void* pf;
+    unsigned long long pf_bytes;
 };
 
 namespace flashrt_dec {
@@ -186,7 +197,24 @@ struct Block {
     int KG;                                 // key groups
     uint32_t sbase, full, empty;            // shared addresses: ring, full[0], empty[0]
     float* merge;                           // the ring, reused after the loop
+    int tbase;                              // ROWS: the ring's tiles before this row's
 };
+
+// A batched step's rows, one after another in each block (`attention_decode_rows_d<D>`): a
+// ring of ROWS_STAGES stages and the merge area after it (not in the ring), so the producers
+// stream the next row's tiles while the consumers merge this row's.
+constexpr int ROWS_STAGES = 4;
+template <typename T, int D> struct RowsShape {
+    using Sh = Shape<T, D>;
+    static constexpr int RING = ROWS_STAGES * Sh::STAGE;
+    static constexpr int MERGE = 64 * (D + 4) * 4 + 4 * 64 * 4; // as the static_assert above
+    static constexpr int SMEM = RING + MERGE + 2 * ROWS_STAGES * 8;
+};
+
+// The consumer warps' own barrier (the producers do not take part; id 0 is __syncthreads').
+static __device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
+}
 
 // Merge area (floats, at the ring's start): m, l [KG][NQS]; M, L [NQS]; o [KG][NQS][D + 4]
 // (the + 4 keeps the fragment-order stores free of bank conflicts), NQS = 8 ntl.
@@ -205,9 +233,10 @@ template <int D> struct Merge {
 // One consumer warp: its key group `kgi`, column tile `nt` and dim part `dpart` (DPT 16-dim
 // tiles from 16 DPT dpart); inactive warps only pace the ring. Ends with the block-wide barrier
 // that frees the ring, then stores the warp's state in the merge area.
-template <typename T, int D, int DPT>
+template <typename T, int D, int DPT, bool ROWS = false>
 static __device__ __forceinline__ void consume(const AttentionParams& p, const Block& b, int kgi, bool active, int nt,
                                                int dpart) {
+    constexpr int NST = ROWS ? ROWS_STAGES : STAGES;
     using Sh = Shape<T, D>;
     constexpr bool F32 = IsF32<T>::value;
     constexpr int KS = D / 16;                 // k-steps of S^T
@@ -258,8 +287,9 @@ static __device__ __forceinline__ void consume(const AttentionParams& p, const B
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
     for (int tile = 0; tile < b.ntiles; ++tile) {
-        const int st = tile % STAGES;
-        mbar_wait(b.full + 8 * st, (uint32_t)(tile / STAGES) & 1u);
+        const int gt = ROWS ? b.tbase + tile : tile; // the ring's tile count
+        const int st = gt % NST;
+        mbar_wait(b.full + 8 * st, (uint32_t)(gt / NST) & 1u);
         const uint32_t kst = b.sbase + st * Sh::STAGE, vst = kst + Sh::HALF;
         const int t0 = b.ulo + tile * Sh::TK;
         const int jfirst = ((kgi - (t0 / CHUNK) % KG) % KG + KG) % KG; // first chunk of this group
@@ -389,7 +419,12 @@ static __device__ __forceinline__ void consume(const AttentionParams& p, const B
         l[j] += __shfl_xor_sync(0xffffffffu, l[j], 8);
         l[j] += __shfl_xor_sync(0xffffffffu, l[j], 16);
     }
-    __syncthreads(); // (1) every tile consumed: the ring is free for the merge
+    // (1) every tile consumed: the ring is free for the merge (ROWS: the previous row's merge
+    // is done with the merge area).
+    if constexpr (ROWS)
+        consumers_sync();
+    else
+        __syncthreads();
     if (!active) return;
     const int nqs = 8 * b.ntl;
     Merge<D> mg(b.merge, KG, nqs);
@@ -426,6 +461,136 @@ static __device__ __forceinline__ void dec_store4(T* o, float4 v, const T* g, in
     for (int e = 0; e < 4; ++e) o[e] = r[e];
 }
 
+// The ring's mbarriers (full: the two producers; empty: the consumer warps) and, where head_dim
+// < D, the zeros of dims hd .. D - 1 of every ring row (the copies never write them); ends with
+// the block barrier before the producers start.
+template <typename T, int D, int NST>
+static __device__ __forceinline__ void ring_init(const flashrt_dec::Block& b) {
+    using namespace flashrt_dec;
+    using Sh = Shape<T, D>;
+    extern __shared__ __align__(128) unsigned char dec_smem[];
+    const int tid = threadIdx.x, hd = b.hd;
+    if (tid == 0) {
+        for (int s = 0; s < NST; ++s) {
+            mbar_init(b.full + 8 * s, 2);
+            mbar_init(b.empty + 8 * s, WARPS);
+        }
+        mbar_fence_init();
+    }
+    if (hd < D) {
+        const int nch = (D - hd) * Sh::ES / 16, nrows = NST * 2 * Sh::TK;
+        for (int idx = tid; idx < nrows * nch; idx += THREADS) {
+            const int row = idx / nch, c = idx - row * nch;
+            *reinterpret_cast<uint4*>(dec_smem + row * Sh::ROWB + hd * Sh::ES + c * 16) = make_uint4(0, 0, 0, 0);
+        }
+    }
+    __syncthreads();
+}
+
+// A producer warp's copies of tiles [0, ntiles) of keys [lo, hi) (K or V rows at `src`, one
+// bulk copy per key row; rows past hi repeat its last row, so each stage receives exactly 2 TK
+// row_bytes), tile t into ring tile gt0 + t of an NST-stage ring. (A bulk copy takes
+// warp-uniform operands: the lanes' copies are issued one after the other.)
+template <typename T, int D, int NST>
+static __device__ __forceinline__ void produce(const flashrt_dec::Block& b, bool is_v, const T* src, size_t kv_stride,
+                                               int lo, int hi, int ntiles, int gt0) {
+    using namespace flashrt_dec;
+    using Sh = Shape<T, D>;
+    const int lane = threadIdx.x & 31;
+    const uint32_t row_bytes = (uint32_t)(b.hd * Sh::ES);
+    for (int tile = 0; tile < ntiles; ++tile) {
+        const int gt = gt0 + tile;
+        const int st = gt % NST;
+        if (gt >= NST) mbar_wait(b.empty + 8 * st, (uint32_t)(gt / NST - 1) & 1u);
+        const uint32_t full = b.full + 8 * st;
+        if (lane == 0) mbar_arrive_expect_tx(full, Sh::TK * row_bytes);
+        __syncwarp();
+        const uint32_t dst = b.sbase + st * Sh::STAGE + (is_v ? Sh::HALF : 0);
+        const int t0 = lo + tile * Sh::TK;
+        for (int j = lane; j < Sh::TK; j += 32)
+            bulk_g2s(dst + j * Sh::ROWB, src + (size_t)min(t0 + j, hi - 1) * kv_stride, row_bytes, full);
+    }
+}
+
+// A consumer warp's share of the block's tiles (`consume` at its dim-part width DP).
+template <typename T, int D, bool ROWS>
+static __device__ __forceinline__ void consume_dp(const AttentionParams& p, const flashrt_dec::Block& b, int DP,
+                                                  int kgi, bool active, int nt, int dpart) {
+    using namespace flashrt_dec;
+    constexpr int KS = D / 16;
+    switch (DP) {
+    case 1: consume<T, D, KS, ROWS>(p, b, kgi, active, nt, dpart); break;
+    case 2: consume<T, D, KS / 2, ROWS>(p, b, kgi, active, nt, dpart); break;
+    case 4: consume<T, D, KS / 4, ROWS>(p, b, kgi, active, nt, dpart); break;
+    default:
+        if constexpr (KS >= 8) consume<T, D, KS / 8, ROWS>(p, b, kgi, active, nt, dpart);
+        break;
+    }
+}
+
+// Merge the KG key groups of each query (fixed order) and write the result (the partial
+// state of split b.split, or with one split the output), once every warp's state is in the
+// merge area: by all THREADS (barriers __syncthreads), or with ROWS by the consumer warps alone.
+template <typename T, int D, bool ROWS>
+static __device__ __forceinline__ void merge_store(const AttentionDecodeParams& dp, const AttentionParams& p,
+                                                   const flashrt_dec::Block& b, int row0, const T* gate) {
+    using namespace flashrt_dec;
+    constexpr int NT = ROWS ? WARPS * 32 : THREADS;
+    auto sync = [] {
+        if constexpr (ROWS)
+            consumers_sync();
+        else
+            __syncthreads();
+    };
+    const int tid = threadIdx.x, S = b.S, hd = b.hd, G = b.G;
+    float2* ml = reinterpret_cast<float2*>(p.partial);
+    float* po = p.partial + o_region(dp);
+    auto slot = [&](int i) { return ((size_t)(row0 + i / G) * p.q_heads + b.kvh * G + i % G) * S + b.split; };
+    sync(); // (2) every state is in the merge area
+
+    // Merge the KG key groups of each query (fixed order) and write the result.
+    const int nqs = 8 * b.ntl, KG = b.KG;
+    Merge<D> mg(b.merge, KG, nqs);
+    for (int i = tid; i < b.nq; i += NT) {
+        float M = -INFINITY;
+        for (int k = 0; k < KG; ++k) M = fmaxf(M, mg.m[k * nqs + i]);
+        float L = 0.0f;
+        for (int k = 0; k < KG; ++k) {
+            const float mk = mg.m[k * nqs + i];
+            const float w = mk == M ? 1.0f : exp2f(mk - M);
+            L += mg.l[k * nqs + i] * w;
+            mg.m[k * nqs + i] = w; // from here on: the group's merge weight
+        }
+        mg.M[i] = M;
+        mg.L[i] = L;
+        if (S > 1) ml[slot(i)] = make_float2(M, L);
+    }
+    sync();
+    constexpr int D4 = D / 4;
+    for (int idx = tid; idx < b.nq * D4; idx += NT) {
+        const int i = idx / D4, d = 4 * (idx - i * D4);
+        if (d >= hd || (S > 1 && mg.M[i] == -INFINITY)) continue; // no key of the row here
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int k = 0; k < KG; ++k) {
+            const float w = mg.m[k * nqs + i];
+            const float4 v = *reinterpret_cast<const float4*>(mg.o + (k * nqs + i) * Merge<D>::DS + d);
+            acc.x += v.x * w;
+            acc.y += v.y * w;
+            acc.z += v.z * w;
+            acc.w += v.w * w;
+        }
+        if (S > 1) {
+            *reinterpret_cast<float4*>(po + slot(i) * hd + d) = acc;
+        } else {
+            const float inv = 1.0f / mg.L[i];
+            const size_t col = (size_t)(b.kvh * G + i % G) * hd + d;
+            T* orow = static_cast<T*>(p.out) + (size_t)(i / G) * p.ld_out + col;
+            dec_store4(orow, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
+                       gate ? gate + (size_t)(i / G) * dp.ld_gate + col : nullptr, dp.gate_act);
+        }
+    }
+}
+
 template <typename T, int D>
 static __device__ __forceinline__ void attention_decode_impl(const AttentionDecodeParams& dp) {
     using namespace flashrt_dec;
@@ -433,7 +598,7 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
     constexpr int KS = D / 16;
     extern __shared__ __align__(128) unsigned char dec_smem[];
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, warp = tid >> 5;
     // Row `row0` is this block's first query row: 0, or in a batched step (one row per block,
     // blockIdx.z) the block's row, whose query, output, caches and position are its session's.
     AttentionParams p = dp.a;
@@ -467,7 +632,6 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
     const int S = b.S, hd = b.hd, G = b.G;
 
     float2* ml = reinterpret_cast<float2*>(p.partial);
-    float* po = p.partial + o_region(dp);
     auto slot = [&](int i) { return ((size_t)(row0 + i / G) * p.q_heads + b.kvh * G + i % G) * S + b.split; };
 
     // Union [ulo, uhi) of the rows' pieces.
@@ -491,21 +655,7 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
     b.full = b.sbase + Sh::RING;
     b.empty = b.full + 8 * STAGES;
     b.merge = reinterpret_cast<float*>(dec_smem);
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(b.full + 8 * s, 2);
-            mbar_init(b.empty + 8 * s, WARPS);
-        }
-        mbar_fence_init();
-    }
-    if (hd < D) { // dims hd .. D - 1 of every ring row stay zero (the copies never write them)
-        const int nch = (D - hd) * Sh::ES / 16, nrows = STAGES * 2 * Sh::TK;
-        for (int idx = tid; idx < nrows * nch; idx += THREADS) {
-            const int row = idx / nch, c = idx - row * nch;
-            *reinterpret_cast<uint4*>(dec_smem + row * Sh::ROWB + hd * Sh::ES + c * 16) = make_uint4(0, 0, 0, 0);
-        }
-    }
-    __syncthreads();
+    ring_init<T, D, STAGES>(b);
 
     // Warp roles (see the header): KG key groups of WPG warps; in a group, ntl column tiles x DP
     // dim parts.
@@ -520,76 +670,97 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
         // union repeat its last row, so each stage receives exactly 2 TK row_bytes. (A bulk copy
         // takes warp-uniform operands: the lanes' copies are issued one after the other.)
         const bool is_v = warp > WARPS;
-        const uint32_t row_bytes = (uint32_t)(hd * Sh::ES);
-        const size_t kv_stride = (size_t)p.kv_heads * hd;
         const T* src = static_cast<const T*>(is_v ? p.cache_v : p.cache_k) + (size_t)b.kvh * hd;
-        for (int tile = 0; tile < b.ntiles; ++tile) {
-            const int st = tile % STAGES;
-            if (tile >= STAGES) mbar_wait(b.empty + 8 * st, (uint32_t)(tile / STAGES - 1) & 1u);
-            const uint32_t full = b.full + 8 * st;
-            if (lane == 0) mbar_arrive_expect_tx(full, Sh::TK * row_bytes);
-            __syncwarp();
-            const uint32_t dst = b.sbase + st * Sh::STAGE + (is_v ? Sh::HALF : 0);
-            const int t0 = b.ulo + tile * Sh::TK;
-            for (int j = lane; j < Sh::TK; j += 32)
-                bulk_g2s(dst + j * Sh::ROWB, src + (size_t)min(t0 + j, b.uhi - 1) * kv_stride, row_bytes, full);
-        }
+        produce<T, D, STAGES>(b, is_v, src, (size_t)p.kv_heads * hd, b.ulo, b.uhi, b.ntiles, 0);
         __syncthreads(); // (1), with the consumers
     } else {
         const int kgi = warp / WPG, wi = warp % WPG;
         const bool active = wi < b.ntl * DP;
         const int nt = active ? wi / DP : 0, dpart = active ? wi % DP : 0;
-        switch (DP) {
-        case 1: consume<T, D, KS>(p, b, kgi, active, nt, dpart); break;
-        case 2: consume<T, D, KS / 2>(p, b, kgi, active, nt, dpart); break;
-        case 4: consume<T, D, KS / 4>(p, b, kgi, active, nt, dpart); break;
-        default:
-            if constexpr (KS >= 8) consume<T, D, KS / 8>(p, b, kgi, active, nt, dpart);
-            break;
-        }
+        consume_dp<T, D, false>(p, b, DP, kgi, active, nt, dpart);
     }
-    __syncthreads(); // (2) every state is in the merge area
+    merge_store<T, D, false>(dp, p, b, row0, gate);
+}
 
-    // Merge the KG key groups of each query (fixed order) and write the result.
-    const int nqs = 8 * b.ntl, KG = b.KG;
-    Merge<D> mg(b.merge, KG, nqs);
-    for (int i = tid; i < b.nq; i += THREADS) {
-        float M = -INFINITY;
-        for (int k = 0; k < KG; ++k) M = fmaxf(M, mg.m[k * nqs + i]);
-        float L = 0.0f;
-        for (int k = 0; k < KG; ++k) {
-            const float mk = mg.m[k * nqs + i];
-            const float w = mk == M ? 1.0f : exp2f(mk - M);
-            L += mg.l[k * nqs + i] * w;
-            mg.m[k * nqs + i] = w; // from here on: the group's merge weight
+// A batched step (`attention_decode_rows_d<D>`, `dp.slots` set): grid (kv_heads, S, RB), block z
+// runs rows z, z + RB, ... of the step one after another, each exactly as the one-row block of
+// `attention_decode_impl` computes it (its session's query, caches, position and piece; the same
+// tiles, chunks, key groups and merge), so rows stay bit-identical to their sessions' own steps.
+// The ring (ROWS_STAGES stages) runs across rows and the merge area is its own: the producers
+// stream row r + 1's tiles while the consumer warps merge row r. One block an SM per (head,
+// split) instead of a one-SM block per (head, split, row): 8 rows cost one prologue and their
+// tiles, not 8 waves of blocks that each wait on their first loads.
+template <typename T, int D>
+static __device__ __forceinline__ void attention_decode_rows_impl(const AttentionDecodeParams& dp) {
+    using namespace flashrt_dec;
+    using Sh = Shape<T, D>;
+    using RS = RowsShape<T, D>;
+    constexpr int KS = D / 16;
+    extern __shared__ __align__(128) unsigned char dec_smem[];
+
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const AttentionParams& p = dp.a;
+    const int live = flashrt::load_len(p.len);
+    Block b;
+    b.kvh = blockIdx.x;
+    b.split = blockIdx.y;
+    b.G = p.q_heads / p.kv_heads;
+    b.hd = p.head_dim;
+    b.S = p.splits;
+    b.nq = b.G;
+    b.ntl = (b.nq + 7) / 8;
+    b.tbase = 0;
+    const int S = b.S, hd = b.hd, G = b.G;
+    b.sbase = smem_u32(dec_smem);
+    b.merge = reinterpret_cast<float*>(dec_smem + RS::RING);
+    b.full = b.sbase + RS::RING + RS::MERGE;
+    b.empty = b.full + 8 * ROWS_STAGES;
+    ring_init<T, D, ROWS_STAGES>(b);
+    // Row r's piece of this split (empty when lo >= hi), as a one-row block cuts it.
+    auto piece = [&](int r, int& lo, int& hi) { piece_of(__ldg(dp.rows_pos + r), 0, p.max_seq, S, b.split, lo, hi); };
+
+    if (warp >= WARPS) {
+        // Producers, as attention_decode_impl's, over the rows' tiles in order.
+        const bool is_v = warp > WARPS;
+        int gt = 0; // the ring's tile count
+        for (int r = blockIdx.z; r < live; r += gridDim.z) {
+            int lo, hi;
+            piece(r, lo, hi);
+            if (lo >= hi) continue;
+            const T* src = static_cast<const T*>(flashrt::in_slot(is_v ? p.cache_v : p.cache_k, dp.slots, r)) +
+                           (size_t)b.kvh * hd;
+            const int ntiles = (hi - lo + Sh::TK - 1) / Sh::TK;
+            produce<T, D, ROWS_STAGES>(b, is_v, src, (size_t)p.kv_heads * hd, lo, hi, ntiles, gt);
+            gt += ntiles;
         }
-        mg.M[i] = M;
-        mg.L[i] = L;
-        if (S > 1) ml[slot(i)] = make_float2(M, L);
+        return;
     }
-    __syncthreads();
-    constexpr int D4 = D / 4;
-    for (int idx = tid; idx < b.nq * D4; idx += THREADS) {
-        const int i = idx / D4, d = 4 * (idx - i * D4);
-        if (d >= hd || (S > 1 && mg.M[i] == -INFINITY)) continue; // no key of the row here
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int k = 0; k < KG; ++k) {
-            const float w = mg.m[k * nqs + i];
-            const float4 v = *reinterpret_cast<const float4*>(mg.o + (k * nqs + i) * Merge<D>::DS + d);
-            acc.x += v.x * w;
-            acc.y += v.y * w;
-            acc.z += v.z * w;
-            acc.w += v.w * w;
+
+    const int NT = dp.qtiles;
+    b.KG = WARPS / NT;
+    const int WPG = WARPS / b.KG;
+    int DP = 1;
+    while (2 * DP * b.ntl <= WPG && 2 * DP <= KS) DP *= 2;
+    const int kgi = warp / WPG, wi = warp % WPG;
+    const bool active = wi < b.ntl * DP;
+    const int nt = active ? wi / DP : 0, dpart = active ? wi % DP : 0;
+    float2* ml = reinterpret_cast<float2*>(p.partial);
+    for (int r = blockIdx.z; r < live; r += gridDim.z) {
+        AttentionParams pr = p;
+        pr.q = static_cast<const T*>(p.q) + (size_t)r * p.ld_q;
+        pr.out = static_cast<T*>(p.out) + (size_t)r * p.ld_out;
+        const T* gate = dp.gate ? static_cast<const T*>(dp.gate) + (size_t)r * dp.ld_gate : nullptr;
+        b.pos = __ldg(dp.rows_pos + r);
+        piece(r, b.ulo, b.uhi);
+        if (b.ulo >= b.uhi) { // the row's piece is empty: the combine skips this split
+            for (int i = tid; i < b.nq; i += WARPS * 32)
+                ml[((size_t)r * p.q_heads + b.kvh * G + i) * S + b.split] = make_float2(-INFINITY, 0.0f);
+            continue;
         }
-        if (S > 1) {
-            *reinterpret_cast<float4*>(po + slot(i) * hd + d) = acc;
-        } else {
-            const float inv = 1.0f / mg.L[i];
-            const size_t col = (size_t)(b.kvh * G + i % G) * hd + d;
-            T* orow = static_cast<T*>(p.out) + (size_t)(i / G) * p.ld_out + col;
-            dec_store4(orow, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
-                       gate ? gate + (size_t)(i / G) * dp.ld_gate + col : nullptr, dp.gate_act);
-        }
+        b.ntiles = (b.uhi - b.ulo + Sh::TK - 1) / Sh::TK;
+        consume_dp<T, D, true>(pr, b, DP, kgi, active, nt, dpart);
+        merge_store<T, D, true>(dp, pr, b, r, gate);
+        b.tbase += b.ntiles;
     }
 }
 
@@ -697,16 +868,19 @@ FLASHRT_DEC_COMBINE(f32, float)
 #define FLASHRT_DEC_ENTRY(D)                                                                           \
     extern "C" __global__ void __launch_bounds__(flashrt_dec::THREADS, 1)                              \
         attention_decode_d##D##_bf16(const AttentionDecodeParams p) {                                  \
+        flashrt::prefetch_l2_share(p.pf, p.pf_bytes);                                                   \
         flashrt::pdl_enter();                                                                           \
         attention_decode_impl<__nv_bfloat16, D>(p);                                                    \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(flashrt_dec::THREADS, 1)                              \
         attention_decode_d##D##_f16(const AttentionDecodeParams p) {                                   \
+        flashrt::prefetch_l2_share(p.pf, p.pf_bytes);                                                   \
         flashrt::pdl_enter();                                                                           \
         attention_decode_impl<__half, D>(p);                                                           \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(flashrt_dec::THREADS, 1)                              \
         attention_decode_d##D##_f32(const AttentionDecodeParams p) {                                   \
+        flashrt::prefetch_l2_share(p.pf, p.pf_bytes);                                                   \
         flashrt::pdl_enter();                                                                           \
         attention_decode_impl<float, D>(p);                                                            \
     }
@@ -714,3 +888,19 @@ FLASHRT_DEC_COMBINE(f32, float)
 FLASHRT_DEC_ENTRY(64)
 FLASHRT_DEC_ENTRY(128)
 FLASHRT_DEC_ENTRY(256)
+
+// `attention_decode_rows_d<D>`: a batched step's rows in each block (attention_decode_rows_impl).
+#define FLASHRT_DEC_ROWS_ENTRY(D, suffix, T)                                                           \
+    extern "C" __global__ void __launch_bounds__(flashrt_dec::THREADS, 1)                              \
+        attention_decode_rows_d##D##_##suffix(const AttentionDecodeParams p) {                         \
+        flashrt::prefetch_l2_share(p.pf, p.pf_bytes);                                                   \
+        flashrt::pdl_enter();                                                                           \
+        attention_decode_rows_impl<T, D>(p);                                                           \
+    }
+#define FLASHRT_DEC_ROWS_ENTRIES(D)                                                                    \
+    FLASHRT_DEC_ROWS_ENTRY(D, bf16, __nv_bfloat16)                                                     \
+    FLASHRT_DEC_ROWS_ENTRY(D, f16, __half)                                                             \
+    FLASHRT_DEC_ROWS_ENTRY(D, f32, float)
+FLASHRT_DEC_ROWS_ENTRIES(64)
+FLASHRT_DEC_ROWS_ENTRIES(128)
+FLASHRT_DEC_ROWS_ENTRIES(256)

@@ -229,6 +229,23 @@ static __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes
 #endif
 }
 
+// The next matmul's weights asked of the L2 by a launch that streams little itself (a Gated
+// DeltaNet block, attention decode: latency-bound at one row), so that DRAM works through it
+// and the matmul after it finds the first `bytes` of its weights in the L2: each block's
+// thread 0 asks for its share (blocks in linear order over the grid). Issued before the PDL
+// wait (weights are never written by a step). Nothing when `p` is null.
+static __device__ __forceinline__ void prefetch_l2_share(const void* p, unsigned long long bytes) {
+    if (!p || threadIdx.x + threadIdx.y + threadIdx.z != 0) return;
+    const unsigned long long nb = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
+    const unsigned long long b =
+        blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
+    const unsigned long long share = ((bytes + nb - 1) / nb + 15) & ~15ull;
+    const unsigned long long lo = b * share;
+    if (lo >= bytes) return;
+    const unsigned long long n = bytes - lo < share ? bytes - lo : share;
+    prefetch_l2(static_cast<const char*>(p) + lo, (unsigned)(n < (1ull << 30) ? n : (1ull << 30)));
+}
+
 } // namespace flashrt
 
 // ---- 16-byte packs (the vector paths of conv.cu, elementwise.cu and norm.cu) ---------------

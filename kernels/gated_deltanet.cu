@@ -319,6 +319,9 @@ struct GdnDecodeParams {
     float* ckpt_state;
     void* ckpt_conv;
     long long ckpt_row_bytes;
+    // The next matmul's first weights, asked of the L2 (`flashrt::prefetch_l2_share`; null: none).
+    const void* pf;
+    unsigned long long pf_bytes;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -365,6 +368,7 @@ template <typename T, int R, int NB, int MAXR> static __device__ __forceinline__
     __shared__ float red[MAXR][GROUPS];
     const GdnParams& p = q.g;
     FLASHRT_MARK(0);
+    flashrt::prefetch_l2_share(q.pf, q.pf_bytes);
     gdnd_cluster_arrive();
     const int h = blockIdx.x / NB, cb = blockIdx.x % NB, kh = h / R;
     const int c0 = cb * COLS; // this block's first column

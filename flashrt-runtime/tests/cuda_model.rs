@@ -1717,15 +1717,32 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
         },
     )
     .expect("a CUDA device");
+    // And with attention decode's one block per (head, split, row) instead of the rows one
+    // after another in each (head, split) block (`attn_rows`, the default).
+    let per_row: Arc<dyn Backend> = cuda_with(
+        "batched decode (a block per row)",
+        CudaOptions {
+            attn_rows: false,
+            ..CudaOptions::default()
+        },
+    )
+    .expect("a CUDA device");
     // A first layer of attention: its key cache starts the state arena, so a batched step
     // addresses it at offset 0 of each row's arena.
     let attn_first = qwen_like_attention_first();
     let gpu: Arc<dyn Backend> = gpu;
     // (what, config, dtype, batched on the device, backend)
     type Case<'a> = (&'a str, &'a str, DType, bool, &'a Arc<dyn Backend>);
-    let cases: [Case; 8] = [
+    let cases: [Case; 9] = [
         ("qwen-like bf16", QWEN_LIKE, DType::Bf16, true, &gpu),
         ("qwen-like + MTP bf16", &mtp, DType::Bf16, true, &gpu),
+        (
+            "qwen-like + MTP bf16, a block per row",
+            &mtp,
+            DType::Bf16,
+            true,
+            &per_row,
+        ),
         (
             "qwen-like f32 (one by one)",
             QWEN_LIKE,

@@ -302,6 +302,25 @@ pub struct CudaOptions {
     /// prefix + 1 and + 32, exact repeats, streamed decode: benches/RESULTS.md, 2026-12-05),
     /// so the driver's default stays.
     pub pool_keep: bool,
+    /// Bytes of the next matmul's weights that a latency-bound launch before it (the fused
+    /// Gated DeltaNet decode block, the split-KV attention decode kernel) asks of the L2 before
+    /// its PDL wait (`cp.async.bulk.prefetch.L2`, shared over its blocks), so that DRAM keeps
+    /// streaming weights while those launches compute and the matmul after them starts on L2
+    /// hits; at most a quarter of the matrix, and none in batched steps (the program builder's
+    /// `next_weights_after` says why). Nothing changes in what is computed. 16 MiB: a 27B
+    /// decode step 13.12 -> 12.96 ms on the H200 and 17.98 -> 17.77 on the H100, the 35B-A3B
+    /// step 3.45 -> 3.43 on the H100 (benches/RESULTS.md, 2026-12-06 21:36 and 22:37 UTC).
+    /// Default from `FLASHRT_PREFETCH_NEXT_MB` (MiB; 0 = off).
+    pub prefetch_next: usize,
+    /// Batched steps' split-KV attention decode with each (KV head, split) block running the
+    /// step's rows one after another (kernels/attention_decode.cu `attention_decode_rows_d*`:
+    /// a ring that streams the next row's keys while this row's key groups merge) instead of
+    /// one block per (head, split, row): at the 27B shape 8 rows made 8 waves of one-SM blocks.
+    /// Each row computes exactly what its session's one-row step computes. 8-row steps on the
+    /// H100: 29.50 -> 29.21 ms (CUDA-core matmuls), 24.99 -> 24.79 (tensor cores;
+    /// benches/RESULTS.md, 2026-12-06 22:37 UTC). Default on; `FLASHRT_ATTN_ROWS=0` launches a
+    /// block per row.
+    pub attn_rows: bool,
 }
 
 impl Default for CudaOptions {
@@ -346,6 +365,8 @@ impl Default for CudaOptions {
             gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
             gdn_prep: num("FLASHRT_GDN_PREP", 2),
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
+            prefetch_next: (num("FLASHRT_PREFETCH_NEXT_MB", 16) as usize) << 20,
+            attn_rows: on("FLASHRT_ATTN_ROWS"),
         }
     }
 }
@@ -820,6 +841,7 @@ fn builder<'a>(
         moe_route_in_up: model.options.moe_route_in_up,
         qk_prep: model.options.qk_prep,
         attn_gate: model.options.attn_gate,
+        attn_rows: model.options.attn_rows,
         gdn_fused: model.gdn_fused,
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,
@@ -830,6 +852,8 @@ fn builder<'a>(
         gemvm_prefetch: model.options.gemvm_prefetch,
         gemv8m_max_splits: model.options.gemv8m_max_splits,
         gdn_col_blocks: model.options.gdn_col_blocks,
+        prefetch_next: model.options.prefetch_next,
+        next_weights: std::cell::Cell::new((0, 0)),
         gemvm_part: dptr(&exec.gemvm_part),
         gdn_prep: exec
             .gdn_prep

@@ -132,6 +132,10 @@ pub(super) struct AttentionDecodeParams {
     pub(super) gate: u64,
     pub(super) ld_gate: i32,
     pub(super) gate_act: i32,
+    /// The next matmul's first weights, asked of the L2 by the main kernel
+    /// ([`Builder::next_weights`]).
+    pub(super) pf: u64,
+    pub(super) pf_bytes: u64,
 }
 
 /// The plan's `Mul` right after an attention op (`out = act(gate) * out`: Qwen3.5's output
@@ -305,20 +309,40 @@ impl Builder<'_> {
             gate: gate.map_or(0, |g| g.addr),
             ld_gate: gate.map_or(0, |g| g.ld),
             gate_act: gate.map_or(0, |g| g.act),
+            pf: self.next_weights.get().0,
+            pf_bytes: self.next_weights.get().1,
         };
         // attention_decode.cu `Shape::SMEM`: STAGES tiles of tk keys of K and of V, rows padded
         // by 16 bytes, tk = max(16, 32 KiB / (2 d size)); then 2 STAGES mbarriers.
         let es = t.size();
         let tk = (32768 / (2 * d * es)).max(16);
-        let smem = (STAGES * 2 * tk * (d * es + 16) + 2 * STAGES * 8) as u32;
+        let stage = 2 * tk * (d * es + 16);
+        // A batched step's rows one after another in each (head, split) block
+        // (`attention_decode_rows_d*`, `CudaOptions::attn_rows`): ROWS_STAGES stages, the merge
+        // area after them (attention_decode.cu `RowsShape`), and block rows enough to fill the
+        // SMs; otherwise one block per (head, split, row).
+        let rows_kernel = batched && self.attn_rows;
+        let (entry, smem, gz) = if rows_kernel {
+            const ROWS_STAGES: usize = 4; // attention_decode.cu ROWS_STAGES
+            let merge = 64 * (d + 4) * 4 + 4 * 64 * 4;
+            let blocks = kv_heads * splits;
+            let rb = (self.sms / blocks.max(1)).clamp(1, rows);
+            (
+                format!("attention_decode_rows_d{d}"),
+                (ROWS_STAGES * stage + merge + 2 * ROWS_STAGES * 8) as u32,
+                rb as u32,
+            )
+        } else {
+            (
+                format!("attention_decode_d{d}"),
+                (STAGES * stage + 2 * STAGES * 8) as u32,
+                if batched { rows as u32 } else { 1 },
+            )
+        };
         let Ok(main) = self.kernel_smem(
             &format!("{label} decode ({splits} splits)"),
-            self.kernels.typed(&format!("attention_decode_d{d}"), t)?,
-            (
-                kv_heads as u32,
-                splits as u32,
-                if batched { rows as u32 } else { 1 },
-            ),
+            self.kernels.typed(&entry, t)?,
+            (kv_heads as u32, splits as u32, gz),
             THREADS,
             smem,
             &dp,

@@ -96,6 +96,9 @@ struct GdnDecodeParams {
     ckpt_state: u64,
     ckpt_conv: u64,
     ckpt_row_bytes: i64,
+    /// The next matmul's first weights, asked of the L2 ([`Builder::next_weights`]).
+    pf: u64,
+    pf_bytes: u64,
 }
 
 /// Mirrors of kernels/gated_deltanet.cu's GDND_* bounds: rows, key and value head widths of
@@ -206,6 +209,8 @@ impl Builder<'_> {
             ckpt_state: 0,
             ckpt_conv: 0,
             ckpt_row_bytes: 0,
+            pf: self.next_weights.get().0,
+            pf_bytes: self.next_weights.get().1,
         };
         // A verify pass keeping each row's states: the recurrent and conv states after row r
         // at their places in row r of the model's row-state area.

@@ -52,6 +52,7 @@ pub use fp8::{Fp8DequantParams, Fp8GridParams, Fp8QuantizeParams, Fp8Scratch, fp
 use gemv::*;
 use moe::MoeOp;
 
+use std::cell::Cell;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -384,6 +385,9 @@ pub struct Builder<'a> {
     /// An attention op's output gate (the `Mul` after it) in the small-phase attention's output
     /// stores ([`Builder::out_gate`]; `CudaOptions::attn_gate`).
     pub attn_gate: bool,
+    /// Batched steps' attention decode with each (head, split) block running the rows one
+    /// after another (`attention_decode_rows_d*`; `CudaOptions::attn_rows`).
+    pub attn_rows: bool,
     /// Small phases' Gated DeltaNet layers (conv, recurrence, gated norm) as one clustered
     /// launch ([`Builder::gdn_small`], sm_90).
     pub gdn_fused: bool,
@@ -433,6 +437,11 @@ pub struct Builder<'a> {
     pub batch: Option<BatchTables>,
     /// Keep each row's states in verify passes (`CudaOptions::row_states`).
     pub row_states: Option<RowStateArea>,
+    /// Bytes of the next matmul's weights a latency-bound launch before it (a Gated DeltaNet
+    /// block, attention decode) asks of the L2 (`CudaOptions::prefetch_next`; 0: none).
+    pub prefetch_next: usize,
+    /// What that launch asks for, set by [`Builder::program`] per op: (address, bytes), or 0s.
+    pub next_weights: Cell<(u64, u64)>,
 }
 
 fn act_code(a: Act) -> i32 {
@@ -705,6 +714,8 @@ impl Builder<'_> {
                     }
                 }
             }
+            self.next_weights
+                .set(self.next_weights_after(&plan.ops[i..]));
             if let Some(used) = self.moe_small(&plan.ops[i..], rows, &label, &mut cmds)? {
                 i += used;
                 continue;
@@ -756,6 +767,34 @@ impl Builder<'_> {
             row_states,
             row_hidden: if row_states { row_hidden } else { Vec::new() },
         })
+    }
+
+    /// The first weights of the next matmul after `ops[0]` (within a few ops: the Gated
+    /// DeltaNet block's output projection, attention's o_proj), as much as
+    /// `prefetch_next` allows: what a latency-bound launch there asks of the L2
+    /// (kernels/common.cuh `prefetch_l2_share`), so that DRAM streams that matmul's weights
+    /// while the launch computes. (0, 0) when off or there is none.
+    ///
+    /// At most a quarter of the matrix (a launch that asks for all of a small one competes
+    /// with its own loads: the 35B-A3B shape's 16.8 MB out_proj, benches/RESULTS.md
+    /// 2026-12-06 21:36 UTC), and none in batched steps, whose Gated DeltaNet blocks stream
+    /// every row's state (8 rows: 50 MB a layer) and lost time to it there.
+    fn next_weights_after(&self, ops: &[Op]) -> (u64, u64) {
+        if self.prefetch_next == 0 || self.batch.is_some() {
+            return (0, 0);
+        }
+        ops.iter()
+            .skip(1)
+            .take(8)
+            .find_map(|op| match op {
+                Op::Linear { w, .. } => {
+                    let b = self.buf(*w);
+                    (b.role == Role::Weight)
+                        .then(|| (self.addr(*w), (b.bytes / 4).min(self.prefetch_next) as u64))
+                }
+                _ => None,
+            })
+            .unwrap_or((0, 0))
     }
 
     /// The LM head for row `io.len - 1` only (one `gemv` row reading and writing that row):
