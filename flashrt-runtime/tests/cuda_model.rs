@@ -1727,13 +1727,23 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
         },
     )
     .expect("a CUDA device");
+    // And with the Gated DeltaNet blocks taking several rows one after another (`gdn_rows`,
+    // opt-in): three cluster rows, so 8 rows are 3 + 3 + 2 a cluster row.
+    let gdn_rows: Arc<dyn Backend> = cuda_with(
+        "batched decode (Gated DeltaNet rows)",
+        CudaOptions {
+            gdn_rows: 3,
+            ..CudaOptions::default()
+        },
+    )
+    .expect("a CUDA device");
     // A first layer of attention: its key cache starts the state arena, so a batched step
     // addresses it at offset 0 of each row's arena.
     let attn_first = qwen_like_attention_first();
     let gpu: Arc<dyn Backend> = gpu;
     // (what, config, dtype, batched on the device, backend)
     type Case<'a> = (&'a str, &'a str, DType, bool, &'a Arc<dyn Backend>);
-    let cases: [Case; 9] = [
+    let cases: [Case; 10] = [
         ("qwen-like bf16", QWEN_LIKE, DType::Bf16, true, &gpu),
         ("qwen-like + MTP bf16", &mtp, DType::Bf16, true, &gpu),
         (
@@ -1742,6 +1752,13 @@ fn batched_decode_rows_equal_single_steps_on_gpu() {
             DType::Bf16,
             true,
             &per_row,
+        ),
+        (
+            "qwen-like + MTP bf16, Gated DeltaNet rows",
+            &mtp,
+            DType::Bf16,
+            true,
+            &gdn_rows,
         ),
         (
             "qwen-like f32 (one by one)",

@@ -321,6 +321,15 @@ pub struct CudaOptions {
     /// benches/RESULTS.md, 2026-12-06 22:37 UTC). Default on; `FLASHRT_ATTN_ROWS=0` launches a
     /// block per row.
     pub attn_rows: bool,
+    /// Batched steps' fused Gated DeltaNet decode launches with each cluster row taking several
+    /// of the step's rows one after another (kernels/gated_deltanet.cu `gdn_decode_rows_*`: the
+    /// same code per row as `gdn_decode1_*`, the next row's recurrent state asked of the L2
+    /// while this one computes), as many cluster rows as fill the SMs at two blocks each,
+    /// instead of one cluster row per step row (at the 27B shape 8 rows are 768 blocks, three
+    /// waves); `N`: at most N cluster rows (0: off). Built after the last device call of
+    /// 2026-12-06 and not yet run on a GPU: off by default; `FLASHRT_GDN_ROWS=8` turns it on
+    /// (two cluster rows at the 27B shape on 132 SMs).
+    pub gdn_rows: u32,
 }
 
 impl Default for CudaOptions {
@@ -367,6 +376,7 @@ impl Default for CudaOptions {
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
             prefetch_next: (num("FLASHRT_PREFETCH_NEXT_MB", 16) as usize) << 20,
             attn_rows: on("FLASHRT_ATTN_ROWS"),
+            gdn_rows: num("FLASHRT_GDN_ROWS", 0),
         }
     }
 }
@@ -842,6 +852,7 @@ fn builder<'a>(
         qk_prep: model.options.qk_prep,
         attn_gate: model.options.attn_gate,
         attn_rows: model.options.attn_rows,
+        gdn_rows: model.options.gdn_rows,
         gdn_fused: model.gdn_fused,
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,
