@@ -43,6 +43,15 @@ bench27() {
   grep -E 'per step|restored TTFT [0-9]|^ +[0-9]+ +[1248] ' "$OUT/$name.log" | head -12
   grep -E '^\[bench --serve\] (prefix|chat)' "$OUT/$name.log" | head -14
 }
+# batch27 NAME [VAR=value ...]: the 27B shape's batched decode steps at 2048 (`--batch
+# 1,2,4,8`) with the committed binary and those variables set, its table's rows printed.
+batch27() {
+  local name="$1"
+  shift
+  run_bench "$name" "$FLASHRT" "$@" -- "$ROOT/models/qwen36-27b.toml" --iters 1 --lengths 2048 \
+    --decode-steps 32 --batch 1,2,4,8
+  grep -E '^ +2048 +[1248] ' "$OUT/$name.log" | head -4
+}
 # bar16k: the bars' served command at 16k (issues 13 and 15): `bench27 bar` with the batched
 # steps, stored 16k + 1 / + 32, streamed decode, CLIENTS clients at once (default 8; 4 on an
 # 80 GB card) and a 16k newcomer, the store's demotions logged; its headline lines printed.

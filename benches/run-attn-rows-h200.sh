@@ -21,20 +21,15 @@ source "$ROOT/benches/h200-common.sh"
   capsules_on_gpu fixtures_f32 short_suffixes unaligned_restore} >"$OUT/cuda_model.log" 2>&1 || status=1
 echo "== tests"; grep -hE 'test result|panicked|FAILED' "$OUT/cuda_model.log"
 M27="$ROOT/models/qwen36-27b.toml"
-b() {
-  local name="$1"; shift
-  run_bench "$name" "$FLASHRT" "$@" -- "$M27" --iters 1 --lengths 2048 --decode-steps 32 --batch 1,2,4,8
-  grep -E '^ +2048 +[1248] ' "$OUT/$name.log" | head -4
-}
 for i in $(seq "${REPS:-1}"); do
-  b rows-$i
-  b perrow-$i FLASHRT_ATTN_ROWS=0
-  b mma-rows-$i FLASHRT_GEMV16_MMA=1
-  b mma-perrow-$i FLASHRT_GEMV16_MMA=1 FLASHRT_ATTN_ROWS=0
+  batch27 rows-$i
+  batch27 perrow-$i FLASHRT_ATTN_ROWS=0
+  batch27 mma-rows-$i FLASHRT_GEMV16_MMA=1
+  batch27 mma-perrow-$i FLASHRT_GEMV16_MMA=1 FLASHRT_ATTN_ROWS=0
 done
 # The next matmul's weights asked of the L2 by the launches before it (CudaOptions::prefetch_next):
 # 16 MiB at most, a quarter of the matrix at most, none in batched steps (the builder's rule).
-b pf16 FLASHRT_PREFETCH_NEXT_MB=16
+batch27 pf16 FLASHRT_PREFETCH_NEXT_MB=16
 for pf in 0 16; do
   run_bench "35b-pf$pf" "$FLASHRT" FLASHRT_PREFETCH_NEXT_MB=$pf -- "$ROOT/models/qwen36-35b-a3b.toml" --iters 1 \
     --lengths 2048 --decode-steps 64 --batch 1

@@ -18,16 +18,11 @@ source "$ROOT/benches/h200-common.sh"
   >"$OUT/cuda_model.log" 2>&1 || status=1
 echo "== tests"; grep -hE 'test result|panicked|FAILED' "$OUT/cuda_model.log"
 M27="$ROOT/models/qwen36-27b.toml"
-b() {
-  local name="$1"; shift
-  run_bench "$name" "$FLASHRT" "$@" -- "$M27" --iters 1 --lengths 2048 --decode-steps 32 --batch 1,2,4,8
-  grep -E '^ +2048 +[1248] ' "$OUT/$name.log" | head -4
-}
 for i in $(seq "${REPS:-1}"); do
-  b off-$i
-  b rows-$i FLASHRT_GDN_ROWS=8
-  b mma-off-$i FLASHRT_GEMV16_MMA=1
-  b mma-rows-$i FLASHRT_GEMV16_MMA=1 FLASHRT_GDN_ROWS=8
+  batch27 off-$i
+  batch27 rows-$i FLASHRT_GDN_ROWS=8
+  batch27 mma-off-$i FLASHRT_GEMV16_MMA=1
+  batch27 mma-rows-$i FLASHRT_GEMV16_MMA=1 FLASHRT_GDN_ROWS=8
 done
 for v in 0 8; do
   run_bench "profile8-$v" "$FLASHRT" FLASHRT_GDN_ROWS=$v -- "$M27" --iters 1 --lengths 2048 --decode-steps 16 --batch 8 --profile
