@@ -196,7 +196,7 @@ struct Block {
     int ulo, uhi, ntiles;                   // union of the rows' pieces, its tiles
     int KG;                                 // key groups
     uint32_t sbase, full, empty;            // shared addresses: ring, full[0], empty[0]
-    float* merge;                           // the ring, reused after the loop
+    float* merge;                           // the ring, reused after the loop (ROWS: its own area)
     int tbase;                              // ROWS: the ring's tiles before this row's
 };
 
@@ -216,7 +216,7 @@ static __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
 }
 
-// Merge area (floats, at the ring's start): m, l [KG][NQS]; M, L [NQS]; o [KG][NQS][D + 4]
+// Merge area (floats, at the ring's start, or after it in the ROWS kernel): m, l [KG][NQS]; M, L [NQS]; o [KG][NQS][D + 4]
 // (the + 4 keeps the fragment-order stores free of bank conflicts), NQS = 8 ntl.
 template <int D> struct Merge {
     float *m, *l, *M, *L, *o;
@@ -232,7 +232,8 @@ template <int D> struct Merge {
 
 // One consumer warp: its key group `kgi`, column tile `nt` and dim part `dpart` (DPT 16-dim
 // tiles from 16 DPT dpart); inactive warps only pace the ring. Ends with the block-wide barrier
-// that frees the ring, then stores the warp's state in the merge area.
+// that frees the ring (ROWS: the consumer warps' barrier, after which the previous row's merge
+// is done with the merge area), then stores the warp's state in the merge area.
 template <typename T, int D, int DPT, bool ROWS = false>
 static __device__ __forceinline__ void consume(const AttentionParams& p, const Block& b, int kgi, bool active, int nt,
                                                int dpart) {

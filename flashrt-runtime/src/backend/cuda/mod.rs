@@ -324,9 +324,9 @@ pub struct CudaOptions {
     /// Batched steps' fused Gated DeltaNet decode launches with each cluster row taking several
     /// of the step's rows one after another (kernels/gated_deltanet.cu `gdn_decode_rows_*`: the
     /// same code per row as `gdn_decode1_*`, the next row's recurrent state asked of the L2
-    /// while this one computes), as many cluster rows as fill the SMs at two blocks each,
-    /// instead of one cluster row per step row (at the 27B shape 8 rows are 768 blocks, three
-    /// waves); `N`: at most N cluster rows (0: off). Built after the last device call of
+    /// while this one computes), as many cluster rows as the SMs hold at once (512 threads of
+    /// blocks an SM), instead of one cluster row per step row (at the 27B shape 8 rows are 768
+    /// blocks, three waves); `N`: at most N cluster rows (0: off). Built after the last device call of
     /// 2026-12-06 and not yet run on a GPU: off by default; `FLASHRT_GDN_ROWS=8` turns it on
     /// (two cluster rows at the 27B shape on 132 SMs).
     pub gdn_rows: u32,
