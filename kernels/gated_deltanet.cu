@@ -355,11 +355,7 @@ static __device__ __forceinline__ void gdnd_put(float* local, unsigned rank, flo
 // Threads of a block of gdn_decode_*_c{NB}: one warp per 8 of its GDND_DV / NB columns.
 #define GDND_THREADS(NB) (GDND_DV / (NB) / GDN_COLS_PER_WARP * 32)
 
-// ROWS (`gdn_decode_rows_r{R}_c{NB}`, a batched step): block row y runs rows y, y + gridDim.y, ...
-// one after another (each exactly as `gdn_decode1` runs it), asking the L2 for the next row's
-// recurrent state while it computes this one, instead of one block row per step row.
-template <typename T, int R, int NB, int MAXR, bool ROWS = false>
-static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q) {
+template <typename T, int R, int NB, int MAXR> static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int RPT = GDND_DK / GDN_SLICES;
     constexpr int COLS = GDND_DV / NB; // value columns of this block
@@ -377,7 +373,7 @@ static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q)
     const int h = blockIdx.x / NB, cb = blockIdx.x % NB, kh = h / R;
     const int c0 = cb * COLS; // this block's first column
     // This block's first row: 0, or its row of a batched step (the cluster shares blockIdx.y).
-    int row0 = q.slots ? (int)blockIdx.y : 0;
+    const int row0 = q.slots ? (int)blockIdx.y : 0;
     const unsigned rank = gdnd_rank(); // == blockIdx.x % (R * NB)
     const unsigned head0 = rank - (unsigned)cb; // the rank of this head's first block
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -401,14 +397,11 @@ static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q)
     // ---- before the wait: weights and the recurrent state (nothing earlier writes them)
     float S[RPT];
     float* st = flashrt::in_slot(p.state, q.slots, row0) + (size_t)h * dk * dv;
-    auto load_state = [&] {
 #pragma unroll
-        for (int m = 0; m < RPT; ++m) {
-            const int i = slice + GDN_SLICES * m;
-            S[m] = (col_ok && i < dk) ? st[(size_t)i * dv + j] : 0.0f;
-        }
-    };
-    load_state();
+    for (int m = 0; m < RPT; ++m) {
+        const int i = slice + GDN_SLICES * m;
+        S[m] = (col_ok && i < dk) ? st[(size_t)i * dv + j] : 0.0f;
+    }
     // The taps left-padded with zeros to 4 (conv_vec's order: exact zeros first).
     float cw[4], cbias = 0.0f;
 #pragma unroll
@@ -423,14 +416,11 @@ static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q)
     // rows (only this layer's launch of the previous step wrote them).
     T* cst = flashrt::in_slot(static_cast<T*>(q.conv_state), q.slots, row0);
     float win[4];
-    auto load_window = [&] {
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            const int s = K1 + m - 4; // state row of time m - 4 (none before the oldest)
-            win[m] = conv_ok && s >= 0 ? flashrt::to_f32(cst[(size_t)s * C + ch]) : 0.0f;
-        }
-    };
-    load_window();
+    for (int m = 0; m < 4; ++m) {
+        const int s = K1 + m - 4; // state row of time m - 4 (none before the oldest)
+        win[m] = conv_ok && s >= 0 ? flashrt::to_f32(cst[(size_t)s * C + ch]) : 0.0f;
+    }
 
     FLASHRT_MARK(1);
     flashrt::pdl_enter();
@@ -438,15 +428,6 @@ static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q)
     const int live = flashrt::load_len(p.len);
     if (q.slots && row0 >= live) return; // a batched step's padding row (the whole cluster)
     const int len = q.slots ? 1 : min(live, MAXR);
-    for (bool first = true;; first = false) {
-    if constexpr (ROWS) {
-        // The next row's recurrent state (this block's columns of its head) asked of the L2
-        // while this row computes: dk rows of COLS floats.
-        const int nrow = row0 + (int)gridDim.y;
-        if (nrow < live && t < dk)
-            flashrt::prefetch_l2(flashrt::in_slot(p.state, q.slots, nrow) + (size_t)h * dk * dv + (size_t)t * dv + c0,
-                                 (unsigned)(min(COLS, dv - c0) * sizeof(float)));
-    }
     // Activation rows from row0 on (r below counts from there).
     const T* x = static_cast<const T*>(p.qkv) + (size_t)row0 * p.ld_qkv;
     // The norm's gate and the recurrence's a, b for every row, requested first and held in
@@ -467,7 +448,7 @@ static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q)
     }
 
     // ---- the causal conv of this thread's channel over the rows, its state rolled
-    if (first) gdnd_cluster_wait(); // every block of the cluster runs (entry's arrival)
+    gdnd_cluster_wait(); // every block of the cluster runs (entry's arrival)
     if (conv_ok) {
         T* co = static_cast<T*>(q.conv_out) + (size_t)row0 * q.ld_conv_out;
 #pragma unroll 1
@@ -590,20 +571,6 @@ static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q)
         }
     }
     FLASHRT_MARK(8);
-    if constexpr (!ROWS) {
-        break;
-    } else {
-        // The next row of this block row. Every block of the cluster is past this row's last
-        // cluster barrier, so no one reads this row's q, k, or the norm's sums any more when
-        // the next row's are written into their shared memory.
-        row0 += (int)gridDim.y;
-        if (row0 >= live) break;
-        st = flashrt::in_slot(p.state, q.slots, row0) + (size_t)h * dk * dv;
-        cst = flashrt::in_slot(static_cast<T*>(q.conv_state), q.slots, row0);
-        load_state();
-        load_window();
-    }
-    }
 #else
     __trap(); // sm_90 only; the host never selects it elsewhere
 #endif
@@ -621,19 +588,18 @@ static __device__ __forceinline__ void gdn_decode_impl(const GdnDecodeParams& q)
 #ifndef GDND1_MINB
 #define GDND1_MINB(NB) (512 / GDND_THREADS(NB))
 #endif
-#define FLASHRT_GDND_ENTRY_ROWS(NAME, R, NB, MAXR, MINB, ROWS)                                         \
+#define FLASHRT_GDND_ENTRY_ROWS(NAME, R, NB, MAXR, MINB)                                               \
     extern "C" __global__ void GDND_CLUSTER(R * NB) __launch_bounds__(GDND_THREADS(NB), MINB)         \
         NAME##_r##R##_c##NB##_bf16(const GdnDecodeParams p) {                                          \
-        gdn_decode_impl<__nv_bfloat16, R, NB, MAXR, ROWS>(p);                                          \
+        gdn_decode_impl<__nv_bfloat16, R, NB, MAXR>(p);                                                \
     }                                                                                                  \
     extern "C" __global__ void GDND_CLUSTER(R * NB) __launch_bounds__(GDND_THREADS(NB), MINB)         \
         NAME##_r##R##_c##NB##_f16(const GdnDecodeParams p) {                                           \
-        gdn_decode_impl<__half, R, NB, MAXR, ROWS>(p);                                                 \
+        gdn_decode_impl<__half, R, NB, MAXR>(p);                                                       \
     }
 #define FLASHRT_GDND_ENTRY(R, NB)                                                                      \
-    FLASHRT_GDND_ENTRY_ROWS(gdn_decode, R, NB, GDND_ROWS, 1, false)                                    \
-    FLASHRT_GDND_ENTRY_ROWS(gdn_decode1, R, NB, 1, GDND1_MINB(NB), false)                              \
-    FLASHRT_GDND_ENTRY_ROWS(gdn_decode_rows, R, NB, 1, GDND1_MINB(NB), true)
+    FLASHRT_GDND_ENTRY_ROWS(gdn_decode, R, NB, GDND_ROWS, 1)                                           \
+    FLASHRT_GDND_ENTRY_ROWS(gdn_decode1, R, NB, 1, GDND1_MINB(NB))
 
 FLASHRT_GDND_ENTRY(1, 1)
 FLASHRT_GDND_ENTRY(2, 1)

@@ -86,7 +86,10 @@ struct MoeParams {
     int ld_s_h;
     int s_inter;
     int shared;           // 1: the shared expert is fused (s_up, s_down, s_h set)
-    int pad2_;
+    // Small phases (`CudaOptions::moe_prefetch`): the shared expert's up rows (moe_up_routed*)
+    // and down rows (moe_down_small) asked of the L2 before the PDL wait, the weights no
+    // routing decides.
+    int prefetch;
 };
 
 namespace moe {
@@ -301,7 +304,7 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
 }
 
 // Before the predecessor is done: this warp's router row (or the token gate row) into L2.
-static __device__ __forceinline__ void moe_logits_prefetch(const MoeParams& p) {
+template <typename T> static __device__ __forceinline__ void moe_logits_prefetch(const MoeParams& p) {
     const int lane = threadIdx.x & 31;
     const int e = blockIdx.x * MOE_LOGIT_WARPS + (threadIdx.x >> 5);
     const char* row = nullptr;
@@ -310,9 +313,8 @@ static __device__ __forceinline__ void moe_logits_prefetch(const MoeParams& p) {
         row = reinterpret_cast<const char*>(p.router + (size_t)e * p.hidden);
         bytes = (size_t)p.hidden * 4;
     } else if (e == p.experts && p.s_gate) {
-        // 16-bit weights (the fused path is bf16 / f16 only).
         row = static_cast<const char*>(p.s_gate);
-        bytes = (size_t)p.hidden * 2;
+        bytes = (size_t)p.hidden * sizeof(T);
     }
     for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));

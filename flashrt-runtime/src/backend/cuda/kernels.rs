@@ -213,18 +213,6 @@ const PER_HALF_DTYPE: &[&str] = &[
     "gdn_decode1_r2_c4",
     "gdn_decode1_r3_c4",
     "gdn_decode1_r4_c4",
-    "gdn_decode_rows_r1_c1",
-    "gdn_decode_rows_r2_c1",
-    "gdn_decode_rows_r3_c1",
-    "gdn_decode_rows_r4_c1",
-    "gdn_decode_rows_r1_c2",
-    "gdn_decode_rows_r2_c2",
-    "gdn_decode_rows_r3_c2",
-    "gdn_decode_rows_r4_c2",
-    "gdn_decode_rows_r1_c4",
-    "gdn_decode_rows_r2_c4",
-    "gdn_decode_rows_r3_c4",
-    "gdn_decode_rows_r4_c4",
 ];
 
 /// Kernels with a single entry point.

@@ -169,6 +169,11 @@ pub struct CudaOptions {
     /// instead of a `moe_route` launch whose plan the up launch reads back (default). Default
     /// from `FLASHRT_MOE_ROUTE_IN_UP` (`0` = off).
     pub moe_route_in_up: bool,
+    /// A small phase's MoE launches ask the L2 for the shared expert's up and down rows before
+    /// their PDL waits (kernels/moe_small.cu; the weights no routing decides). Nothing computed
+    /// changes. H100, 35B-A3B decode at 2048: 3.46 / 3.46 -> 3.44 / 3.45 ms (benches/RESULTS.md,
+    /// 2026-12-07). Default from `FLASHRT_MOE_PREFETCH` (`0` = off).
+    pub moe_prefetch: bool,
     /// Run an attention layer's query / gate split, q and k norms, rotary embeddings and cache
     /// write as one launch (kernels/norm_qk.cu `qk_prep`) instead of five or six, in every
     /// phase, where the norms' shapes take their vector kernel. The same values bit for bit
@@ -321,15 +326,6 @@ pub struct CudaOptions {
     /// benches/RESULTS.md, 2026-12-06 22:37 UTC). Default on; `FLASHRT_ATTN_ROWS=0` launches a
     /// block per row.
     pub attn_rows: bool,
-    /// Batched steps' fused Gated DeltaNet decode launches with each cluster row taking several
-    /// of the step's rows one after another (kernels/gated_deltanet.cu `gdn_decode_rows_*`: the
-    /// same code per row as `gdn_decode1_*`, the next row's recurrent state asked of the L2
-    /// while this one computes), as many cluster rows as the SMs hold at once (512 threads of
-    /// blocks an SM), instead of one cluster row per step row (at the 27B shape 8 rows are 768
-    /// blocks, three waves); `N`: at most N cluster rows (0: off). Built after the last device call of
-    /// 2026-12-06 and not yet run on a GPU: off by default; `FLASHRT_GDN_ROWS=8` turns it on
-    /// (two cluster rows at the 27B shape on 132 SMs).
-    pub gdn_rows: u32,
 }
 
 impl Default for CudaOptions {
@@ -351,6 +347,7 @@ impl Default for CudaOptions {
             moe_wgmma: on("FLASHRT_MOE_WGMMA"),
             moe_wide: on("FLASHRT_MOE_WIDE"),
             moe_route_in_up: on("FLASHRT_MOE_ROUTE_IN_UP"),
+            moe_prefetch: on("FLASHRT_MOE_PREFETCH"),
             qk_prep: on("FLASHRT_QK_PREP"),
             attn_gate: std::env::var("FLASHRT_ATTN_GATE").is_ok_and(|v| v == "1"),
             gdn_fused: on("FLASHRT_GDN_FUSED"),
@@ -376,7 +373,6 @@ impl Default for CudaOptions {
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
             prefetch_next: (num("FLASHRT_PREFETCH_NEXT_MB", 16) as usize) << 20,
             attn_rows: on("FLASHRT_ATTN_ROWS"),
-            gdn_rows: num("FLASHRT_GDN_ROWS", 0),
         }
     }
 }
@@ -849,10 +845,10 @@ fn builder<'a>(
         moe_wgmma: model.moe_wgmma,
         moe_wide: model.options.moe_wide,
         moe_route_in_up: model.options.moe_route_in_up,
+        moe_prefetch: model.options.moe_prefetch,
         qk_prep: model.options.qk_prep,
         attn_gate: model.options.attn_gate,
         attn_rows: model.options.attn_rows,
-        gdn_rows: model.options.gdn_rows,
         gdn_fused: model.gdn_fused,
         fp8_gemm: model.fp8_gemm,
         gemv_mma: model.gemv_mma,

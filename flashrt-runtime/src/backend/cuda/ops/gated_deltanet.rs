@@ -227,19 +227,11 @@ impl Builder<'_> {
         }
         // A batched step: one cluster row per session row (grid y), each block one row, so
         // the entry whose arrays hold one row (`gdn_decode1`: half the registers, twice the
-        // blocks an SM; the same arithmetic per row). With `gdn_rows` = N each cluster row
-        // takes several step rows one after another (`gdn_decode_rows`: the same per-row code,
-        // the next row's state asked of the L2 meanwhile): as many cluster rows as the SMs
-        // hold at once (kernels/gated_deltanet.cu `GDND1_MINB`: 512 threads' worth of blocks
-        // an SM), at most N.
-        let (gy, entry) = match self.batch {
-            Some(_) if self.gdn_rows > 0 => {
-                let resident = self.sms.max(1) * (512 / threads).max(1);
-                let gy = (resident / (hv * nb).max(1)).clamp(1, rows.min(self.gdn_rows as usize));
-                (gy as u32, "gdn_decode_rows")
-            }
-            Some(_) => (rows as u32, "gdn_decode1"),
-            None => (1, "gdn_decode"),
+        // blocks an SM; the same arithmetic per row).
+        let (gy, entry) = if self.batch.is_some() {
+            (rows as u32, "gdn_decode1")
+        } else {
+            (1, "gdn_decode")
         };
         let func = self.kernels.typed(&format!("{entry}_r{r}_c{nb}"), t)?;
         if r * nb > 8 {

@@ -379,6 +379,8 @@ pub struct Builder<'a> {
     pub moe_wide: bool,
     /// Small phases route inside the up launch (`moe_up_routed`; `CudaOptions::moe_route_in_up`).
     pub moe_route_in_up: bool,
+    /// Small phases' MoE launches prefetch the shared expert (`CudaOptions::moe_prefetch`).
+    pub moe_prefetch: bool,
     /// An attention layer's split, q / k norms, rotations and cache write as one launch
     /// ([`Builder::qk_prep`]; `CudaOptions::qk_prep`).
     pub qk_prep: bool,
@@ -388,10 +390,6 @@ pub struct Builder<'a> {
     /// Batched steps' attention decode with each (head, split) block running the rows one
     /// after another (`attention_decode_rows_d*`; `CudaOptions::attn_rows`).
     pub attn_rows: bool,
-    /// Batched steps' fused Gated DeltaNet blocks running several rows one after another, in
-    /// at most this many cluster rows; 0: a cluster row per step row (`gdn_decode_rows_*`;
-    /// `CudaOptions::gdn_rows`).
-    pub gdn_rows: u32,
     /// Small phases' Gated DeltaNet layers (conv, recurrence, gated norm) as one clustered
     /// launch ([`Builder::gdn_small`], sm_90).
     pub gdn_fused: bool,
