@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The 35B-A3B shape's decode step with the MoE small-phase launches varied: the shared expert's
-# L2 prefetch before the PDL waits (CudaOptions::moe_prefetch, `FLASHRT_MOE_PREFETCH`) and the
-# up launch's resident blocks an SM (kernels/moe_small.cu `-DMOE_UP_MINB=N`, built with
-# scripts/build-kernel-variant.sh into .gpu/kv/up<N>, carried as .gpupack/kv.tar). One device
-# call, one binary, the variants alternated.
-#   1. GPU tests: the MoE tests (`moe_prefetch_changes_no_bit`, routing, wide prefill).
+# L2 prefetch before the PDL waits (CudaOptions::moe_prefetch, `FLASHRT_MOE_PREFETCH`), the
+# up launch's resident blocks an SM (kernels/moe_small.cu `-DMOE_UP_MINB=N`) and the moe family
+# as committed before a change (`old`), the variants built with scripts/build-kernel-variant.sh
+# into .gpu/kv/<name> and carried as .gpupack/kv.tar. One device call, one binary, the
+# variants alternated.
+#   1. GPU tests: the MoE tests (`moe_prefetch_changes_no_bit`, routing, wide prefill), the
+#      fixtures against transformers (f32) and bf16 against the CPU reference.
 #   2. `flashrt bench` on models/qwen36-35b-a3b.toml at 2048, one row, each variant REPS times;
 #      BATCH=1 adds `--batch 1,2,4,8` for the committed defaults (141 GB cards).
 # Usage (repository root on the GPU machine, carry .gpupack):
@@ -14,15 +16,16 @@ OUT="${1:-${OUT:-benches/results/latest-moe-decode}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=benches/h200-common.sh
 source "$ROOT/benches/h200-common.sh"
-"$BIN/cuda_model" --test-threads=1 moe_ >"$OUT/cuda_model-moe.log" 2>&1 || status=1
+"$BIN/cuda_model" --test-threads=1 moe_ fixtures_f32_match_transformers bf16_tracks_cpu_reference \
+  >"$OUT/cuda_model-moe.log" 2>&1 || status=1
 echo "== tests"; grep -hE 'test result|panicked|FAILED|bit-identical' "$OUT/cuda_model-moe.log"
 M35="$ROOT/models/qwen36-35b-a3b.toml"
 # name, then the variables it runs with.
 VARIANTS=(
+  "old FLASHRT_KERNELS_DIR=$ROOT/.gpu/kv/base"
+  "new FLASHRT_MOE_PREFETCH=1"
   "off FLASHRT_MOE_PREFETCH=0"
-  "on FLASHRT_MOE_PREFETCH=1"
   "up3 FLASHRT_KERNELS_DIR=$ROOT/.gpu/kv/up3"
-  "up4 FLASHRT_KERNELS_DIR=$ROOT/.gpu/kv/up4"
 )
 for i in $(seq "${REPS:-2}"); do
   for v in "${VARIANTS[@]}"; do

@@ -397,26 +397,38 @@ static __device__ __forceinline__ void route_row(const MoeParams& p, int row, fl
             if (!keep[e / per]) choice[e] = -INFINITY;
         __syncwarp();
     }
+    // Top-k: each lane keeps the best of its own experts (e = lane + 32 m: larger value, ties
+    // to the lower index, taken experts are NaN and never win); a round takes the warp's best
+    // of those, and only the lane owning the winner marks it taken and scans its experts again.
     int my_id = 0;
     float my_w = 0.0f;
-    for (int j = 0; j < K; ++j) {
-        float v = NAN;
-        int i = 0x7fffffff;
+    float lv;
+    int li;
+    auto lane_best = [&]() {
+        lv = NAN;
+        li = 0x7fffffff;
         for (int e = lane; e < E; e += 32) {
             const float c = choice[e];
-            if (!isnan(c) && (isnan(v) || c > v)) {
-                v = c;
-                i = e;
+            if (!isnan(c) && (isnan(lv) || c > lv)) {
+                lv = c;
+                li = e;
             }
         }
-        if (isnan(v)) v = -INFINITY; // an empty lane loses to any candidate
-        moe::warp_best(v, i);        // every lane gets the winner
+        if (isnan(lv)) lv = -INFINITY; // an empty lane loses to any candidate
+    };
+    lane_best();
+    for (int j = 0; j < K; ++j) {
+        float v = lv;
+        int i = li;
+        moe::warp_best(v, i); // every lane gets the winner
         if (lane == j) {
             my_id = i;
             my_w = score[i];
         }
-        if (lane == 0) choice[i] = NAN;
-        __syncwarp();
+        if (i < E && (i & 31) == lane) {
+            choice[i] = NAN;
+            lane_best();
+        }
     }
     // The weights in rank order: the sum in that order (every lane), each divided by it.
     if (p.renormalize) {

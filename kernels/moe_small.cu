@@ -49,14 +49,20 @@ template <typename T, int ROWS, int B> static __device__ __forceinline__ void mo
     T* xall = reinterpret_cast<T*>(smem);
     float* scratch = reinterpret_cast<float*>(smem + (size_t)len * H * sizeof(T));
     constexpr int N = flashrt::Pack16<T>::N;
-    for (int i = threadIdx.x; i < len * (H / N); i += blockDim.x) {
-        const int q = i / (H / N), col = (i % (H / N)) * N;
-        flashrt::st16(xall + (size_t)q * H + col, flashrt::ld16(static_cast<const T*>(p.x) + (size_t)q * p.ld_x + col));
-    }
     const bool sh = p.shared && blockIdx.y == gridDim.y - 1;
+    // The rows of x into shared memory by the warps that do not route (all of them after
+    // routing when every warp routes a row), so the copy and the routing overlap.
+    const int routing = sh ? 0 : len;
+    const int cw = routing < warps ? routing : 0;
+    if (!sh && warp < len)
+        route_row<T>(p, warp, scratch + (size_t)warp * 2 * E, scratch + (size_t)warp * 2 * E + E, keep[warp],
+                     sid + warp * K, swt + warp * K);
+    if (warp >= cw)
+        for (int i = threadIdx.x - 32 * cw; i < len * (H / N); i += blockDim.x - 32 * cw) {
+            const int q = i / (H / N), col = (i % (H / N)) * N;
+            flashrt::st16(xall + (size_t)q * H + col, flashrt::ld16(static_cast<const T*>(p.x) + (size_t)q * p.ld_x + col));
+        }
     if (!sh) {
-        float* score = scratch + (size_t)warp * 2 * E;
-        if (warp < len) route_row<T>(p, warp, score, score + E, keep[warp], sid + warp * K, swt + warp * K);
         if (warp == 0 && lane < 8) amask[lane] = 0u;
         __syncthreads();
         const int n = len * K;
