@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The 35B-A3B shape's decode step with the MoE small-phase launches varied: the shared expert's
-# L2 prefetch before the PDL waits (CudaOptions::moe_prefetch, `FLASHRT_MOE_PREFETCH`), the
-# up launch's resident blocks an SM (kernels/moe_small.cu `-DMOE_UP_MINB=N`) and the moe family
-# as committed before a change (`old`), the variants built with scripts/build-kernel-variant.sh
-# into .gpu/kv/<name> and carried as .gpupack/kv.tar. One device call, one binary, the
-# variants alternated.
-#   1. GPU tests: the MoE tests (`moe_prefetch_changes_no_bit`, routing, wide prefill), the
-#      fixtures against transformers (f32) and bf16 against the CPU reference.
-#   2. `flashrt bench` on models/qwen36-35b-a3b.toml at 2048, one row, each variant REPS times;
-#      BATCH=1 adds `--batch 1,2,4,8` for the committed defaults (141 GB cards).
+# The 35B-A3B shape's decode step, the committed moe kernel family against variants of it
+# (scripts/build-kernel-variant.sh NAME moe [FLAGS], or a family built from an older tree, in
+# .gpu/kv/NAME, carried as .gpupack/kv.tar and loaded with FLASHRT_KERNELS_DIR). One device
+# call, one binary, the variants alternated. (Its 2026-12-07 run also compared a
+# shared-expert prefetch option and a `-DMOE_UP_MINB` build, both removed after measuring no
+# gain; benches/RESULTS.md.)
+#   1. GPU tests: the MoE tests, the fixtures against transformers (f32) and bf16 against the
+#      CPU reference.
+#   2. `flashrt bench` on models/qwen36-35b-a3b.toml at 2048, one row, the committed kernels
+#      and each variant in VARIANTS (names under .gpu/kv), REPS times; BATCH=1 adds
+#      `--batch 1,2,4,8` for the committed kernels (141 GB cards).
 # Usage (repository root on the GPU machine, carry .gpupack):
-#   [REPS=2] [BATCH=0] bash benches/run-moe-decode-h200.sh OUT
+#   [VARIANTS="old"] [REPS=2] [BATCH=0] bash benches/run-moe-decode-h200.sh OUT
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-moe-decode}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,18 +21,11 @@ source "$ROOT/benches/h200-common.sh"
   >"$OUT/cuda_model-moe.log" 2>&1 || status=1
 echo "== tests"; grep -hE 'test result|panicked|FAILED|bit-identical' "$OUT/cuda_model-moe.log"
 M35="$ROOT/models/qwen36-35b-a3b.toml"
-# name, then the variables it runs with.
-VARIANTS=(
-  "old FLASHRT_KERNELS_DIR=$ROOT/.gpu/kv/base"
-  "new FLASHRT_MOE_PREFETCH=1"
-  "off FLASHRT_MOE_PREFETCH=0"
-  "up3 FLASHRT_KERNELS_DIR=$ROOT/.gpu/kv/up3"
-)
 for i in $(seq "${REPS:-2}"); do
-  for v in "${VARIANTS[@]}"; do
-    read -r name envs <<<"$v"
-    # shellcheck disable=SC2086
-    run_bench "35b-$name-$i" "$FLASHRT" $envs -- "$M35" --iters 1 --lengths 2048 --decode-steps 64 --batch 1
+  for name in committed ${VARIANTS:-}; do
+    envs=()
+    [ "$name" != committed ] && envs=("FLASHRT_KERNELS_DIR=$ROOT/.gpu/kv/$name")
+    run_bench "35b-$name-$i" "$FLASHRT" "${envs[@]}" -- "$M35" --iters 1 --lengths 2048 --decode-steps 64 --batch 1
     grep -hE 'batch 1:' "$OUT/35b-$name-$i.log" | head -1
   done
 done

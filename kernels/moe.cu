@@ -86,10 +86,7 @@ struct MoeParams {
     int ld_s_h;
     int s_inter;
     int shared;           // 1: the shared expert is fused (s_up, s_down, s_h set)
-    // Small phases (`CudaOptions::moe_prefetch`): the shared expert's up rows (moe_up_routed*)
-    // and down rows (moe_down_small) asked of the L2 before the PDL wait, the weights no
-    // routing decides.
-    int prefetch;
+    int pad2_;
 };
 
 namespace moe {

@@ -23,18 +23,6 @@
 // not depend on its place) and block y takes the y-th active expert; the last y with `shared`
 // runs the shared expert over every row from the start. Block (0, 0) stores the rows' ids and
 // weights for moe_down_small.
-// Before the PDL wait (`p.prefetch`): the shared expert's block asks the L2 for its features'
-// gate and up rows, which no routing decides.
-template <typename T> static __device__ __forceinline__ void moe_up_prefetch(const MoeParams& p) {
-    if (!p.prefetch || !p.shared || blockIdx.y != gridDim.y - 1 || (threadIdx.x & 31)) return;
-    const int warps = blockDim.x >> 5;
-    const unsigned row = (unsigned)p.hidden * sizeof(T);
-    for (int c = blockIdx.x * warps + (threadIdx.x >> 5); c < p.s_inter; c += gridDim.x * warps) {
-        flashrt::prefetch_l2(static_cast<const T*>(p.s_up) + (size_t)c * p.hidden, row);
-        if (p.swiglu) flashrt::prefetch_l2(static_cast<const T*>(p.s_up2) + (size_t)c * p.hidden, row);
-    }
-}
-
 template <typename T, int ROWS, int B> static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int keep[8][32];
@@ -134,15 +122,8 @@ template <typename T> static __device__ __forceinline__ void moe_up_routed1_impl
     moe_up_routed_impl<T, 1, 8>(p);
 }
 
-// `-DMOE_UP_MINB=N` (scripts/build-kernel-variant.sh): N resident blocks an SM asked of the
-// register allocator (the host sizes the grid from the occupancy it reports).
-#ifdef MOE_UP_MINB
-#define MOE_UP_BOUNDS 256, MOE_UP_MINB
-#else
-#define MOE_UP_BOUNDS 256
-#endif
-FLASHRT_ENTRY_PRE(moe_up_routed_tiles, MoeParams, MOE_UP_BOUNDS, moe_up_prefetch)
-FLASHRT_ENTRY_PRE(moe_up_routed1, MoeParams, MOE_UP_BOUNDS, moe_up_prefetch)
+FLASHRT_ENTRY(moe_up_routed_tiles, MoeParams, 256)
+FLASHRT_ENTRY(moe_up_routed1, MoeParams, 256)
 
 // Small phases (<= 8 rows): down projection and combine in one launch. grid = ceil(hidden / 8),
 // block = 256: warp w owns output feature 8 * bx + w of every row. Its lanes walk the
@@ -200,22 +181,4 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
     }
 }
 
-// Before the PDL wait (`p.prefetch`): this block's 8 rows of the shared expert's down
-// projection into L2. (The routed experts' down rows asked of the L2 by the up launch once it
-// has routed, at its start or its end, measured no faster: they compete with its own stream,
-// benches/RESULTS.md 2026-12-07.)
-template <typename T> static __device__ __forceinline__ void moe_down_prefetch(const MoeParams& p) {
-    if (!p.prefetch || !p.shared || threadIdx.x) return;
-    const int c0 = blockIdx.x * (blockDim.x >> 5);
-    const int n = min((int)(blockDim.x >> 5), p.hidden - c0);
-    if (n > 0)
-        flashrt::prefetch_l2(static_cast<const T*>(p.s_down) + (size_t)c0 * p.s_inter,
-                             (unsigned)((size_t)n * p.s_inter * sizeof(T)));
-}
-
-#ifdef MOE_DOWN_MINB
-#define MOE_DOWN_BOUNDS 256, MOE_DOWN_MINB
-#else
-#define MOE_DOWN_BOUNDS 256
-#endif
-FLASHRT_ENTRY_PRE(moe_down_small, MoeParams, MOE_DOWN_BOUNDS, moe_down_prefetch)
+FLASHRT_ENTRY(moe_down_small, MoeParams, 256)

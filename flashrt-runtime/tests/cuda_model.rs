@@ -1440,21 +1440,6 @@ fn moe_routing_in_the_up_launch_computes_what_moe_route_computes() {
     }
 }
 
-/// `CudaOptions::moe_prefetch` (the shared expert's rows asked of the L2 before a small
-/// phase's MoE launches wait for their predecessors) changes no bit: decode and verify steps
-/// with it equal those without, on the Qwen3.5-MoE-like model (which has the shared expert).
-#[test]
-fn moe_prefetch_changes_no_bit() {
-    let name = "moe_prefetch_changes_no_bit";
-    let with = |moe_prefetch| CudaOptions {
-        moe_prefetch,
-        ..CudaOptions::default()
-    };
-    if same_bits_with(name, QWEN_MOE_LIKE, &[with(false), with(true)]) {
-        println!("qwen-moe-like: moe_prefetch on and off bit-identical");
-    }
-}
-
 /// `CudaOptions::qk_prep` (an attention layer's query / gate split, q and k norms, rotary
 /// embeddings and cache write in one launch, kernels/norm_qk.cu) and `CudaOptions::attn_gate`
 /// (its output gate in the small-phase attention's stores, kernels/attention_decode.cu), alone

@@ -169,12 +169,6 @@ pub struct CudaOptions {
     /// instead of a `moe_route` launch whose plan the up launch reads back (default). Default
     /// from `FLASHRT_MOE_ROUTE_IN_UP` (`0` = off).
     pub moe_route_in_up: bool,
-    /// A small phase's MoE launches ask the L2 for the shared expert's up and down rows before
-    /// their PDL waits (kernels/moe_small.cu; the weights no routing decides). Nothing computed
-    /// changes. Within noise either way on two H100s (35B-A3B decode at 2048: 3.46 -> 3.44 ms
-    /// on one, 3.452 -> 3.463 on the other; benches/RESULTS.md, 2026-12-07), so off by default;
-    /// `FLASHRT_MOE_PREFETCH=1` turns it on.
-    pub moe_prefetch: bool,
     /// Run an attention layer's query / gate split, q and k norms, rotary embeddings and cache
     /// write as one launch (kernels/norm_qk.cu `qk_prep`) instead of five or six, in every
     /// phase, where the norms' shapes take their vector kernel. The same values bit for bit
@@ -348,7 +342,6 @@ impl Default for CudaOptions {
             moe_wgmma: on("FLASHRT_MOE_WGMMA"),
             moe_wide: on("FLASHRT_MOE_WIDE"),
             moe_route_in_up: on("FLASHRT_MOE_ROUTE_IN_UP"),
-            moe_prefetch: std::env::var("FLASHRT_MOE_PREFETCH").is_ok_and(|v| v == "1"),
             qk_prep: on("FLASHRT_QK_PREP"),
             attn_gate: std::env::var("FLASHRT_ATTN_GATE").is_ok_and(|v| v == "1"),
             gdn_fused: on("FLASHRT_GDN_FUSED"),
@@ -846,7 +839,6 @@ fn builder<'a>(
         moe_wgmma: model.moe_wgmma,
         moe_wide: model.options.moe_wide,
         moe_route_in_up: model.options.moe_route_in_up,
-        moe_prefetch: model.options.moe_prefetch,
         qk_prep: model.options.qk_prep,
         attn_gate: model.options.attn_gate,
         attn_rows: model.options.attn_rows,

@@ -379,8 +379,6 @@ pub struct Builder<'a> {
     pub moe_wide: bool,
     /// Small phases route inside the up launch (`moe_up_routed`; `CudaOptions::moe_route_in_up`).
     pub moe_route_in_up: bool,
-    /// Small phases' MoE launches prefetch the shared expert (`CudaOptions::moe_prefetch`).
-    pub moe_prefetch: bool,
     /// An attention layer's split, q / k norms, rotations and cache write as one launch
     /// ([`Builder::qk_prep`]; `CudaOptions::qk_prep`).
     pub qk_prep: bool,

@@ -85,7 +85,7 @@ struct MoeParams {
     ld_s_h: i32,
     s_inter: i32,
     shared: i32,
-    prefetch: i32,
+    pad2: i32,
 }
 
 /// kernels/moe.cu limits.
@@ -437,7 +437,7 @@ impl Builder<'_> {
             ld_s_h: sh.map_or(0, |s| s.h.1),
             s_inter: sh.map_or(0, |s| s.inter as i32),
             shared: sh.is_some() as i32,
-            prefetch: (small && self.moe_prefetch) as i32,
+            pad2: 0,
         };
         let active = e.min(rows * k) as u32;
         let rr = rows as u32;
