@@ -38,7 +38,8 @@
 // stream ends (a share is held back until then, so no fence interrupts a stream), each writes
 // its shares to its slots in `part` and counts itself in `cnt` (release / acquire), the last
 // adds the shares in warp order and stores. Every output is thus the same sum in the same order
-// whatever R is, and whichever warp arrives last.
+// whatever R is, and whichever warp arrives last. (`GEMVM_EARLY_SHARES`, below: a variant
+// whose shares are published mid-stream, built and not yet measured.)
 //
 // Prologue: one pass over the R input rows from L2 takes each row's largest magnitude (with a
 // fused RMSNorm, `norm`: its sum of squares and the largest |x * s|, s the norm weight) and,
@@ -90,6 +91,18 @@
 #endif
 #ifndef GEMVM8_RING_EARLY
 #define GEMVM8_RING_EARLY 2
+#endif
+// 1: split tiles finished from shares published mid-stream (see `finish` in gemv8m_impl): each
+// warp streams its tiles last first, so a tile's contributors other than the one holding its
+// last steps stream it first and publish their shares at once as tagged words (no fence, no
+// counter), and at the end of a launch the tile's last contributor usually finds them there:
+// the launch's tail is one L2 round trip instead of a chain of them. Outputs: the same sums in
+// another fixed order (still the same whatever R is). Built after the device budget ran out
+// (2026-12-07) and not yet measured or tested on a GPU: measure with
+// benches/run-gemvm-tail-h200.sh before making it the default (the counters `cnt` are unused
+// then, `part` holds one slot of 128 tagged 64-bit words per warp: the same bytes).
+#ifndef GEMVM_EARLY_SHARES
+#define GEMVM_EARLY_SHARES 0
 #endif
 // Shared-memory row padding of the staged inputs (elements): the input loads of a warp's lanes
 // (rows g, columns 16q or 32q of a step) spread over the banks.
@@ -283,10 +296,24 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     const int i0 = (int)(gw * S / TW), i1 = (int)((gw + 1) * S / TW);
     const int qshift = W16 ? 0 : __ffs(p.qbc / GEMVM_STEP) - 1;
 
+#if GEMVM_EARLY_SHARES
+    // The warp's tiles are streamed last first (see `finish` below): tile t_last (the one its
+    // range ends in) first, then whole tiles downwards, tile t_first (the one its range starts
+    // in) last; each tile's steps in column order. Tile t's steps in the range: [sb(t), se(t)).
+    const int t_first = i0 / spt, t_last = i1 > i0 ? (i1 - 1) / spt : t_first;
+    auto sb = [&](int t) { return t == t_first ? i0 - t * spt : 0; };
+    auto se = [&](int t) { return t == t_last ? i1 - t * spt : spt; };
+    // The fetch cursor: tile `ft`, column step `fs` (its segment ends at `fe`), global steps
+    // fetched `fi` (from i0); this lane's two weight rows of the tile (half 0: tile row g, half
+    // 1: tile row g + 8; in glu mode gate and up row j0 + g) and their scale rows. Rows past n
+    // read row 0 and are never written.
+    int ft = t_last, fs = sb(t_last), fe = se(t_last), fi = i0;
+#else
     // The fetch cursor: tile `ft`, column step `fs`, global step `fi`; this lane's two weight
     // rows of the tile (half 0: tile row g, half 1: tile row g + 8; in glu mode gate and up row
     // j0 + g) and their scale rows. Rows past n read row 0 and are never written.
     int ft = i0 / spt, fs = i0 - ft * spt, fi = i0;
+#endif
     // Loads (see gemvm_exchange): lane 8a + b reads rows 4rg + a of each half, 16 bytes at 16b
     // of each 128-byte column block; the scales are those of its fragment rows g, g + 8.
     const int la = lane >> 3, lb = lane & 7;
@@ -321,11 +348,20 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     float sv[RING][2];
     auto fetch = [&](int u) {
         if (fi >= i1) return;
+#if GEMVM_EARLY_SHARES
+        if (fs == fe) {
+            --ft;
+            fs = sb(ft);
+            fe = spt;
+            point(ft);
+        }
+#else
         if (fs == spt) {
             ++ft;
             fs = 0;
             point(ft);
         }
+#endif
         const size_t kb = (size_t)fs * GEMVM_STEP * WB;
 #pragma unroll
         for (int h = 0; h < 2; ++h)
@@ -350,9 +386,15 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     // `p.pf` more steps of the current tile asked of the L2 (lane = tile row: half lane / 8,
     // row lane % 8), so DRAM keeps working while the prologue waits and runs.
     if (p.pf > 0 && fi < i1 && lane < 16) {
+#if GEMVM_EARLY_SHARES
+        int pt = ft, ps = fs, pe = fe;
+        if (ps == pe) --pt, ps = sb(pt), pe = spt;
+        const int ns = min(min(p.pf, pe - ps), i1 - fi);
+#else
         int pt = ft, ps = fs;
         if (ps == spt) ++pt, ps = 0;
         const int ns = min(min(p.pf, spt - ps), i1 - fi);
+#endif
         int mi, j0;
         gemvm_tile(p, pt, mi, j0);
         const int h = lane >> 3;
@@ -467,6 +509,90 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     const bool feeds = g < R;
     const float fg = feeds ? row_scale[g] : 0.0f;
 
+#if GEMVM_EARLY_SHARES
+    // Split tiles. A tile's steps fall to warps w_f .. w_l of the launch (w_f holds its first
+    // steps); w_l, which streams that tile last of all its own, finishes it. Every other
+    // contributor streams that tile *first* (it is the tile its range ends in) and publishes
+    // its share as soon as it is done, mid-stream, to its slot in `part`: 128 64-bit words
+    // (the sum's bits and a tag 1 above them, one relaxed store each: single-copy atomic, so
+    // no fence and no counter). When w_l's stream ends, the shares of w_f .. w_l - 1 have
+    // usually been there for most of the launch (only a warp whose whole range lies inside
+    // the tile publishes at its end); it reads them in warp order (polling a word until its
+    // tag is set: the writers are earlier warps, resident or done), clears them for the next
+    // launch and stores the sum, added in warp order — a fixed order, so the result depends
+    // on neither R nor timing. A warp publishes at most one share (of tile t_last) and
+    // finishes at most one (t_first).
+    unsigned long long* slots = reinterpret_cast<unsigned long long*>(p.part);
+    // A segment before the last: a whole tile, or the share of tile t_last (published).
+    auto finish_mid = [&](int t, float (&a)[4]) {
+        if (t * spt + se(t) == (t + 1) * spt) {
+            float v[4] = {a[0], a[1], a[2], a[3]};
+            gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
+            return;
+        }
+#ifndef GEMVM_NO_FIXUP
+        unsigned long long* mine = slots + (size_t)gw * 128;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(mine + e * 32 + lane),
+                         "l"((1ull << 32) | __float_as_uint(a[e]))
+                         : "memory");
+#endif
+    };
+    // The last segment (tile t_first): whole, published, or the tile's last share (finished).
+    auto finish = [&](int t, float (&a)[4]) {
+        const int lo = t * spt + sb(t), hi = t * spt + se(t);
+        if (lo == t * spt && hi == (t + 1) * spt) {
+            float v[4] = {a[0], a[1], a[2], a[3]};
+            gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
+            return;
+        }
+#ifdef GEMVM_NO_FIXUP
+        // A timing bound for benches/kernels/gemvm_micro.cu only (split tiles left unfinished:
+        // wrong outputs); never defined in the product.
+        return;
+#endif
+        if (hi < (t + 1) * spt) {
+            unsigned long long* mine = slots + (size_t)gw * 128;
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(mine + e * 32 + lane),
+                             "l"((1ull << 32) | __float_as_uint(a[e]))
+                             : "memory");
+            return;
+        }
+        const int wf = gemvm_owner((long long)t * spt, S, TW);
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        // The shares in warp order, four warps' words in flight at a time.
+        for (int w0 = wf; w0 < gw; w0 += 4) {
+            unsigned long long sh[4][4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                if (w0 + u >= gw) break;
+                const unsigned long long* sl = slots + (size_t)(w0 + u) * 128 + lane;
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(sh[u][e]) : "l"(sl + e * 32) : "memory");
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                if (w0 + u >= gw) break;
+                unsigned long long* sl = slots + (size_t)(w0 + u) * 128 + lane;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    while ((sh[u][e] >> 32) != 1ull)
+                        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(sh[u][e]) : "l"(sl + e * 32) : "memory");
+                    v[e] += __uint_as_float((unsigned)sh[u][e]);
+                    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(sl + e * 32), "l"(0ull) : "memory");
+                }
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] += a[e];
+        gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
+    };
+
+#else
     // A tile this warp finished goes straight to the outputs when the warp did all its steps.
     // A share (the warp's first tile, when its range starts inside it, and its last, when the
     // range ends inside it) is held back and published when the warp's stream ends, so
@@ -557,10 +683,18 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
         }
     };
 
+#endif
     // The consume cursor: tile `ct`, column step `cs`. A round of RING steps crosses at most
     // one tile boundary (the host requires k >= RING x 128): steps after it add to `accn`.
+    // (GEMVM_EARLY_SHARES: tile `ct`'s segment ends at column step `ce`; only the first
+    // segment can be shorter than a tile, so a round still ends at most one segment before the
+    // range's last.)
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, accn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if GEMVM_EARLY_SHARES
+    int ct = t_last, cs = sb(t_last), ce = se(t_last), i = i0;
+#else
     int ct = i0 / spt, cs = i0 - ct * spt, i = i0;
+#endif
     while (i < i1) {
         bool crossed = false;
 #pragma unroll
@@ -647,18 +781,39 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             fetch(u);
             if (i == i0) FLASHRT_MARK(4);
             ++i;
+#if GEMVM_EARLY_SHARES
+            if (++cs == ce && i < i1) {
+                crossed = true;
+                cs = sb(ct - 1);
+                ce = spt;
+            }
+#else
             if (++cs == spt) cs = 0, crossed = true;
+#endif
         }
         if (crossed) {
+#if GEMVM_EARLY_SHARES
+            finish_mid(ct, acc);
+#else
             finish(ct, acc);
+#endif
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[e] = accn[e], accn[e] = 0.0f;
+#if GEMVM_EARLY_SHARES
+            --ct;
+#else
             ++ct;
+#endif
         }
     }
     FLASHRT_MARK(5);
+#if GEMVM_EARLY_SHARES
+    // The last segment: tile t_first.
+    if (i0 < i1) finish(ct, acc);
+#else
     // The share of a tile the warp's steps end inside, and the one it started inside.
     settle(i0 < i1 && cs != 0 ? ct : -1, acc);
+#endif
     FLASHRT_MARK(6);
 }
 

@@ -19,7 +19,8 @@
 //                             GemvParams::pf)
 //
 // -DGEMVM_NO_FIXUP: split tiles are not finished (wrong outputs), a bound on what finishing
-// them costs. MB_GRID=n: n resident blocks per SM at most (default GEMVM_MINB, as the host).
+// them costs. -DGEMVM_EARLY_SHARES=1: split tiles finished from shares published mid-stream
+// (kernels/gemv_mma.cu). MB_GRID=n: n resident blocks per SM at most (default GEMVM_MINB, as the host).
 // Built with -DFLASHRT_PROBE (benches/kernels/micro.cuh), each tensor-core case is also launched
 // once alone with per-warp timestamps at the kernel's phases (entry, ring issued, PDL wait,
 // prologue, first step, loop end, end), printed as median / max microseconds after the first
@@ -94,6 +95,8 @@ int main() {
     unsigned* cnt;
     const size_t tw_max = (size_t)sms * GEMVM_MINB * GEMVM_WARPS;
     CK(cudaMalloc(&part, tw_max * 2 * 128 * 4));
+    // (Zero: GEMVM_EARLY_SHARES's tagged share words start untagged.)
+    CK(cudaMemset(part, 0, tw_max * 2 * 128 * 4));
     CK(cudaMalloc(&cnt, tw_max * 4));
     CK(cudaMemset(cnt, 0, tw_max * 4));
     cudaEvent_t e0, e1;

@@ -105,6 +105,10 @@ fn linear() {
             (1, 384, 40, false, true),
             (5, 640, 33, false, false),
             (8, 1280, 100, false, true),
+            // Long k, few tiles: a tile's steps fall to eight warps, six of them wholly inside
+            // it (`gemv16m`'s finisher reads seven published shares).
+            (1, 4096, 40, false, true),
+            (7, 4096, 24, false, false),
         ] {
             let name = format!("linear {k}->{n} bias={bias} acc={accumulate}");
             // Input: x in columns 0..k, the residual (accumulate target) in k..k+n.
