@@ -108,6 +108,16 @@
 // (rows g, columns 16q or 32q of a step) spread over the banks.
 #define GEMVM_PAD 8
 
+// GEMVM_EARLY_SHARES's share words: 64-bit relaxed accesses at GPU scope (single-copy atomic).
+static __device__ __forceinline__ void gemvm_st_tagged(unsigned long long* a, unsigned long long v) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
+}
+static __device__ __forceinline__ unsigned long long gemvm_ld_tagged(const unsigned long long* a) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(a) : "memory");
+    return v;
+}
+
 // Two E4M3 codes (first code in the low byte) as an f16x2 (exact).
 static __device__ __forceinline__ uint32_t gemvm_codes(unsigned short c) {
     uint32_t h;
@@ -523,6 +533,16 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     // on neither R nor timing. A warp publishes at most one share (of tile t_last) and
     // finishes at most one (t_first).
     unsigned long long* slots = reinterpret_cast<unsigned long long*>(p.part);
+    // The warp's share, to its slot. (GEMVM_NO_FIXUP: a timing bound for
+    // benches/kernels/gemvm_micro.cu only, split tiles left unfinished: wrong outputs; never
+    // defined in the product.)
+    auto publish = [&](float (&a)[4]) {
+#ifndef GEMVM_NO_FIXUP
+        unsigned long long* mine = slots + (size_t)gw * 128 + lane;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) gemvm_st_tagged(mine + e * 32, (1ull << 32) | __float_as_uint(a[e]));
+#endif
+    };
     // A segment before the last: a whole tile, or the share of tile t_last (published).
     auto finish_mid = [&](int t, float (&a)[4]) {
         if (t * spt + se(t) == (t + 1) * spt) {
@@ -530,14 +550,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
             return;
         }
-#ifndef GEMVM_NO_FIXUP
-        unsigned long long* mine = slots + (size_t)gw * 128;
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(mine + e * 32 + lane),
-                         "l"((1ull << 32) | __float_as_uint(a[e]))
-                         : "memory");
-#endif
+        publish(a);
     };
     // The last segment (tile t_first): whole, published, or the tile's last share (finished).
     auto finish = [&](int t, float (&a)[4]) {
@@ -547,20 +560,13 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
             return;
         }
-#ifdef GEMVM_NO_FIXUP
-        // A timing bound for benches/kernels/gemvm_micro.cu only (split tiles left unfinished:
-        // wrong outputs); never defined in the product.
-        return;
-#endif
         if (hi < (t + 1) * spt) {
-            unsigned long long* mine = slots + (size_t)gw * 128;
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(mine + e * 32 + lane),
-                             "l"((1ull << 32) | __float_as_uint(a[e]))
-                             : "memory");
+            publish(a);
             return;
         }
+#ifdef GEMVM_NO_FIXUP
+        return;
+#endif
         const int wf = gemvm_owner((long long)t * spt, S, TW);
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         // The shares in warp order, four warps' words in flight at a time.
@@ -571,8 +577,7 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
                 if (w0 + u >= gw) break;
                 const unsigned long long* sl = slots + (size_t)(w0 + u) * 128 + lane;
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(sh[u][e]) : "l"(sl + e * 32) : "memory");
+                for (int e = 0; e < 4; ++e) sh[u][e] = gemvm_ld_tagged(sl + e * 32);
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -580,10 +585,9 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
                 unsigned long long* sl = slots + (size_t)(w0 + u) * 128 + lane;
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    while ((sh[u][e] >> 32) != 1ull)
-                        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(sh[u][e]) : "l"(sl + e * 32) : "memory");
+                    while ((sh[u][e] >> 32) != 1ull) sh[u][e] = gemvm_ld_tagged(sl + e * 32);
                     v[e] += __uint_as_float((unsigned)sh[u][e]);
-                    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(sl + e * 32), "l"(0ull) : "memory");
+                    gemvm_st_tagged(sl + e * 32, 0ull);
                 }
             }
         }
