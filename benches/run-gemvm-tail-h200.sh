@@ -22,10 +22,13 @@
 #   $NV -o .gpu/extra/gemvm_base benches/kernels/gemvm_micro.cu
 #   $NV -DGEMVM_EARLY_SHARES=1 -o .gpu/extra/gemvm_new benches/kernels/gemvm_micro.cu
 #   $NV -DGEMVM_NO_FIXUP -o .gpu/extra/gemvm_bound benches/kernels/gemvm_micro.cu
-#   tar -cJf .gpupack/p.tar.xz .gpu/flashrt .gpu/bin/cuda_model .gpu/bin/cuda_ops .gpu/bin/cuda_fp8 .gpu/extra
+#   tar -cJf .gpupack/p.tar.xz .gpu/flashrt .gpu/bin/cuda_model .gpu/bin/cuda_ops .gpu/extra
+#   (cuda_fp8 does not fit beside them in the 64 MiB a call carries: a second call)
 #   tar -cf .gpupack/kv.tar .gpu/kv/early
 #
 # Usage (repository root on the GPU machine): bash benches/run-gemvm-tail-h200.sh OUT
+# (about nine device minutes in all: more than one call allows, so split it, e.g. PART=micro
+# and PART=bench RUNS=1 in one call, PART=tests in the next)
 # PART=micro|bench|tests runs one part; RUNS="1" one round of the A/B benches (default "1 2");
 # MICRO="base new" the microbenchmark builds to run (default "base new bound"); SPLITS0=0 skips
 # the FLASHRT_GEMV8M_MAX_SPLITS=0 bench.

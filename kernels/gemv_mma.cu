@@ -100,7 +100,8 @@
 // another fixed order (still the same whatever R is). Built after the device budget ran out
 // (2026-12-07) and not yet measured or tested on a GPU: measure with
 // benches/run-gemvm-tail-h200.sh before making it the default (the counters `cnt` are unused
-// then, `part` holds one slot of 128 tagged 64-bit words per warp: the same bytes).
+// then, `part` holds one slot of 128 tagged 64-bit words per warp: the same bytes). Its work
+// split is emulated and checked by benches/kernels/gemvm_split_check.py.
 #ifndef GEMVM_EARLY_SHARES
 #define GEMVM_EARLY_SHARES 0
 #endif
