@@ -22,13 +22,16 @@
 #   $NV -o .gpu/extra/gemvm_base benches/kernels/gemvm_micro.cu
 #   $NV -DGEMVM_EARLY_SHARES=1 -o .gpu/extra/gemvm_new benches/kernels/gemvm_micro.cu
 #   $NV -DGEMVM_NO_FIXUP -o .gpu/extra/gemvm_bound benches/kernels/gemvm_micro.cu
-#   tar -cJf .gpupack/p.tar.xz .gpu/flashrt .gpu/bin/cuda_model .gpu/bin/cuda_ops .gpu/extra
-#   (cuda_fp8 does not fit beside them in the 64 MiB a call carries: a second call)
+#   tar -cJf .gpupack/p.tar.xz .gpu/flashrt .gpu/bin/cuda_ops .gpu/extra
+#   tar -cJf .gpupack/t.tar.xz .gpu/bin/cuda_model .gpu/bin/cuda_fp8
 #   tar -cf .gpupack/kv.tar .gpu/kv/early
+# A call carries at most 64 MiB with the tree (~22 MB): carry .gpupack/p.tar.xz and
+# .gpupack/kv.tar for the micro and bench parts (and cuda_ops), .gpupack/t.tar.xz and
+# .gpupack/kv.tar for the rest of the tests.
 #
 # Usage (repository root on the GPU machine): bash benches/run-gemvm-tail-h200.sh OUT
 # (about nine device minutes in all: more than one call allows, so split it, e.g. PART=micro
-# and PART=bench RUNS=1 in one call, PART=tests in the next)
+# and PART=bench RUNS=1 in one call, PART=tests in the next; see the packs above)
 # PART=micro|bench|tests runs one part; RUNS="1" one round of the A/B benches (default "1 2");
 # MICRO="base new" the microbenchmark builds to run (default "base new bound"); SPLITS0=0 skips
 # the FLASHRT_GEMV8M_MAX_SPLITS=0 bench.
@@ -66,6 +69,7 @@ if part bench; then
 fi
 if part tests; then
   # (Each test binary that was carried, the variant loaded.)
+  [ -f "$ROOT/.gpupack/t.tar.xz" ] && [ ! -x "$BIN/cuda_model" ] && tar -xJf "$ROOT/.gpupack/t.tar.xz" -C "$ROOT"
   export FLASHRT_KERNELS_DIR="$KV"
   {
     [ -x "$BIN/cuda_ops" ] && timeout 150 "$BIN/cuda_ops" --test-threads=1 linear gemv fp8 2>&1
