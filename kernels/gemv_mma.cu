@@ -553,16 +553,12 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
         }
         publish(a);
     };
-    // The last segment (tile t_first): whole, published, or the tile's last share (finished).
+    // The last segment (tile t_first): as one before it when it starts the tile or ends before
+    // the tile does (whole, or published); otherwise it holds the tile's last steps, and the
+    // warp finishes the tile.
     auto finish = [&](int t, float (&a)[4]) {
-        const int lo = t * spt + sb(t), hi = t * spt + se(t);
-        if (lo == t * spt && hi == (t + 1) * spt) {
-            float v[4] = {a[0], a[1], a[2], a[3]};
-            gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
-            return;
-        }
-        if (hi < (t + 1) * spt) {
-            publish(a);
+        if (sb(t) == 0 || se(t) < spt) {
+            finish_mid(t, a);
             return;
         }
 #ifdef GEMVM_NO_FIXUP

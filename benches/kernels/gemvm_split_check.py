@@ -64,10 +64,15 @@ def run(tiles, spt, TW, RING=2):
             assert all(s[0]==t for s in acc), (gw,t,acc)
             lo=t*spt+sb(t); hi=t*spt+se(t)
             assert lo==max(i0,t*spt)
-            if lo==t*spt and hi==(t+1)*spt:
-                assert t not in stored; stored[t]=[("w",gw,acc)]
-            elif hi<(t+1)*spt:
-                assert gw not in published; published[gw]=(t,acc)
+            # As the kernel's `finish`: a segment that starts the tile or ends before it
+            # does is done as `finish_mid` does (whole: stored; else published).
+            if sb(t)==0 or se(t)<spt:
+                if se(t)==spt:
+                    assert lo==t*spt and hi==(t+1)*spt
+                    assert t not in stored; stored[t]=[("w",gw,acc)]
+                else:
+                    assert hi<(t+1)*spt
+                    assert gw not in published; published[gw]=(t,acc)
             else:
                 wf=owner(t*spt,S,TW)
                 fin_reads[t]=(wf,gw,acc)
