@@ -1,8 +1,10 @@
 # Sourced by the benches/run-*-h200.sh scripts (after they set OUT and ROOT): unpack the
 # carried binaries, record the device, and `bench27` for the 27B shape's `flashrt bench` runs.
 #
-# The binaries travel packed (`tar -cJf .gpupack/p.tar.xz .gpu/bin .gpu/flashrt [...]`; the
-# device call carries `.gpupack`) and are unpacked here when .gpu is missing.
+# The binaries travel packed (`tar -cf - .gpu/bin .gpu/flashrt [...] | xz
+# --lzma2=preset=6,dict=192MiB >.gpupack/p.tar.xz`: a dictionary spanning every binary stores
+# their common embedded kernels once, ~20 MB for all of them; the device call carries
+# `.gpupack/p.tar.xz`) and are unpacked here when .gpu is missing.
 BIN="$ROOT/.gpu/bin"
 FLASHRT="$ROOT/.gpu/flashrt"
 if [ ! -x "$FLASHRT" ] && [ -f "$ROOT/.gpupack/p.tar.xz" ]; then

@@ -106,13 +106,15 @@ struct GemvParams {
     // before the PDL wait (0: none); weights only (no earlier kernel writes them), so DRAM
     // keeps streaming while the prologue waits and runs. Unused by `gemv*`.
     int pf;
-    // `gemv8m_*` / `gemv16m_*` (gemv_mma.cu): the split tiles' partial sums (two slots of 128
-    // floats per warp of the launch) and arrival counters (one per warp), all zero between
-    // launches.
+    // `gemv8m_*` / `gemv16m_*` (gemv_mma.cu): the split tiles' shares (one slot of 128 tagged
+    // 64-bit words per warp of the launch), all zero between launches.
     float* part;
-    unsigned* cnt;
     GemvMat m[GEMV_MATS];
 };
+// The host's copy of this layout (flashrt-runtime/src/backend/cuda/ops/gemv.rs `GemvParams`)
+// checks the same offsets: a field added or removed on one side alone fails a build.
+static_assert(offsetof(GemvParams, part) == 112 && offsetof(GemvParams, m) == 120 && sizeof(GemvMat) == 40,
+              "GemvParams layout changed: update ops/gemv.rs and these offsets");
 
 static __device__ __forceinline__ uint4 load_stream(const void* p) {
     uint4 v;

@@ -34,12 +34,16 @@
 // keeps a ring of steps in flight (its first slots requested before the prologue, the rest
 // after it, refilled as used). A step's sums are scaled by
 // each row's block scale and accumulated in f32. A tile whose steps fall to two or more warps
-// (at most one tile per warp boundary) is finished by the last of them to arrive: when its
-// stream ends (a share is held back until then, so no fence interrupts a stream), each writes
-// its shares to its slots in `part` and counts itself in `cnt` (release / acquire), the last
-// adds the shares in warp order and stores. Every output is thus the same sum in the same order
-// whatever R is, and whichever warp arrives last. (`GEMVM_EARLY_SHARES`, below: a variant
-// whose shares are published mid-stream, built and not yet measured.)
+// (at most one tile per warp boundary) is finished by the one holding its last steps, from
+// shares published mid-stream: each warp streams its tiles last first, so every other
+// contributor streams that tile first and publishes its share at once to its slot in `part`
+// as tagged 64-bit words (relaxed stores: no fence, no counter), and the finisher, which
+// streams that tile last of its own, reads them in warp order when its stream ends, clears
+// them and stores the sum (see `finish` in gemv8m_impl; the work split is emulated and checked
+// by benches/kernels/gemvm_split_check.py). Every output is thus the same sum in the same
+// order whatever R is and whatever the timing. (Until 2026-12-07 the last contributor to
+// arrive finished a tile, after a release / acquire counter: 0.3-0.4 ms slower per FP8 27B
+// step on an H100, benches/RESULTS.md.)
 //
 // Prologue: one pass over the R input rows from L2 takes each row's largest magnitude (with a
 // fused RMSNorm, `norm`: its sum of squares and the largest |x * s|, s the norm weight) and,
@@ -51,8 +55,8 @@
 // fragment loads are conflict-free. The epilogue is gemv.cu's: outputs in the element type or f32 (accumulating
 // when asked), or the glu product from the rounded gate and up values.
 //
-// Traffic: n * k bytes of codes plus the scales; R * k input elements per block from L2; 512
-// bytes per split tile and warp through L2. Requires k % 128 == 0, k >= 128 x the ring depth,
+// Traffic: n * k bytes of codes plus the scales; R * k input elements per block from L2; per
+// share of a split tile 1 KiB (128 tagged words) written, read and cleared through L2. Requires k % 128 == 0, k >= 128 x the ring depth,
 // 16-byte aligned rows, and with the norm R * (k + pad) 16-bit elements of shared memory (the
 // host checks and otherwise uses `gemv8_*`).
 //
@@ -92,24 +96,11 @@
 #ifndef GEMVM8_RING_EARLY
 #define GEMVM8_RING_EARLY 2
 #endif
-// 1: split tiles finished from shares published mid-stream (see `finish` in gemv8m_impl): each
-// warp streams its tiles last first, so a tile's contributors other than the one holding its
-// last steps stream it first and publish their shares at once as tagged words (no fence, no
-// counter), and at the end of a launch the tile's last contributor usually finds them there:
-// the launch's tail is one L2 round trip instead of a chain of them. Outputs: the same sums in
-// another fixed order (still the same whatever R is). Built after the device budget ran out
-// (2026-12-07) and not yet measured or tested on a GPU: measure with
-// benches/run-gemvm-tail-h200.sh before making it the default (the counters `cnt` are unused
-// then, `part` holds one slot of 128 tagged 64-bit words per warp: the same bytes). Its work
-// split is emulated and checked by benches/kernels/gemvm_split_check.py.
-#ifndef GEMVM_EARLY_SHARES
-#define GEMVM_EARLY_SHARES 0
-#endif
 // Shared-memory row padding of the staged inputs (elements): the input loads of a warp's lanes
 // (rows g, columns 16q or 32q of a step) spread over the banks.
 #define GEMVM_PAD 8
 
-// GEMVM_EARLY_SHARES's share words: 64-bit relaxed accesses at GPU scope (single-copy atomic).
+// Share words (`part`): 64-bit relaxed accesses at GPU scope (single-copy atomic).
 static __device__ __forceinline__ void gemvm_st_tagged(unsigned long long* a, unsigned long long v) {
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(a), "l"(v) : "memory");
 }
@@ -307,7 +298,6 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     const int i0 = (int)(gw * S / TW), i1 = (int)((gw + 1) * S / TW);
     const int qshift = W16 ? 0 : __ffs(p.qbc / GEMVM_STEP) - 1;
 
-#if GEMVM_EARLY_SHARES
     // The warp's tiles are streamed last first (see `finish` below): tile t_last (the one its
     // range ends in) first, then whole tiles downwards, tile t_first (the one its range starts
     // in) last; each tile's steps in column order. Tile t's steps in the range: [sb(t), se(t)).
@@ -319,12 +309,6 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     // 1: tile row g + 8; in glu mode gate and up row j0 + g) and their scale rows. Rows past n
     // read row 0 and are never written.
     int ft = t_last, fs = sb(t_last), fe = se(t_last), fi = i0;
-#else
-    // The fetch cursor: tile `ft`, column step `fs`, global step `fi`; this lane's two weight
-    // rows of the tile (half 0: tile row g, half 1: tile row g + 8; in glu mode gate and up row
-    // j0 + g) and their scale rows. Rows past n read row 0 and are never written.
-    int ft = i0 / spt, fs = i0 - ft * spt, fi = i0;
-#endif
     // Loads (see gemvm_exchange): lane 8a + b reads rows 4rg + a of each half, 16 bytes at 16b
     // of each 128-byte column block; the scales are those of its fragment rows g, g + 8.
     const int la = lane >> 3, lb = lane & 7;
@@ -359,20 +343,12 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     float sv[RING][2];
     auto fetch = [&](int u) {
         if (fi >= i1) return;
-#if GEMVM_EARLY_SHARES
         if (fs == fe) {
             --ft;
             fs = sb(ft);
             fe = spt;
             point(ft);
         }
-#else
-        if (fs == spt) {
-            ++ft;
-            fs = 0;
-            point(ft);
-        }
-#endif
         const size_t kb = (size_t)fs * GEMVM_STEP * WB;
 #pragma unroll
         for (int h = 0; h < 2; ++h)
@@ -397,15 +373,9 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     // `p.pf` more steps of the current tile asked of the L2 (lane = tile row: half lane / 8,
     // row lane % 8), so DRAM keeps working while the prologue waits and runs.
     if (p.pf > 0 && fi < i1 && lane < 16) {
-#if GEMVM_EARLY_SHARES
         int pt = ft, ps = fs, pe = fe;
         if (ps == pe) --pt, ps = sb(pt), pe = spt;
         const int ns = min(min(p.pf, pe - ps), i1 - fi);
-#else
-        int pt = ft, ps = fs;
-        if (ps == spt) ++pt, ps = 0;
-        const int ns = min(min(p.pf, spt - ps), i1 - fi);
-#endif
         int mi, j0;
         gemvm_tile(p, pt, mi, j0);
         const int h = lane >> 3;
@@ -520,7 +490,6 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
     const bool feeds = g < R;
     const float fg = feeds ? row_scale[g] : 0.0f;
 
-#if GEMVM_EARLY_SHARES
     // Split tiles. A tile's steps fall to warps w_f .. w_l of the launch (w_f holds its first
     // steps); w_l, which streams that tile last of all its own, finishes it. Every other
     // contributor streams that tile *first* (it is the tile its range ends in) and publishes
@@ -593,109 +562,12 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
         gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
     };
 
-#else
-    // A tile this warp finished goes straight to the outputs when the warp did all its steps.
-    // A share (the warp's first tile, when its range starts inside it, and its last, when the
-    // range ends inside it) is held back and published when the warp's stream ends, so
-    // no fence interrupts the stream: each share goes to the warp's partial slot (0: its first
-    // tile, 1: its last), one fence covers both, and the tile's last contributor to arrive adds
-    // the shares in warp order (fixed, so the result does not depend on timing) and stores them.
-    // The counter (indexed by the tile's first contributor, unique among split tiles) returns
-    // to 0 for the next launch.
-    // (The first share waits in shared memory, not in registers.)
-    __shared__ float first[WARPS][4][32];
-    int first_t = -1;
-    auto finish = [&](int t, float (&a)[4]) {
-        const int ta = t * spt;
-        if (ta < i0 || ta + spt > i1) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) first[warp][e][lane] = a[e];
-            first_t = t;
-            return;
-        }
-        float v[4] = {a[0], a[1], a[2], a[3]};
-        gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
-    };
-    // The shares (at most two: `first` of tile first_t, `last` of tile last_t) at the end.
-    auto settle = [&](int last_t, float (&last)[4]) {
-#ifdef GEMVM_NO_FIXUP
-        // A timing bound for benches/kernels/gemvm_micro.cu only (split tiles left unfinished:
-        // wrong outputs); never defined in the product.
-        return;
-#endif
-        const int ts[2] = {first_t, last_t};
-        if (ts[0] < 0 && ts[1] < 0) return;
-        const int tfirst = (int)(i0 / spt);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            if (ts[j] < 0) continue;
-            float* mine = p.part + ((size_t)gw * 2 + (ts[j] == tfirst ? 0 : 1)) * 128;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) __stcg(mine + e * 32 + lane, j ? last[e] : first[warp][e][lane]);
-        }
-        // One release per share's counter (the lanes' stores ordered before lane 0's by the
-        // warp barrier), no full fence: the last to arrive acquires the others' shares.
-        __syncwarp();
-        int wf[2], wl[2];
-        unsigned seen[2] = {0, 0};
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            if (ts[j] < 0) continue;
-            const long long ta = (long long)ts[j] * spt;
-            wf[j] = gemvm_owner(ta, S, TW), wl[j] = gemvm_owner(ta + spt - 1, S, TW);
-            if (lane == 0)
-                asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(seen[j]) : "l"(p.cnt + wf[j]) : "memory");
-        }
-        __syncwarp();
-        bool any = false;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            if (ts[j] < 0) continue;
-            seen[j] = __shfl_sync(0xffffffffu, seen[j], 0);
-            any = any || seen[j] == (unsigned)(wl[j] - wf[j]);
-        }
-        if (!any) return;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            if (ts[j] < 0 || seen[j] != (unsigned)(wl[j] - wf[j])) continue;
-            const int t = ts[j];
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            // The shares in warp order, eight warps' loads in flight at a time.
-            for (int w0 = wf[j]; w0 <= wl[j]; w0 += 8) {
-                float sh[8][4];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int w = w0 + u;
-                    if (w > wl[j]) break;
-                    const int ws = t == (int)((long long)w * S / TW / spt) ? 0 : 1;
-                    const float* part = p.part + ((size_t)w * 2 + ws) * 128;
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) sh[u][e] = __ldcg(part + e * 32 + lane);
-                }
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    if (w0 + u > wl[j]) break;
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) v[e] += sh[u][e];
-                }
-            }
-            if (lane == 0) p.cnt[wf[j]] = 0;
-            gemvm_store<T, R, W16>(p, t, v, row0, row_scale);
-        }
-    };
-
-#endif
-    // The consume cursor: tile `ct`, column step `cs`. A round of RING steps crosses at most
-    // one tile boundary (the host requires k >= RING x 128): steps after it add to `accn`.
-    // (GEMVM_EARLY_SHARES: tile `ct`'s segment ends at column step `ce`; only the first
-    // segment can be shorter than a tile, so a round still ends at most one segment before the
-    // range's last.)
+    // The consume cursor: tile `ct`, column step `cs`, its segment ending at column step `ce`.
+    // A round of RING steps crosses at most one segment boundary (the host requires k >= RING
+    // x 128, and only the first segment can be shorter than a tile): steps after it add to
+    // `accn`.
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, accn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#if GEMVM_EARLY_SHARES
     int ct = t_last, cs = sb(t_last), ce = se(t_last), i = i0;
-#else
-    int ct = i0 / spt, cs = i0 - ct * spt, i = i0;
-#endif
     while (i < i1) {
         bool crossed = false;
 #pragma unroll
@@ -782,39 +654,22 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             fetch(u);
             if (i == i0) FLASHRT_MARK(4);
             ++i;
-#if GEMVM_EARLY_SHARES
             if (++cs == ce && i < i1) {
                 crossed = true;
                 cs = sb(ct - 1);
                 ce = spt;
             }
-#else
-            if (++cs == spt) cs = 0, crossed = true;
-#endif
         }
         if (crossed) {
-#if GEMVM_EARLY_SHARES
             finish_mid(ct, acc);
-#else
-            finish(ct, acc);
-#endif
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[e] = accn[e], accn[e] = 0.0f;
-#if GEMVM_EARLY_SHARES
             --ct;
-#else
-            ++ct;
-#endif
         }
     }
     FLASHRT_MARK(5);
-#if GEMVM_EARLY_SHARES
     // The last segment: tile t_first.
     if (i0 < i1) finish(ct, acc);
-#else
-    // The share of a tile the warp's steps end inside, and the one it started inside.
-    settle(i0 < i1 && cs != 0 ? ct : -1, acc);
-#endif
     FLASHRT_MARK(6);
 }
 

@@ -19,8 +19,7 @@
 //                             GemvParams::pf)
 //
 // -DGEMVM_NO_FIXUP: split tiles are not finished (wrong outputs), a bound on what finishing
-// them costs. -DGEMVM_EARLY_SHARES=1: split tiles finished from shares published mid-stream
-// (kernels/gemv_mma.cu). MB_GRID=n: n resident blocks per SM at most (default GEMVM_MINB, as the host).
+// them costs. MB_GRID=n: n resident blocks per SM at most (default GEMVM_MINB, as the host).
 // Built with -DFLASHRT_PROBE (benches/kernels/micro.cuh), each tensor-core case is also launched
 // once alone with per-warp timestamps at the kernel's phases (entry, ring issued, PDL wait,
 // prologue, first step, loop end, end), printed as median / max microseconds after the first
@@ -92,13 +91,10 @@ int main() {
     unsigned* dout;
     CK(cudaMalloc(&dout, 4));
     float* part;
-    unsigned* cnt;
     const size_t tw_max = (size_t)sms * GEMVM_MINB * GEMVM_WARPS;
-    CK(cudaMalloc(&part, tw_max * 2 * 128 * 4));
-    // (Zero: GEMVM_EARLY_SHARES's tagged share words start untagged.)
-    CK(cudaMemset(part, 0, tw_max * 2 * 128 * 4));
-    CK(cudaMalloc(&cnt, tw_max * 4));
-    CK(cudaMemset(cnt, 0, tw_max * 4));
+    // (Zero: the tagged share words start untagged; each launch leaves them so.)
+    CK(cudaMalloc(&part, tw_max * 128 * 8));
+    CK(cudaMemset(part, 0, tw_max * 128 * 8));
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
@@ -242,7 +238,6 @@ int main() {
                         p.qbr = fp8 ? 128 : 1;
                         p.qbc = fp8 ? 128 : 1;
                         p.part = part;
-                        p.cnt = cnt;
                         // MB_PFS: the tensor-core kernels' L2 prefetch, steps per warp.
                         const char* pf = getenv("MB_PFS");
                         p.pf = pf && !core ? atoi(pf) : 0;

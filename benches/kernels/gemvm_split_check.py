@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-# An emulation of the work split of kernels/gemv_mma.cu with GEMVM_EARLY_SHARES=1 (written for
-# it, in Python, where each rule can be checked): per warp, the fetch and consume cursors over
-# its range with a ring of RING steps (tiles last first, each in column order), the segments it
-# stores whole, publishes, or finishes. Checks, for the 27B shape's launches and 3,000 random
-# shapes (and rings of 3 and 4): every step consumed once, in the order fetched; a round of
-# the ring ends at most one segment before the last; every tile stored exactly once with its
-# steps in column order (shares added in warp order); every published share read by its
-# finisher, which only reads earlier warps.
+# An emulation of the work split of kernels/gemv_mma.cu (split tiles finished from shares
+# published mid-stream; written for it, in Python, where each rule can be checked): per warp, the
+# fetch and consume cursors over its range with a ring of RING steps (tiles last first, each in
+# column order), the segments it stores whole, publishes, or finishes. Checks, for the 27B shape's
+# launches and 3,000 random shapes (and rings of 3 and 4): every step consumed once, in the order
+# fetched; a round of the ring ends at most one segment before the last; every tile stored exactly
+# once with its steps in column order (shares added in warp order); every published share read by
+# its finisher, which only reads earlier warps.
 #
 #   python3 benches/kernels/gemvm_split_check.py
 import random

@@ -43,11 +43,10 @@ pub(super) struct Exec {
     pub io_base: u64,
     /// The device sampler's workspace (kernels/sample.cu), for rows of the model's vocabulary.
     pub sample_ws: CudaSlice<u8>,
-    /// The tensor-core gemv's split-tile partials and counters (ops::gemvm_sync_bytes).
+    /// The tensor-core gemv's split-tile shares (ops::gemvm_sync_bytes).
     pub gemvm_part: CudaSlice<u8>,
     /// The chunked Gated DeltaNet kernel's chunk records (`CudaOptions::gdn_prep`).
     pub gdn_prep: Option<CudaSlice<u8>>,
-    pub gemvm_cnt: CudaSlice<u8>,
     /// Verify passes' per-row states (`CudaOptions::row_states`; ops::RowStateArea).
     pub row_area: Option<CudaSlice<u8>>,
     lock: Mutex<ExecState>,
@@ -103,9 +102,11 @@ impl Exec {
             super::sample::workspace_bytes(model.compiled.ir.vocab),
             "sampler workspace",
         )?;
-        let (part_b, cnt_b) = ops::gemvm_sync_bytes(model.sms);
-        let gemvm_part = alloc_zeroed(&stream, part_b, "gemv partial sums")?;
-        let gemvm_cnt = alloc_zeroed(&stream, cnt_b, "gemv tile counters")?;
+        let gemvm_part = alloc_zeroed(
+            &stream,
+            ops::gemvm_sync_bytes(model.sms),
+            "gemv split-tile shares",
+        )?;
         let gdn_prep = match model.gdn_prep_bytes() {
             0 => None,
             n => Some(alloc_zeroed(&stream, n, "Gated DeltaNet chunk records")?),
@@ -138,7 +139,6 @@ impl Exec {
             sample_ws,
             gemvm_part,
             gdn_prep,
-            gemvm_cnt,
             row_area,
             lock: Mutex::new(ExecState {
                 owner: 0,

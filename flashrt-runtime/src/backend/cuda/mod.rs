@@ -800,10 +800,7 @@ impl DeviceModel for CudaModel {
             + b
             + c
             + sample::workspace_bytes(self.inner.compiled.ir.vocab)
-            + {
-                let (part, cnt) = ops::gemvm_sync_bytes(self.inner.sms);
-                part + cnt
-            }
+            + ops::gemvm_sync_bytes(self.inner.sms)
             + self.inner.row_area_bytes()
             + self.inner.gdn_prep_bytes()
     }
@@ -860,7 +857,6 @@ fn builder<'a>(
             .as_ref()
             .map_or((0, 0), |b| (dptr(b), b.len())),
         gdn_prep_double: model.options.gdn_prep >= 2,
-        gemvm_cnt: dptr(&exec.gemvm_cnt),
         fp8: exec.fp8,
         batch,
         row_states: match (&model.row_layout, &exec.row_area) {

@@ -29,12 +29,11 @@ fn gemvs_smem(rows: usize) -> u32 {
     (GEMV_WARPS * if rows > 2 { 2 } else { 1 } * 8 * 32 * 16) as u32
 }
 
-/// Bytes of the tensor-core gemv's split-tile buffer for `sms` SMs: two 128-float partial
-/// slots and one counter per warp of the largest grid (kernels/gemv_mma.cu); zeroed once, the
-/// kernel leaves the counters at zero.
-pub(in crate::backend::cuda) fn gemvm_sync_bytes(sms: usize) -> (usize, usize) {
-    let warps = sms.max(1) * GEMVM_MINB * GEMVM_WARPS;
-    (warps * 2 * 128 * 4, warps * 4)
+/// Bytes of the tensor-core gemv's split-tile buffer for `sms` SMs: a slot of 128 tagged
+/// 64-bit share words per warp of the largest grid (kernels/gemv_mma.cu); zeroed once, the
+/// kernel leaves it at zero.
+pub(in crate::backend::cuda) fn gemvm_sync_bytes(sms: usize) -> usize {
+    sms.max(1) * GEMVM_MINB * GEMVM_WARPS * 128 * 8
 }
 
 /// Output features per `gemv` block at `rows` rows (in `glu` mode half as many gate/up
@@ -121,12 +120,18 @@ pub(super) struct GemvParams {
     /// `gemv8m_*` / `gemv16m_*`: steps per warp asked of the L2 before the PDL wait; 0 for
     /// none ([`Builder::gemvm_prefetch`]).
     pub(super) pf: i32,
-    /// `gemv8m_*` / `gemv16m_*`: split tiles' partial sums and arrival counters
-    /// ([`gemvm_sync_bytes`]).
+    /// `gemv8m_*` / `gemv16m_*`: split tiles' shares ([`gemvm_sync_bytes`]).
     pub(super) part: u64,
-    pub(super) cnt: u64,
     pub(super) m: [GemvMat; MAX_GEMV],
 }
+
+// kernels/gemv.cu checks the same offsets of its `GemvParams` (the struct is passed by value as
+// the kernels' only argument): a field added or removed on one side alone fails a build.
+const _: () = assert!(
+    std::mem::offset_of!(GemvParams, part) == 112
+        && std::mem::offset_of!(GemvParams, m) == 120
+        && std::mem::size_of::<GemvMat>() == 40
+);
 
 impl GemvWeights {
     /// The kernel name prefix (`gemv` / `gemv8`) and the scale block (`qbr`, `qbc`).
@@ -421,7 +426,6 @@ impl Builder<'_> {
                 (true, GemvWeights::Fp8 { .. }) => self.gemvm_prefetch.1 as i32,
             },
             part: self.gemvm_part,
-            cnt: self.gemvm_cnt,
             m: mats,
         };
         let (suffix, warps) = if mma {

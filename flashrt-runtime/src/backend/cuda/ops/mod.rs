@@ -403,8 +403,8 @@ pub struct Builder<'a> {
     /// Small phases' matmuls over 16-bit weights on the tensor cores in the CUDA-core kernel's
     /// blocks (kernels/gemv.cu `gemv16s_*`; [`Builder::gemv`]; before `gemv16_mma`).
     pub gemv16_smem: bool,
-    /// The tensor-core gemv's split-tile partials and counters (the model's, zero between
-    /// launches; [`gemv::gemvm_sync_bytes`]).
+    /// The tensor-core gemv's split-tile shares (the model's, zero between launches;
+    /// [`gemv::gemvm_sync_bytes`]).
     pub gemvm_part: u64,
     /// The chunked Gated DeltaNet kernel's chunk records (address, bytes; 0 when off:
     /// `CudaOptions::gdn_prep`, [`gdn_prep_bytes`]).
@@ -412,7 +412,6 @@ pub struct Builder<'a> {
     /// ... with two record buffers where the launch fits two blocks an SM
     /// (`CudaOptions::gdn_prep` = 2).
     pub gdn_prep_double: bool,
-    pub gemvm_cnt: u64,
     /// Several rows' 16-bit `gemv` launches as resident blocks looping over tiles
     /// ([`Builder::gemv`]; `CudaOptions::gemv_tiles`).
     pub gemv_tiles: bool,
@@ -849,7 +848,6 @@ impl Builder<'_> {
             qbc,
             pf: 0,
             part: 0,
-            cnt: 0,
             m,
         };
         cmds.push(self.kernel(
