@@ -6,18 +6,24 @@
 #          after (.gpu/flashrt) alternated RUNS times: FP8 (gemv8m; decode, restored TTFT,
 #          --batch 1,8), bf16 with the default CUDA-core gemv and with the tensor-core gemv
 #          (FLASHRT_GEMV16_MMA=1), --batch 1,2,4,8;
-#   tests: every GPU test binary that was carried (.gpu/bin), the new kernel built in.
+#   tests: every GPU test binary that was carried (.gpu/bin), the new kernel built in;
+#   probe: benches/kernels/gemvm_micro.cu with per-warp phase stamps (-DFLASHRT_PROBE), the
+#          kernel and its no-fix-up bound: where the 3-5 us a launch still loses to finishing
+#          split tiles go (stream end vs the end of the finish, median / last warp).
 #
 # Built here first (git-ignored .gpu/, carried packed in .gpupack/):
 #   cp <the previous build's stripped flashrt> .gpu/flashrt-old
 #   cargo build --release --features cuda && strip --strip-debug target/release/flashrt -o .gpu/flashrt
 #   bash scripts/gpu-check.sh --collect
+#   NV="nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -L .venv/nvcc/cuda/lib -I kernels"
+#   $NV -DFLASHRT_PROBE -o .gpu/extra/gemvm_probe benches/kernels/gemvm_micro.cu
+#   $NV -DFLASHRT_PROBE -DGEMVM_NO_FIXUP -o .gpu/extra/gemvm_probe_bound benches/kernels/gemvm_micro.cu
 #   tar -cf - .gpu/flashrt .gpu/flashrt-old .gpu/bin .gpu/extra | xz --lzma2=preset=6,dict=192MiB >.gpupack/p.tar.xz
 # (The binaries share their embedded kernels: with a dictionary spanning them all the pack is
 # ~20 MB instead of ~60, so one call — at most 64 MiB with the ~22 MB tree — carries it all.)
 #
-# Usage (repository root on the GPU machine): PART=bench|tests bash benches/run-gemvm-tail-h200.sh OUT
-# (no PART: both); RUNS="1" one round of the A/B (default "1 2"); MMA=0 / CORES=0 skip the bf16
+# Usage (repository root on the GPU machine): PART=bench|tests|probe bash benches/run-gemvm-tail-h200.sh OUT
+# (no PART: all three, tests first); RUNS="1" one round of the A/B (default "1 2"); MMA=0 / CORES=0 skip the bf16
 # tensor-core / CUDA-core benches; TESTS="cuda_ops ..." the test binaries to run (default all
 # four), MODEL_MMA=0 skips cuda_model's second run with the tensor-core gemv.
 set -uo pipefail
@@ -25,6 +31,20 @@ OUT="${1:-${OUT:-benches/results/latest-gemvm-tail}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/benches/h200-common.sh"
 part() { [ -z "${PART:-}" ] || [ "$PART" = "$1" ]; }
+if part tests; then
+  for t in ${TESTS:-cuda_ops cuda_fp8 cuda_sample cuda_model}; do
+    [ -x "$BIN/$t" ] || continue
+    timeout 240 "$BIN/$t" --test-threads=1 >"$OUT/tests-$t.log" 2>&1 || status=1
+    echo "== $t: $(grep -c '^test .* ok$' "$OUT/tests-$t.log") ok"
+    grep -hE '^test |test result|panicked' "$OUT/tests-$t.log" | grep -v ' ok$'
+  done
+  # The tensor-core gemv in every small phase of the model tests.
+  if [ -x "$BIN/cuda_model" ] && [ "${MODEL_MMA:-1}" != 0 ]; then
+    FLASHRT_GEMV16_MMA=1 timeout 240 "$BIN/cuda_model" --test-threads=1 >"$OUT/tests-cuda_model-mma.log" 2>&1 || status=1
+    echo "== cuda_model (FLASHRT_GEMV16_MMA=1): $(grep -c '^test .* ok$' "$OUT/tests-cuda_model-mma.log") ok"
+    grep -hE '^test |test result|panicked' "$OUT/tests-cuda_model-mma.log" | grep -v ' ok$'
+  fi
+fi
 if part bench; then
   M="$ROOT/models/qwen36-27b.toml"
   for run in ${RUNS:-1 2}; do
@@ -46,18 +66,12 @@ if part bench; then
     done
   done
 fi
-if part tests; then
-  for t in ${TESTS:-cuda_ops cuda_fp8 cuda_sample cuda_model}; do
-    [ -x "$BIN/$t" ] || continue
-    timeout 240 "$BIN/$t" --test-threads=1 >"$OUT/tests-$t.log" 2>&1 || status=1
-    echo "== $t: $(grep -c '^test .* ok$' "$OUT/tests-$t.log") ok"
-    grep -hE '^test |test result|panicked' "$OUT/tests-$t.log" | grep -v ' ok$'
+if part probe; then
+  for v in probe probe_bound; do
+    [ -x "$ROOT/.gpu/extra/gemvm_$v" ] || continue
+    timeout 60 "$ROOT/.gpu/extra/gemvm_$v" >"$OUT/micro-$v.log" 2>&1 || status=1
+    echo "== $v"
+    grep -E '^(bf16|fp8)|mma +R=1 ' -A1 "$OUT/micro-$v.log" | grep -E '^(bf16|fp8)|mma +R=1 |probe' | head -24
   done
-  # The tensor-core gemv in every small phase of the model tests.
-  if [ -x "$BIN/cuda_model" ] && [ "${MODEL_MMA:-1}" != 0 ]; then
-    FLASHRT_GEMV16_MMA=1 timeout 240 "$BIN/cuda_model" --test-threads=1 >"$OUT/tests-cuda_model-mma.log" 2>&1 || status=1
-    echo "== cuda_model (FLASHRT_GEMV16_MMA=1): $(grep -c '^test .* ok$' "$OUT/tests-cuda_model-mma.log") ok"
-    grep -hE '^test |test result|panicked' "$OUT/tests-cuda_model-mma.log" | grep -v ' ok$'
-  fi
 fi
 exit $status
