@@ -56,9 +56,10 @@
 // when asked), or the glu product from the rounded gate and up values.
 //
 // Traffic: n * k bytes of codes plus the scales; R * k input elements per block from L2; per
-// share of a split tile 1 KiB (128 tagged words) written, read and cleared through L2. Requires k % 128 == 0, k >= 128 x the ring depth,
-// 16-byte aligned rows, and with the norm R * (k + pad) 16-bit elements of shared memory (the
-// host checks and otherwise uses `gemv8_*`).
+// share of a split tile 1 KiB (128 tagged words) written, read and cleared through L2.
+// Requires k % 128 == 0, k >= 128 x the ring depth, 16-byte aligned rows, and with the norm
+// R * (k + pad) 16-bit elements of shared memory (the host checks and otherwise uses
+// `gemv8_*`).
 //
 // 16-bit weights (`gemv16m_*`, the same kernel with W16): bf16/f16 weights are already MMA
 // operands, so the rows x weights products run on the tensor cores (bf16 x bf16 or f16 x f16,
