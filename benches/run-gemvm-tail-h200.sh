@@ -25,7 +25,8 @@
 # Usage (repository root on the GPU machine): PART=bench|tests|probe bash benches/run-gemvm-tail-h200.sh OUT
 # (no PART: all three, tests first); RUNS="1" one round of the A/B (default "1 2"); MMA=0 / CORES=0 skip the bf16
 # tensor-core / CUDA-core benches; TESTS="cuda_ops ..." the test binaries to run (default all
-# four), MODEL_MMA=0 skips cuda_model's second run with the tensor-core gemv.
+# four), MODEL_MMA=0 skips cuda_model's second run with the tensor-core gemv; cuda_ops_filter="linear gemv"
+# (and likewise for each binary) runs only the tests whose names hold one of the words.
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-gemvm-tail}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,13 +35,17 @@ part() { [ -z "${PART:-}" ] || [ "$PART" = "$1" ]; }
 if part tests; then
   for t in ${TESTS:-cuda_ops cuda_fp8 cuda_sample cuda_model}; do
     [ -x "$BIN/$t" ] || continue
-    timeout 240 "$BIN/$t" --test-threads=1 >"$OUT/tests-$t.log" 2>&1 || status=1
+    f="${t}_filter"
+    # shellcheck disable=SC2086 # the filters are words
+    timeout 240 "$BIN/$t" --test-threads=1 ${!f:-} >"$OUT/tests-$t.log" 2>&1 || status=1
     echo "== $t: $(grep -c '^test .* ok$' "$OUT/tests-$t.log") ok"
     grep -hE '^test |test result|panicked' "$OUT/tests-$t.log" | grep -v ' ok$'
   done
   # The tensor-core gemv in every small phase of the model tests.
   if [ -x "$BIN/cuda_model" ] && [ "${MODEL_MMA:-1}" != 0 ]; then
-    FLASHRT_GEMV16_MMA=1 timeout 240 "$BIN/cuda_model" --test-threads=1 >"$OUT/tests-cuda_model-mma.log" 2>&1 || status=1
+    # shellcheck disable=SC2086
+    FLASHRT_GEMV16_MMA=1 timeout 240 "$BIN/cuda_model" --test-threads=1 ${cuda_model_filter:-} \
+      >"$OUT/tests-cuda_model-mma.log" 2>&1 || status=1
     echo "== cuda_model (FLASHRT_GEMV16_MMA=1): $(grep -c '^test .* ok$' "$OUT/tests-cuda_model-mma.log") ok"
     grep -hE '^test |test result|panicked' "$OUT/tests-cuda_model-mma.log" | grep -v ' ok$'
   fi

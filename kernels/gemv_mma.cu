@@ -536,7 +536,10 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
 #endif
         const int wf = gemvm_owner((long long)t * spt, S, TW);
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        // The shares in warp order, four warps' words in flight at a time.
+        // The shares in warp order, four warps' words in flight at a time. A share not yet all
+        // tagged is polled again word-parallel (its four words in flight together): its words
+        // land together, and re-reading them one after the other cost the last finisher of a
+        // launch ~2 us (measured with benches/kernels/gemvm_micro.cu's probes).
         for (int w0 = wf; w0 < gw; w0 += 4) {
             unsigned long long sh[4][4];
 #pragma unroll
@@ -550,9 +553,17 @@ static __device__ __forceinline__ void gemv8m_impl(const GemvParams& p) {
             for (int u = 0; u < 4; ++u) {
                 if (w0 + u >= gw) break;
                 unsigned long long* sl = slots + (size_t)(w0 + u) * 128 + lane;
+                for (;;) {
+                    bool ready = true;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) ready &= (sh[u][e] >> 32) == 1ull;
+                    if (ready) break;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if ((sh[u][e] >> 32) != 1ull) sh[u][e] = gemvm_ld_tagged(sl + e * 32);
+                }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    while ((sh[u][e] >> 32) != 1ull) sh[u][e] = gemvm_ld_tagged(sl + e * 32);
                     v[e] += __uint_as_float((unsigned)sh[u][e]);
                     gemvm_st_tagged(sl + e * 32, 0ull);
                 }
