@@ -7,9 +7,10 @@
 #          --batch 1,8), bf16 with the default CUDA-core gemv and with the tensor-core gemv
 #          (FLASHRT_GEMV16_MMA=1), --batch 1,2,4,8;
 #   tests: every GPU test binary that was carried (.gpu/bin), the new kernel built in;
-#   probe: benches/kernels/gemvm_micro.cu with per-warp phase stamps (-DFLASHRT_PROBE), the
-#          kernel and its no-fix-up bound: where the 3-5 us a launch still loses to finishing
-#          split tiles go (stream end vs the end of the finish, median / last warp).
+#   probe: benches/kernels/gemvm_micro.cu with per-warp phase stamps (-DFLASHRT_PROBE): the
+#          kernel, the isolating builds below (where built) and its no-fix-up bound — where the
+#          2-7 us a launch still loses to finishing split tiles go (stream end vs the end of the
+#          finish, median / last warp).
 #
 # Built here first (git-ignored .gpu/, carried packed in .gpupack/):
 #   cp <the previous build's stripped flashrt> .gpu/flashrt-old
@@ -18,6 +19,13 @@
 #   NV="nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -L .venv/nvcc/cuda/lib -I kernels"
 #   $NV -DFLASHRT_PROBE -o .gpu/extra/gemvm_probe benches/kernels/gemvm_micro.cu
 #   $NV -DFLASHRT_PROBE -DGEMVM_NO_FIXUP -o .gpu/extra/gemvm_probe_bound benches/kernels/gemvm_micro.cu
+# and, to split what finishing split tiles costs (benches/kernels/gemv_mma_finish_isolate.patch:
+# wrong outputs, timing only): the finisher reading the shares once without waiting for their
+# tags (nowait), and no shares published at all (nopub; nothing waited for either):
+#   git apply benches/kernels/gemv_mma_finish_isolate.patch
+#   $NV -DFLASHRT_PROBE -DGEMVM_PROBE_NO_WAIT -o .gpu/extra/gemvm_probe_nowait benches/kernels/gemvm_micro.cu
+#   $NV -DFLASHRT_PROBE -DGEMVM_PROBE_NO_PUBLISH -o .gpu/extra/gemvm_probe_nopub benches/kernels/gemvm_micro.cu
+#   git apply -R benches/kernels/gemv_mma_finish_isolate.patch
 #   tar -cf - .gpu/flashrt .gpu/flashrt-old .gpu/bin .gpu/extra | xz --lzma2=preset=6,dict=192MiB >.gpupack/p.tar.xz
 # (The binaries share their embedded kernels: with a dictionary spanning them all the pack is
 # ~20 MB instead of ~60, so one call — at most 64 MiB with the ~22 MB tree — carries it all.)
@@ -72,7 +80,7 @@ if part bench; then
   done
 fi
 if part probe; then
-  for v in probe probe_bound; do
+  for v in probe probe_nowait probe_nopub probe_bound; do
     [ -x "$ROOT/.gpu/extra/gemvm_$v" ] || continue
     timeout 60 "$ROOT/.gpu/extra/gemvm_$v" >"$OUT/micro-$v.log" 2>&1 || status=1
     echo "== $v"
