@@ -10,18 +10,31 @@
 #   2. `flashrt bench` on models/qwen36-35b-a3b.toml at 2048, one row, the committed kernels
 #      and each variant in VARIANTS (names under .gpu/kv), REPS times; BATCH=1 adds
 #      `--batch 1,2,4,8` for the committed kernels (141 GB cards).
+#   0. (first) every MoE microbenchmark carried in .gpu/extra (benches/kernels/moe_micro.cu:
+#      `moe_micro*` timings, `moe_probe*` built with -DFLASHRT_PROBE for the phase stamps; a
+#      variant's build named moe_micro_<variant> prints its `bits` for comparison).
 # Usage (repository root on the GPU machine, carry .gpupack):
-#   [VARIANTS="old"] [REPS=2] [BATCH=0] bash benches/run-moe-decode-h200.sh OUT
+#   [VARIANTS="old"] [REPS=2] [BATCH=0] [TESTS=0] [MICRO=0] bash benches/run-moe-decode-h200.sh OUT
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-moe-decode}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=benches/h200-common.sh
 source "$ROOT/benches/h200-common.sh"
-"$BIN/cuda_model" --test-threads=1 moe_ fixtures_f32_match_transformers bf16_tracks_cpu_reference \
-  >"$OUT/cuda_model-moe.log" 2>&1 || status=1
-echo "== tests"; grep -hE 'test result|panicked|FAILED|bit-identical' "$OUT/cuda_model-moe.log"
+if [ "${MICRO:-1}" != 0 ]; then
+  for m in "$ROOT"/.gpu/extra/moe_micro* "$ROOT"/.gpu/extra/moe_probe*; do
+    [ -x "$m" ] || continue
+    n="$(basename "$m")"
+    timeout 120 "$m" >"$OUT/$n.log" 2>&1 || status=1
+    echo "== $n"; cat "$OUT/$n.log"
+  done
+fi
+if [ "${TESTS:-1}" != 0 ]; then
+  "$BIN/cuda_model" --test-threads=1 moe_ fixtures_f32_match_transformers bf16_tracks_cpu_reference \
+    >"$OUT/cuda_model-moe.log" 2>&1 || status=1
+  echo "== tests"; grep -hE 'test result|panicked|FAILED|bit-identical' "$OUT/cuda_model-moe.log"
+fi
 M35="$ROOT/models/qwen36-35b-a3b.toml"
-for i in $(seq "${REPS:-2}"); do
+for i in $(seq 1 "${REPS:-2}"); do
   for name in committed ${VARIANTS:-}; do
     envs=()
     [ "$name" != committed ] && envs=("FLASHRT_KERNELS_DIR=$ROOT/.gpu/kv/$name")

@@ -202,9 +202,9 @@ template <typename P> static __device__ __forceinline__ P* in_slot(P* state, con
 // stays that of the stream while the launch latency overlaps this kernel's execution.
 static __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 static __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-// Timing hooks at a kernel's phases (gemv_mma.cu, gated_deltanet.cu): empty in the product; the
-// kernel microbenchmarks built with -DFLASHRT_PROBE (benches/kernels/micro.cuh) stamp each
-// warp's %globaltimer there.
+// Timing hooks at a kernel's phases (gemv_mma.cu, gated_deltanet.cu, moe*.cu): empty in the
+// product; the kernel microbenchmarks built with -DFLASHRT_PROBE (benches/kernels/micro.cuh)
+// stamp each warp's %globaltimer there.
 #ifndef FLASHRT_MARK
 #define FLASHRT_MARK(i)
 #endif

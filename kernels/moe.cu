@@ -207,6 +207,7 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
     if (r0 >= len) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = min(MOE_LOGIT_ROWS, len - r0), H = p.hidden;
+    FLASHRT_MARK(0);
     constexpr int N = flashrt::Pack16<T>::N;
     const T* src = static_cast<const T*>(p.norm_x ? p.norm_x : p.x);
     const int ld_src = p.norm_x ? p.ld_norm_x : p.ld_x;
@@ -215,6 +216,7 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
         flashrt::st16(xs + (size_t)q * H + col, flashrt::ld16(src + (size_t)(r0 + q) * ld_src + col));
     }
     __syncthreads();
+    FLASHRT_MARK(1);
     if (p.norm_x) {
         // The fused RMSNorm: a warp per row sums the squares (lane-strided packs, then the warp
         // reduction), every element is scaled and rounded in place, block (0, y) stores the
@@ -251,6 +253,7 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
                               flashrt::ld16(xs + (size_t)q * H + col));
             }
     }
+    FLASHRT_MARK(2);
     const int e = blockIdx.x * MOE_LOGIT_WARPS + warp;
     if (e == p.experts && p.s_gate) {
         // The shared expert's token gate: one T weight row.
@@ -263,6 +266,7 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
             const float v = acc[q];
             if (lane == 0) static_cast<T*>(p.s_gate_out)[(size_t)(r0 + q) * p.ld_s_gate_out] = flashrt::from_f32<T>(v);
         }
+        FLASHRT_MARK(6);
         return;
     }
     if (e >= p.experts) return;
@@ -298,6 +302,7 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
         const float v = flashrt::warp_sum(acc[q]);
         if (lane == 0) moe::logits_of<T>(p, r0 + q)[e] = v;
     }
+    FLASHRT_MARK(6);
 }
 
 // Before the predecessor is done: this warp's router row (or the token gate row) into L2.

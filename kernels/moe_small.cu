@@ -38,6 +38,7 @@ template <typename T, int ROWS, int B> static __device__ __forceinline__ void mo
     float* scratch = reinterpret_cast<float*>(smem + (size_t)len * H * sizeof(T));
     constexpr int N = flashrt::Pack16<T>::N;
     const bool sh = p.shared && blockIdx.y == gridDim.y - 1;
+    FLASHRT_MARK(0);
     // The rows of x into shared memory by the warps that do not route (all of them after
     // routing when every warp routes a row), so the copy and the routing overlap.
     const int routing = sh ? 0 : len;
@@ -50,6 +51,7 @@ template <typename T, int ROWS, int B> static __device__ __forceinline__ void mo
             const int q = i / (H / N), col = (i % (H / N)) * N;
             flashrt::st16(xall + (size_t)q * H + col, flashrt::ld16(static_cast<const T*>(p.x) + (size_t)q * p.ld_x + col));
         }
+    FLASHRT_MARK(1);
     if (!sh) {
         if (warp == 0 && lane < 8) amask[lane] = 0u;
         __syncthreads();
@@ -88,6 +90,7 @@ template <typename T, int ROWS, int B> static __device__ __forceinline__ void mo
         }
     }
     __syncthreads();
+    FLASHRT_MARK(2);
     if (!sh && (int)blockIdx.y >= n_act) return;
     const int e = sh ? 0 : act_e[blockIdx.y];
     const int lo = sh ? 0 : act_lo[blockIdx.y];
@@ -110,7 +113,9 @@ template <typename T, int ROWS, int B> static __device__ __forceinline__ void mo
             for (int q = 0; q < ROWS; ++q) xr[q] = xall + (size_t)row_of(q < n ? q : 0) * H;
             up_tile<T, ROWS, B>(p, sh, c, wg, wu, xr, n, row_of, out_of);
         }
+        if (c == blockIdx.x * warps + warp) FLASHRT_MARK(4);
     }
+    FLASHRT_MARK(6);
 }
 
 template <typename T> static __device__ __forceinline__ void moe_up_routed_tiles_impl(const MoeParams& p) {
@@ -133,6 +138,7 @@ FLASHRT_ENTRY(moe_up_routed1, MoeParams, 256)
 template <typename T> static __device__ __forceinline__ void moe_down_small_impl(const MoeParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.x * (blockDim.x >> 5) + warp;
+    FLASHRT_MARK(0);
     if (c >= p.hidden) return;
     constexpr int N = flashrt::Pack16<T>::N;
     const int len = flashrt::load_len(p.len), K = p.top_k, H = p.hidden, I = p.inter;
@@ -179,6 +185,7 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
             *o = flashrt::from_f32<T>(flashrt::to_f32(*o) + acc);
         }
     }
+    FLASHRT_MARK(6);
 }
 
 FLASHRT_ENTRY(moe_down_small, MoeParams, 256)

@@ -1,9 +1,10 @@
-// What the kernel microbenchmarks (gemvm_micro.cu, gdn_micro.cu) share: the CUDA error check,
-// the hash their fill kernels draw data from, and the per-warp phase probes. Include it before
-// the kernel sources: with -DFLASHRT_PROBE it defines kernels/common.cuh's FLASHRT_MARK(i) (the
-// timing hooks, empty in the product) to store the warp's %globaltimer in slot i (< 10) of its
-// row of `g_probe`; `probe_run` arms it around one launch and `probe_print` prints each phase
-// as median / last warp in microseconds after the first warp's entry (mark 0).
+// What the kernel microbenchmarks (gemvm_micro.cu, gdn_micro.cu, moe_micro.cu) share: the CUDA
+// error check, the hash their fill kernels draw data from, and the per-warp phase probes.
+// Include it before the kernel sources: with -DFLASHRT_PROBE it defines kernels/common.cuh's
+// FLASHRT_MARK(i) (the timing hooks, empty in the product) to store the warp's %globaltimer in
+// slot i (< 10) of its row of `g_probe` (warps in linear block order, 1-D or 2-D grids);
+// `probe_run` arms it around one launch and `probe_print` prints each phase as median / last
+// warp in microseconds after the first warp's entry (mark 0).
 #pragma once
 #include <algorithm>
 #include <cstdio>
@@ -36,7 +37,8 @@ __device__ unsigned long long* g_probe;
         if ((threadIdx.x & 31) == 0 && g_probe) {                                                  \
             unsigned long long t_;                                                                 \
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                 \
-            const size_t w_ = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);       \
+            const size_t w_ = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * (blockDim.x >> 5) +  \
+                              (threadIdx.x >> 5);                                                  \
             g_probe[w_ * MICRO_PROBE_SLOTS + (i)] = t_;                                            \
         }                                                                                          \
     } while (0)
