@@ -26,6 +26,12 @@
 #   $NV -DFLASHRT_PROBE -DGEMVM_PROBE_NO_WAIT -o .gpu/extra/gemvm_probe_nowait benches/kernels/gemvm_micro.cu
 #   $NV -DFLASHRT_PROBE -DGEMVM_PROBE_NO_PUBLISH -o .gpu/extra/gemvm_probe_nopub benches/kernels/gemvm_micro.cu
 #   git apply -R benches/kernels/gemv_mma_finish_isolate.patch
+# and the shares of split tiles finished in the same block through shared memory
+# (benches/kernels/gemv_mma_smem_shares.patch; same bits by construction, the micro's `bits`):
+#   git apply benches/kernels/gemv_mma_smem_shares.patch
+#   $NV -DFLASHRT_PROBE -DGEMVM_SMEM_SHARES=1 -o .gpu/extra/gemvm_probe_sshare benches/kernels/gemvm_micro.cu
+#   bash scripts/build-kernel-variant.sh sshare gemv -DGEMVM_SMEM_SHARES=1
+#   git apply -R benches/kernels/gemv_mma_smem_shares.patch
 #   tar -cf - .gpu/flashrt .gpu/flashrt-old .gpu/bin .gpu/extra | xz --lzma2=preset=6,dict=192MiB >.gpupack/p.tar.xz
 # (The binaries share their embedded kernels: with a dictionary spanning them all the pack is
 # ~20 MB instead of ~60, so one call — at most 64 MiB with the ~22 MB tree — carries it all.)
@@ -34,7 +40,9 @@
 # (no PART: all three, tests first); RUNS="1" one round of the A/B (default "1 2"); MMA=0 / CORES=0 skip the bf16
 # tensor-core / CUDA-core benches; TESTS="cuda_ops ..." the test binaries to run (default all
 # four), MODEL_MMA=0 skips cuda_model's second run with the tensor-core gemv; cuda_ops_filter="linear gemv"
-# (and likewise for each binary) runs only the tests whose names hold one of the words.
+# (and likewise for each binary) runs only the tests whose names hold one of the words;
+# VARIANTS="sshare" also runs the (filtered) tests and the benches with each gemv family variant
+# in .gpu/kv (scripts/build-kernel-variant.sh NAME gemv [FLAGS]; carried as .gpupack/kv.tar).
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-gemvm-tail}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,6 +57,19 @@ if part tests; then
     echo "== $t: $(grep -c '^test .* ok$' "$OUT/tests-$t.log") ok"
     grep -hE '^test |test result|panicked' "$OUT/tests-$t.log" | grep -v ' ok$'
   done
+  # Kernel-family variants (.gpu/kv/NAME, carried as .gpupack/kv.tar): the same tests with
+  # the variant loaded, the tensor-core gemv on.
+  for v in ${VARIANTS:-}; do
+    for t in cuda_ops cuda_model; do
+      [ -x "$BIN/$t" ] || continue
+      f="${t}_filter"
+      # shellcheck disable=SC2086
+      FLASHRT_KERNELS_DIR="$ROOT/.gpu/kv/$v" FLASHRT_GEMV16_MMA=1 timeout 240 "$BIN/$t" --test-threads=1 ${!f:-} \
+        >"$OUT/tests-$t-$v.log" 2>&1 || status=1
+      echo "== $t ($v): $(grep -c '^test .* ok$' "$OUT/tests-$t-$v.log") ok"
+      grep -hE '^test |test result|panicked' "$OUT/tests-$t-$v.log" | grep -v ' ok$'
+    done
+  done
   # The tensor-core gemv in every small phase of the model tests.
   if [ -x "$BIN/cuda_model" ] && [ "${MODEL_MMA:-1}" != 0 ]; then
     # shellcheck disable=SC2086
@@ -61,18 +82,20 @@ fi
 if part bench; then
   M="$ROOT/models/qwen36-27b.toml"
   for run in ${RUNS:-1 2}; do
-    for b in old new; do
+    for b in old new ${VARIANTS:-}; do
       bin="$FLASHRT"
+      kv=()
       [ "$b" = old ] && bin="$ROOT/.gpu/flashrt-old"
-      run_bench "fp8-$b-$run" "$bin" -- "$M" --quantize fp8 --lengths 2048 --iters 1 --decode-steps 24 \
+      [ "$b" != old ] && [ "$b" != new ] && kv=("FLASHRT_KERNELS_DIR=$ROOT/.gpu/kv/$b")
+      run_bench "fp8-$b-$run" "$bin" "${kv[@]}" -- "$M" --quantize fp8 --lengths 2048 --iters 1 --decode-steps 24 \
         --batch 1,8
       grep -E 'restored TTFT [0-9]|^ +2048 +[18] ' "$OUT/fp8-$b-$run.log" | head -6
       if [ "${CORES:-1}" != 0 ]; then
-        run_bench "bf16-$b-$run" "$bin" -- "$M" --lengths 2048 --iters 1 --decode-steps 24 --batch 1,2,4,8
+        run_bench "bf16-$b-$run" "$bin" "${kv[@]}" -- "$M" --lengths 2048 --iters 1 --decode-steps 24 --batch 1,2,4,8
         grep -E '^ +2048 +[1248] ' "$OUT/bf16-$b-$run.log" | head -4
       fi
       if [ "${MMA:-1}" != 0 ]; then
-        run_bench "mma-$b-$run" "$bin" FLASHRT_GEMV16_MMA=1 -- "$M" --lengths 2048 --iters 1 --decode-steps 24 \
+        run_bench "mma-$b-$run" "$bin" "${kv[@]}" FLASHRT_GEMV16_MMA=1 -- "$M" --lengths 2048 --iters 1 --decode-steps 24 \
           --batch 1,2,4,8
         grep -E '^ +2048 +[1248] ' "$OUT/mma-$b-$run.log" | head -4
       fi
@@ -80,7 +103,7 @@ if part bench; then
   done
 fi
 if part probe; then
-  for v in probe probe_nowait probe_nopub probe_bound; do
+  for v in probe probe_sshare probe_nowait probe_nopub probe_bound; do
     [ -x "$ROOT/.gpu/extra/gemvm_$v" ] || continue
     timeout 60 "$ROOT/.gpu/extra/gemvm_$v" >"$OUT/micro-$v.log" 2>&1 || status=1
     echo "== $v"

@@ -6,8 +6,9 @@
 // than L2 holds), back to back with programmatic dependent launch as in a decode step.
 //
 // Checks printed per shape: the tensor-core kernel's row 0 is bit-identical at every row count
-// (`rows-invariant`), and its outputs agree with the CUDA-core kernel's (16-bit weights; max
-// difference relative to the largest output). 16-bit weights also run `gemv16s_*` (mode
+// (`rows-invariant`), its outputs agree with the CUDA-core kernel's (16-bit weights; max
+// difference relative to the largest output), and a hash of them (`bits`: a variant that must
+// keep the bits prints the same). 16-bit weights also run `gemv16s_*` (mode
 // `smem`: kernels/gemv.cu, the CUDA-core kernel's blocks with the products on the tensor
 // cores), with the same two checks.
 //
@@ -315,9 +316,14 @@ int main() {
                     big = std::max(big, (double)fabsf(bf(core_out[8][i])));
                     diff = std::max(diff, (double)fabsf(bf(core_out[8][i]) - bf(mma_out[8][i])));
                 }
+            // A hash of every tensor-core output (all row counts): a kernel variant that must
+            // keep the bits prints the same.
+            unsigned long long bits = 1469598103934665603ull;
+            for (int R : rows_list)
+                for (unsigned short v : mma_out[R]) bits = (bits ^ v) * 1099511628211ull;
             if (!cores_only)
-                printf("   rows-invariant %s, |mma - cores| max %.3g of max |out| %.3g\n", inv ? "yes" : "NO", diff,
-                       big);
+                printf("   rows-invariant %s, |mma - cores| max %.3g of max |out| %.3g, bits %016llx\n", inv ? "yes" : "NO",
+                       diff, big, bits);
             // The CUDA cores' row 0 at every R, bit for bit (staged and pipelined or not).
             bool cinv = true;
             for (int R : rows_list)
