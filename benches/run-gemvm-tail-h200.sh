@@ -42,7 +42,9 @@
 # four), MODEL_MMA=0 skips cuda_model's second run with the tensor-core gemv; cuda_ops_filter="linear gemv"
 # (and likewise for each binary) runs only the tests whose names hold one of the words;
 # VARIANTS="sshare" also runs the (filtered) tests and the benches with each gemv family variant
-# in .gpu/kv (scripts/build-kernel-variant.sh NAME gemv [FLAGS]; carried as .gpupack/kv.tar).
+# in .gpu/kv (scripts/build-kernel-variant.sh NAME gemv [FLAGS]; carried as .gpupack/kv.tar);
+# FP8_ALL_MMA=1 adds the FP8 bench with every matrix on the tensor cores
+# (FLASHRT_GEMV8M_MAX_SPLITS=0) for each binary but the old one.
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-gemvm-tail}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -90,6 +92,12 @@ if part bench; then
       run_bench "fp8-$b-$run" "$bin" "${kv[@]}" -- "$M" --quantize fp8 --lengths 2048 --iters 1 --decode-steps 24 \
         --batch 1,8
       grep -E 'restored TTFT [0-9]|^ +2048 +[18] ' "$OUT/fp8-$b-$run.log" | head -6
+      if [ "${FP8_ALL_MMA:-0}" = 1 ] && [ "$b" != old ]; then
+        # Every FP8 matrix on the tensor cores (down / out included): one kernel kind for all.
+        run_bench "fp8all-$b-$run" "$bin" "${kv[@]}" FLASHRT_GEMV8M_MAX_SPLITS=0 -- "$M" --quantize fp8 --lengths 2048 \
+          --iters 1 --decode-steps 24 --batch 1,8
+        grep -E 'restored TTFT [0-9]|^ +2048 +[18] ' "$OUT/fp8all-$b-$run.log" | head -6
+      fi
       if [ "${CORES:-1}" != 0 ]; then
         run_bench "bf16-$b-$run" "$bin" "${kv[@]}" -- "$M" --lengths 2048 --iters 1 --decode-steps 24 --batch 1,2,4,8
         grep -E '^ +2048 +[1248] ' "$OUT/bf16-$b-$run.log" | head -4
