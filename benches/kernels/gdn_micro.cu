@@ -18,12 +18,6 @@
 #include "micro.cuh"
 #include "gated_deltanet.cu"
 
-// Uniform in about +-512 scale, as T (bf16 or f32).
-template <typename T> __global__ void fill(T* p, size_t n, unsigned seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        p[i] = (T)(((int)(micro_hash(i, seed) & 1023) - 512) * scale);
-}
-
 // A weight stream's stand-in: waits for its predecessor, lets its successor launch, reads
 // `n` 16-byte words once and writes one word per block.
 __global__ void __launch_bounds__(512) stream_read(const uint4* p, size_t n, unsigned* out) {
@@ -63,7 +57,7 @@ static void run(const Shape sh, int nb, GdndFn fn, int sms) {
     auto dev = [&](auto* tag, size_t n, float scale) {
         decltype(tag) p;
         CK(cudaMalloc(&p, n * sizeof(*tag)));
-        fill<<<256, 256>>>(p, n, seed++, scale);
+        micro_fill<<<256, 256>>>(p, n, seed++, scale);
         owned.push_back(p);
         return p;
     };

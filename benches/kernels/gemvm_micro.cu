@@ -33,14 +33,6 @@
 #include <cmath>
 #include <cstring>
 
-__global__ void readall(const uint4* p, size_t n, unsigned* out) {
-    unsigned a = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint4 v = load_stream(p + i);
-        a ^= v.x ^ v.y ^ v.z ^ v.w;
-    }
-    if (a == 0x12345678) out[0] = a;
-}
 __global__ void fill8(unsigned char* p, size_t n, unsigned seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         const unsigned h = micro_hash(i, seed);
@@ -140,7 +132,7 @@ int main() {
             cudaEventRecord(e0);
             for (int it = 0; it < iters; ++it)
                 for (int m = 0; m < nm; ++m)
-                    readall<<<sms * 8, 256>>>((const uint4*)w[(it % copies) * nm + m], wbytes / 16, dout);
+                    micro_readall<<<sms * 8, 256>>>((const uint4*)w[(it % copies) * nm + m], wbytes / 16, dout);
             cudaEventRecord(e1);
             CK(cudaEventSynchronize(e1));
             float msr;

@@ -1,5 +1,6 @@
 // What the kernel microbenchmarks (gemvm_micro.cu, gdn_micro.cu, moe_micro.cu) share: the CUDA
-// error check, the hash their fill kernels draw data from, and the per-warp phase probes.
+// error check, the hash their data is drawn from (`micro_fill`), the streaming read they are
+// compared with (`micro_readall`), and the per-warp phase probes.
 // Include it before the kernel sources: with -DFLASHRT_PROBE it defines kernels/common.cuh's
 // FLASHRT_MARK(i) (the timing hooks, empty in the product) to store the warp's %globaltimer in
 // slot i (< 10) of its row of `g_probe` (warps in linear block order, 1-D or 2-D grids);
@@ -27,6 +28,25 @@ static __device__ __forceinline__ unsigned micro_hash(size_t i, unsigned seed) {
     h *= 2246822519u;
     h ^= h >> 13;
     return h;
+}
+
+// Uniform in about +-512 * scale, as T (float, bf16, f16): the microbenchmarks' data.
+template <typename T> __global__ void micro_fill(T* p, size_t n, unsigned seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = (T)(((int)(micro_hash(i, seed) & 1023) - 512) * scale);
+}
+
+// Reads `n` 16-byte words once (not kept in L1): the streaming floor a kernel is compared with.
+__global__ void micro_readall(const uint4* p, size_t n, unsigned* out) {
+    unsigned a = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint4 v;
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p + i));
+        a ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (a == 0x12345678u) out[0] = a;
 }
 
 #ifdef FLASHRT_PROBE

@@ -30,40 +30,15 @@
 
 typedef __nv_bfloat16 bf16;
 
-__global__ void fill_bf16(bf16* p, size_t n, unsigned seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        p[i] = __float2bfloat16(((float)(micro_hash(i, seed) >> 8) * (1.0f / 16777216.0f) - 0.5f) * scale);
-}
-
-__global__ void fill_f32(float* p, size_t n, unsigned seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        p[i] = ((float)(micro_hash(i, seed) >> 8) * (1.0f / 16777216.0f) - 0.5f) * scale;
-}
-
-__global__ void readall(const uint4* p, size_t n, unsigned* out) {
-    unsigned a = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint4 v;
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(p + i));
-        a ^= v.x ^ v.y ^ v.z ^ v.w;
-    }
-    if (a == 0x12345678u) *out = a;
-}
-
 template <typename X> static X* dalloc(size_t n) {
     X* p;
     CK(cudaMalloc(&p, n * sizeof(X)));
     return p;
 }
 
-static void fill(bf16* p, size_t n, unsigned seed, float scale) {
-    fill_bf16<<<1024, 256>>>(p, n, seed, scale);
-    CK(cudaGetLastError());
-}
-static void fill(float* p, size_t n, unsigned seed, float scale) {
-    fill_f32<<<1024, 256>>>(p, n, seed, scale);
+// Uniform in +-range / 2.
+template <typename X> static void fill(X* p, size_t n, unsigned seed, float range) {
+    micro_fill<X><<<1024, 256>>>(p, n, seed, range / 1024);
     CK(cudaGetLastError());
 }
 
@@ -221,9 +196,9 @@ int main() {
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     float ms = 0;
-    for (int r = 0; r < 2; ++r) readall<<<sms * 8, 512>>>((const uint4*)up, n_up * 2 / 16, sink);
+    for (int r = 0; r < 2; ++r) micro_readall<<<sms * 8, 512>>>((const uint4*)up, n_up * 2 / 16, sink);
     cudaEventRecord(e0);
-    readall<<<sms * 8, 512>>>((const uint4*)up, n_up * 2 / 16, sink);
+    micro_readall<<<sms * 8, 512>>>((const uint4*)up, n_up * 2 / 16, sink);
     cudaEventRecord(e1);
     CK(cudaEventSynchronize(e1));
     cudaEventElapsedTime(&ms, e0, e1);
