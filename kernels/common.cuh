@@ -475,21 +475,15 @@ static __device__ __forceinline__ void flash_store(const float (&o)[4 * NO], con
         name##_impl<float>(p);                                                                \
     }
 
-// As FLASHRT_ENTRY, with `pre<T>(p)` run before the wait: it may only touch memory no earlier
-// kernel writes (weights), e.g. prefetch them into L2 while the predecessor drains.
-#define FLASHRT_ENTRY_PRE(name, Params, bounds, pre)                                          \
+// As FLASHRT_ENTRY, for a body that calls `flashrt::pdl_enter()` itself (after loading weights
+// into registers, which no kernel writes, while the predecessor drains).
+#define FLASHRT_ENTRY_SELF(name, Params, bounds)                                              \
     extern "C" __global__ void __launch_bounds__(bounds) name##_bf16(const Params p) {       \
-        pre<__nv_bfloat16>(p);                                                                \
-        flashrt::pdl_enter();                                                                 \
         name##_impl<__nv_bfloat16>(p);                                                        \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(bounds) name##_f16(const Params p) {        \
-        pre<__half>(p);                                                                       \
-        flashrt::pdl_enter();                                                                 \
         name##_impl<__half>(p);                                                               \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(bounds) name##_f32(const Params p) {        \
-        pre<float>(p);                                                                        \
-        flashrt::pdl_enter();                                                                 \
         name##_impl<float>(p);                                                                \
     }

@@ -194,21 +194,65 @@ static __device__ __forceinline__ void tile_dots(const T* const (&w)[W], const T
 #define MOE_LOGIT_BATCH 16
 
 // grid = (ceil((E + token gate) / 4), ceil(rows / 8)), block = 128, dynamic shared memory
-// 8 * hidden T: the
-// block's rows of x in shared memory, warp w computes expert 4 * bx + w for them, reading its
-// router row once (decode's router is a 2 MB f32 read spread over E / 4 blocks). Each logit is
-// the same lane-strided f32 sum whatever rows share the block.
+// 8 * hidden T: the block's rows of x in shared memory, warp w computes expert 4 * bx + w for
+// them, reading its router row once (decode's router is a 2 MB f32 read spread over E / 4
+// blocks). Each logit is the same lane-strided f32 sum whatever rows share the block. Before
+// the PDL wait (weights only), each warp loads the first MOE_LOGIT_BATCH packs a lane of its
+// router row into registers (all of it up to hidden 2048) and asks the L2 for the rest, and
+// each thread loads the norm weights of its first two packs, so that once the predecessor is
+// done only x's trip and the arithmetic remain.
+// Before the predecessor is done: the part of this warp's router row past the packs
+// moe_logits_impl preloads (or the token gate row) into L2.
+template <typename T> static __device__ __forceinline__ void moe_logits_prefetch(const MoeParams& p) {
+    const int lane = threadIdx.x & 31;
+    const int e = blockIdx.x * MOE_LOGIT_WARPS + (threadIdx.x >> 5);
+    const char* row = nullptr;
+    size_t from = 0, bytes = 0;
+    if (e < p.experts) {
+        row = reinterpret_cast<const char*>(p.router + (size_t)e * p.hidden);
+        bytes = (size_t)p.hidden * 4;
+        from = MOE_LOGIT_BATCH * 32 * 16;
+    } else if (e == p.experts && p.s_gate) {
+        row = static_cast<const char*>(p.s_gate);
+        bytes = (size_t)p.hidden * sizeof(T);
+    }
+    for (size_t off = from + (size_t)lane * 128; off < bytes; off += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+}
 template <typename T> static __device__ __forceinline__ void moe_logits_impl(const MoeParams& p) {
     extern __shared__ __align__(16) unsigned char logit_smem[];
     T* xs = reinterpret_cast<T*>(logit_smem);
     __shared__ float inv[MOE_LOGIT_ROWS];
+    constexpr int N = flashrt::Pack16<T>::N;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = p.hidden;
+    const int e = blockIdx.x * MOE_LOGIT_WARPS + warp;
+    const float4* w = e < p.experts ? reinterpret_cast<const float4*>(p.router + (size_t)e * H) : nullptr;
+    float4 w0[MOE_LOGIT_BATCH];
+#pragma unroll
+    for (int b = 0; b < MOE_LOGIT_BATCH; ++b) {
+        const int i = lane + b * 32;
+        w0[b] = w && i < H / 4 ? __ldg(w + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    moe_logits_prefetch<T>(p);
+    // The norm's scale of element j of the pack at i (f32; 1 + w with `one_plus`).
+    auto norm_scale = [&](int col, int j) {
+        float s = p.norm_w ? __ldg(p.norm_w + col + j) : 1.0f;
+        if (p.norm_w && p.one_plus) s += 1.0f;
+        return s;
+    };
+    float nw[2][N];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const int col = ((threadIdx.x + t * blockDim.x) % (H / N)) * N;
+#pragma unroll
+        for (int j = 0; j < N; ++j) nw[t][j] = p.norm_x ? norm_scale(col, j) : 1.0f;
+    }
+    flashrt::pdl_enter();
     const int len = flashrt::load_len(p.len);
     const int r0 = blockIdx.y * MOE_LOGIT_ROWS;
     if (r0 >= len) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int n = min(MOE_LOGIT_ROWS, len - r0), H = p.hidden;
+    const int n = min(MOE_LOGIT_ROWS, len - r0);
     FLASHRT_MARK(0);
-    constexpr int N = flashrt::Pack16<T>::N;
     const T* src = static_cast<const T*>(p.norm_x ? p.norm_x : p.x);
     const int ld_src = p.norm_x ? p.ld_norm_x : p.ld_x;
     for (int i = threadIdx.x; i < n * (H / N); i += blockDim.x) {
@@ -233,17 +277,25 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
             if (lane == 0) inv[q] = 1.0f / sqrtf(ss / (float)H + p.eps);
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < n * (H / N); i += blockDim.x) {
+        auto scale_pack = [&](int i, const float* s) {
             const int q = i / (H / N), col = (i % (H / N)) * N;
             T* px = xs + (size_t)q * H + col;
             float v[N];
             flashrt::unpack16<T>(flashrt::ld16(px), v);
 #pragma unroll
-            for (int j = 0; j < N; ++j) {
-                float s = p.norm_w ? __ldg(p.norm_w + col + j) : 1.0f;
-                if (p.norm_w && p.one_plus) s += 1.0f;
-                px[j] = flashrt::from_f32<T>(v[j] * inv[q] * s);
-            }
+            for (int j = 0; j < N; ++j) px[j] = flashrt::from_f32<T>(v[j] * inv[q] * s[j]);
+        };
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const int i = threadIdx.x + t * blockDim.x;
+            if (i < n * (H / N)) scale_pack(i, nw[t]);
+        }
+        for (int i = threadIdx.x + 2 * blockDim.x; i < n * (H / N); i += blockDim.x) {
+            const int col = (i % (H / N)) * N;
+            float s[N];
+#pragma unroll
+            for (int j = 0; j < N; ++j) s[j] = norm_scale(col, j);
+            scale_pack(i, s);
         }
         __syncthreads();
         if (blockIdx.x == 0)
@@ -254,7 +306,6 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
             }
     }
     FLASHRT_MARK(2);
-    const int e = blockIdx.x * MOE_LOGIT_WARPS + warp;
     if (e == p.experts && p.s_gate) {
         // The shared expert's token gate: one T weight row.
         float acc[MOE_LOGIT_ROWS];
@@ -270,18 +321,12 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
         return;
     }
     if (e >= p.experts) return;
-    const float4* w = reinterpret_cast<const float4*>(p.router + (size_t)e * H);
     float acc[MOE_LOGIT_ROWS];
 #pragma unroll
     for (int q = 0; q < MOE_LOGIT_ROWS; ++q) acc[q] = 0.0f;
-    // MOE_LOGIT_BATCH float4 loads in flight per lane; each lane sums its packs in order.
-    for (int i0 = lane; i0 < H / 4; i0 += MOE_LOGIT_BATCH * 32) {
-        float4 wv[MOE_LOGIT_BATCH];
-#pragma unroll
-        for (int b = 0; b < MOE_LOGIT_BATCH; ++b) {
-            const int i = i0 + b * 32;
-            wv[b] = i < H / 4 ? __ldg(w + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+    // MOE_LOGIT_BATCH float4 packs a lane at a time (the first batch preloaded); each lane sums
+    // its packs in order.
+    auto dots = [&](const float4 (&wv)[MOE_LOGIT_BATCH], int i0) {
 #pragma unroll
         for (int b = 0; b < MOE_LOGIT_BATCH; ++b) {
             const int i = i0 + b * 32;
@@ -295,6 +340,16 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
                           v.z * flashrt::to_f32(x[2]) + v.w * flashrt::to_f32(x[3]);
             }
         }
+    };
+    dots(w0, lane);
+    for (int i0 = lane + MOE_LOGIT_BATCH * 32; i0 < H / 4; i0 += MOE_LOGIT_BATCH * 32) {
+        float4 wv[MOE_LOGIT_BATCH];
+#pragma unroll
+        for (int b = 0; b < MOE_LOGIT_BATCH; ++b) {
+            const int i = i0 + b * 32;
+            wv[b] = i < H / 4 ? __ldg(w + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        dots(wv, i0);
     }
 #pragma unroll
     for (int q = 0; q < MOE_LOGIT_ROWS; ++q) {
@@ -305,24 +360,7 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
     FLASHRT_MARK(6);
 }
 
-// Before the predecessor is done: this warp's router row (or the token gate row) into L2.
-template <typename T> static __device__ __forceinline__ void moe_logits_prefetch(const MoeParams& p) {
-    const int lane = threadIdx.x & 31;
-    const int e = blockIdx.x * MOE_LOGIT_WARPS + (threadIdx.x >> 5);
-    const char* row = nullptr;
-    size_t bytes = 0;
-    if (e < p.experts) {
-        row = reinterpret_cast<const char*>(p.router + (size_t)e * p.hidden);
-        bytes = (size_t)p.hidden * 4;
-    } else if (e == p.experts && p.s_gate) {
-        row = static_cast<const char*>(p.s_gate);
-        bytes = (size_t)p.hidden * sizeof(T);
-    }
-    for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
-}
-
-FLASHRT_ENTRY_PRE(moe_logits, MoeParams, 128, moe_logits_prefetch)
+FLASHRT_ENTRY_SELF(moe_logits, MoeParams, 128)
 
 // grid = (ceil(hidden / 1024), rows), block = 256: row r of x widened to f32 in its `y` scratch
 // (the input of the prefill router's TF32 matmul), four values per thread.
@@ -341,33 +379,117 @@ template <typename T> static __device__ __forceinline__ void moe_x_f32_impl(cons
 
 FLASHRT_ENTRY(moe_x_f32, MoeParams, 256)
 
+// A routing candidate as one 64-bit key whose unsigned order is the routing order: the value
+// (f32 bits mapped to an order-preserving unsigned, -0 as +0, NaN below -inf) above, the
+// complement of the expert index below (a tie goes to the lower index). Keys are distinct.
+static __device__ __forceinline__ unsigned long long route_key(float v, int e) {
+    if (v == 0.0f) v = 0.0f;
+    const unsigned u = __float_as_uint(v);
+    const unsigned hi = isnan(v) ? 0u : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)hi << 32) | (0xffffffffu - (unsigned)e);
+}
+static __device__ __forceinline__ int route_key_index(unsigned long long k) {
+    return (int)(0xffffffffu - (unsigned)k);
+}
+// Larger key first.
+static __device__ __forceinline__ void key_order(unsigned long long& a, unsigned long long& b) {
+    const unsigned long long lo = a < b ? a : b;
+    a = a < b ? b : a;
+    b = lo;
+}
+
+// The best ROUTE_LANE (value, index) candidates of a warp's 32 * ROUTE_LANE, best first, in every
+// lane: each lane sorts its own (a 19-comparator network), then five butterfly rounds each keep
+// the best ROUTE_LANE of a lane's list and its partner's (the larger of a[j] and b[7 - j] is a
+// bitonic sequence holding them, sorted by three half-cleaner stages). Comparisons only, so the
+// choice is the one K rounds of "best remaining, ties to the lower index" make.
+#define ROUTE_LANE 8
+static __device__ __forceinline__ void warp_top8(unsigned long long (&k)[ROUTE_LANE]) {
+    constexpr int net[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6}, {3, 7}, {0, 1}, {2, 3},
+                                {4, 5}, {6, 7}, {2, 4}, {3, 5}, {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
+#pragma unroll
+    for (int c = 0; c < 19; ++c) key_order(k[net[c][0]], k[net[c][1]]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        unsigned long long b[ROUTE_LANE];
+#pragma unroll
+        for (int j = 0; j < ROUTE_LANE; ++j) b[j] = __shfl_xor_sync(0xffffffffu, k[j], o);
+#pragma unroll
+        for (int j = 0; j < ROUTE_LANE; ++j) k[j] = k[j] < b[ROUTE_LANE - 1 - j] ? b[ROUTE_LANE - 1 - j] : k[j];
+#pragma unroll
+        for (int d = ROUTE_LANE / 2; d > 0; d >>= 1)
+#pragma unroll
+            for (int j = 0; j < ROUTE_LANE; ++j)
+                if (!(j & d)) key_order(k[j], k[j + d]);
+    }
+}
+
 // One row's routing by one warp into `ids` / `wts` (K each, global or shared memory);
 // `score`, `choice`: E floats of shared memory, `keep`: 32. Lane j holds rank j until the end.
+// E <= 256 and K <= 8 (every released MoE model so far): the row's values in registers (lane
+// holds e = lane + 32 m, the sums in the same order as the general path) and warp_top8;
+// otherwise K rounds of a warp arg-max over the lanes' best.
 template <typename T>
 static __device__ __forceinline__ void route_row(const MoeParams& p, int row, float* score, float* choice, int* keep,
                                                  int* ids, float* wts) {
     const int E = p.experts, K = p.top_k;
     const int lane = threadIdx.x & 31;
     const float* logits = moe::logits_of<T>(p, row);
-    for (int e = lane; e < E; e += 32) score[e] = logits[e];
-    __syncwarp();
-    if (p.softmax) {
-        float m = -INFINITY;
-        for (int e = lane; e < E; e += 32) m = fmaxf(m, score[e]);
-        m = moe::warp_max(m);
-        float sum = 0.0f;
-        for (int e = lane; e < E; e += 32) {
-            const float v = expf(score[e] - m);
-            score[e] = v;
-            sum += v;
+    const bool fast = E <= 32 * ROUTE_LANE && K <= ROUTE_LANE;
+    if (fast) {
+        float v[ROUTE_LANE];
+#pragma unroll
+        for (int m = 0; m < ROUTE_LANE; ++m) v[m] = lane + 32 * m < E ? logits[lane + 32 * m] : 0.0f;
+        if (p.softmax) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int m = 0; m < ROUTE_LANE; ++m)
+                if (lane + 32 * m < E) mx = fmaxf(mx, v[m]);
+            mx = moe::warp_max(mx);
+            float sum = 0.0f;
+#pragma unroll
+            for (int m = 0; m < ROUTE_LANE; ++m)
+                if (lane + 32 * m < E) {
+                    v[m] = expf(v[m] - mx);
+                    sum += v[m];
+                }
+            sum = flashrt::warp_sum(sum);
+#pragma unroll
+            for (int m = 0; m < ROUTE_LANE; ++m) v[m] /= sum;
+        } else {
+#pragma unroll
+            for (int m = 0; m < ROUTE_LANE; ++m) v[m] = flashrt::sigmoidf_(v[m]);
         }
-        sum = flashrt::warp_sum(sum);
-        for (int e = lane; e < E; e += 32) score[e] /= sum;
+#pragma unroll
+        for (int m = 0; m < ROUTE_LANE; ++m) {
+            const int e = lane + 32 * m;
+            if (e < E) {
+                score[e] = v[m];
+                choice[e] = v[m] + (p.bias ? p.bias[e] : 0.0f);
+            }
+        }
     } else {
-        for (int e = lane; e < E; e += 32) score[e] = flashrt::sigmoidf_(score[e]);
+        for (int e = lane; e < E; e += 32) score[e] = logits[e];
+        __syncwarp();
+        if (p.softmax) {
+            float m = -INFINITY;
+            for (int e = lane; e < E; e += 32) m = fmaxf(m, score[e]);
+            m = moe::warp_max(m);
+            float sum = 0.0f;
+            for (int e = lane; e < E; e += 32) {
+                const float v = expf(score[e] - m);
+                score[e] = v;
+                sum += v;
+            }
+            sum = flashrt::warp_sum(sum);
+            for (int e = lane; e < E; e += 32) score[e] /= sum;
+        } else {
+            for (int e = lane; e < E; e += 32) score[e] = flashrt::sigmoidf_(score[e]);
+        }
+        for (int e = lane; e < E; e += 32) choice[e] = score[e] + (p.bias ? p.bias[e] : 0.0f);
     }
-    for (int e = lane; e < E; e += 32) choice[e] = score[e] + (p.bias ? p.bias[e] : 0.0f);
     __syncwarp();
+    FLASHRT_MARK(3);
     if (p.groups > 1 && p.top_groups < p.groups) {
         const int per = E / p.groups;
         float gs = NAN; // lanes past the groups never win
@@ -399,39 +521,54 @@ static __device__ __forceinline__ void route_row(const MoeParams& p, int row, fl
             if (!keep[e / per]) choice[e] = -INFINITY;
         __syncwarp();
     }
-    // Top-k: each lane keeps the best of its own experts (e = lane + 32 m: larger value, ties
-    // to the lower index, taken experts are NaN and never win); a round takes the warp's best
-    // of those, and only the lane owning the winner marks it taken and scans its experts again.
     int my_id = 0;
     float my_w = 0.0f;
-    float lv;
-    int li;
-    auto lane_best = [&]() {
-        lv = NAN;
-        li = 0x7fffffff;
-        for (int e = lane; e < E; e += 32) {
-            const float c = choice[e];
-            if (!isnan(c) && (isnan(lv) || c > lv)) {
-                lv = c;
-                li = e;
+    if (fast) {
+        unsigned long long k[ROUTE_LANE];
+#pragma unroll
+        for (int m = 0; m < ROUTE_LANE; ++m) {
+            const int e = lane + 32 * m;
+            k[m] = e < E ? route_key(choice[e], e) : 0ull; // padding: below every candidate
+        }
+        warp_top8(k);
+#pragma unroll
+        for (int j = 0; j < ROUTE_LANE; ++j)
+            if (lane == j) my_id = route_key_index(k[j]);
+        if (lane < K) my_w = score[my_id];
+    } else {
+        // Top-k: each lane keeps the best of its own experts (e = lane + 32 m: larger value, ties
+        // to the lower index, taken experts are NaN and never win); a round takes the warp's best
+        // of those, and only the lane owning the winner marks it taken and scans its experts again.
+        float lv;
+        int li;
+        auto lane_best = [&]() {
+            lv = NAN;
+            li = 0x7fffffff;
+            for (int e = lane; e < E; e += 32) {
+                const float c = choice[e];
+                if (!isnan(c) && (isnan(lv) || c > lv)) {
+                    lv = c;
+                    li = e;
+                }
+            }
+            if (isnan(lv)) lv = -INFINITY; // an empty lane loses to any candidate
+        };
+        lane_best();
+        for (int j = 0; j < K; ++j) {
+            float v = lv;
+            int i = li;
+            moe::warp_best(v, i); // every lane gets the winner
+            if (lane == j) {
+                my_id = i;
+                my_w = score[i];
+            }
+            if (i < E && (i & 31) == lane) {
+                choice[i] = NAN;
+                lane_best();
             }
         }
-        if (isnan(lv)) lv = -INFINITY; // an empty lane loses to any candidate
-    };
-    lane_best();
-    for (int j = 0; j < K; ++j) {
-        float v = lv;
-        int i = li;
-        moe::warp_best(v, i); // every lane gets the winner
-        if (lane == j) {
-            my_id = i;
-            my_w = score[i];
-        }
-        if (i < E && (i & 31) == lane) {
-            choice[i] = NAN;
-            lane_best();
-        }
     }
+    FLASHRT_MARK(5);
     // The weights in rank order: the sum in that order (every lane), each divided by it.
     if (p.renormalize) {
         float sum = 0.0f;

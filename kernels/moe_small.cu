@@ -14,9 +14,9 @@
 
 // Small phases (<= 8 rows, E <= 256): the routing, the plan and the experts' up projections in
 // one launch (the decode step's chain loses moe_route's launch and the plan's round trips).
-// grid = (x, min(E, rows * k) + shared), block = 256, x <= ceil(max(inter, s_inter) / 8) chosen
-// so the launch is resident at once (every block routes once, none waits for a second wave;
-// the warps stride over the features); dynamic shared memory rows * hidden T (the rows of x)
+// grid = (x, min(E, rows * k) + shared), block = 256 (one row: 128), x chosen so the launch is
+// resident at once (every block routes once, none waits for a second wave; the warps stride
+// over the features) and no warp takes more features than the fewest rounds need; dynamic shared memory rows * hidden T (the rows of x)
 // + rows * 2 * E floats (routing scratch). Every block but the shared expert's routes every
 // row (warp w routes row w, route_row: moe_route's arithmetic), then warp 0 groups the pairs by
 // expert (experts in index order, each expert's pairs in pair order; a pair's arithmetic does
@@ -128,7 +128,21 @@ template <typename T> static __device__ __forceinline__ void moe_up_routed1_impl
 }
 
 FLASHRT_ENTRY(moe_up_routed_tiles, MoeParams, 256)
-FLASHRT_ENTRY(moe_up_routed1, MoeParams, 256)
+// 16-bit: at most 96 registers (94 used, none spilled; 101 unbounded) so that five 128-thread
+// blocks are resident an SM: a 35B-A3B step's 9 x 64 blocks at once, 2 features a warp. (f32,
+// a test target, would spill: unbounded.)
+extern "C" __global__ void __maxnreg__(96) moe_up_routed1_bf16(const MoeParams p) {
+    flashrt::pdl_enter();
+    moe_up_routed1_impl<__nv_bfloat16>(p);
+}
+extern "C" __global__ void __maxnreg__(96) moe_up_routed1_f16(const MoeParams p) {
+    flashrt::pdl_enter();
+    moe_up_routed1_impl<__half>(p);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_up_routed1_f32(const MoeParams p) {
+    flashrt::pdl_enter();
+    moe_up_routed1_impl<float>(p);
+}
 
 // Small phases (<= 8 rows): down projection and combine in one launch. grid = ceil(hidden / 8),
 // block = 256: warp w owns output feature 8 * bx + w of every row. Its lanes walk the

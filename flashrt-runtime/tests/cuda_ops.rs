@@ -9,7 +9,9 @@ mod cuda_support;
 
 use cuda_support::*;
 use flashrt_runtime::backend::cuda::CudaOptions;
-use flashrt_runtime::ir::{Act, DType, F64, GateOrder, NormWeight, Op, StateKind};
+use flashrt_runtime::ir::{
+    Act, DType, ExpertAct, F64, GateOrder, NormWeight, Op, RouteIr, RouterScore, StateKind,
+};
 
 #[test]
 fn embed() {
@@ -338,6 +340,95 @@ fn fp8_shared_expert() {
             out: b.output(2 * si + 1, h),
         });
     });
+}
+
+/// Routing ties, decided by rule and not by luck: experts in groups of three with exactly
+/// equal scores (a group's experts `g, g + G, g + 2G` share a selection bias, or a router row),
+/// top 8, so every row's eighth pick splits a tied group and the tie must go to the lower
+/// index, as the CPU reference breaks it (a wrong pick swaps in another expert's weights and
+/// moves the output by O(1)). Sigmoid scores of an all-zero router plus a per-group bias (the
+/// LFM2-MoE / Nemotron-H rule: every row picks the same experts, in f32 and bf16); softmax of
+/// duplicated router rows, renormalised (Qwen3.5-MoE; f32 only, where CPU and GPU logits agree
+/// to rounding and only the exact ties are close). 48 experts (a partial last lane), 96 (a
+/// group's experts on one lane) and 256 (the 35B-A3B count); decode steps and 3..8-row chunks.
+#[test]
+fn moe_routing_ties_go_to_the_lower_index() {
+    let Some(gpu) = cuda("moe_routing_ties_go_to_the_lower_index") else {
+        return;
+    };
+    let (h, inter, k) = (32, 16, 8);
+    for (experts, softmax) in [
+        (48usize, false),
+        (96, false),
+        (256, false),
+        (48, true),
+        (256, true),
+    ] {
+        let groups = experts.div_ceil(3);
+        let tmp = k * (inter + h + 4) + 2 * experts;
+        let name = format!(
+            "moe ties, {experts} experts, {}",
+            if softmax { "softmax" } else { "sigmoid + bias" }
+        );
+        let mut case = OpCase::new(&name, 8, 2 * h + tmp, h);
+        case.steps = vec![5, 1, 1, 3, 8, 1];
+        let dtypes: &[DType] = if softmax { &[DType::F32] } else { &DTYPES };
+        for &dtype in dtypes {
+            case.check(&gpu, dtype, |b| {
+                // Group g's rank: a permutation, so the winning groups are not the lowest ones.
+                let rank = |g: usize| (g * 7) % groups;
+                let router = if softmax {
+                    let base = Rng::new(11).vec(groups * h, -1.0, 1.0);
+                    let rows = (0..experts)
+                        .flat_map(|e| base[(e % groups) * h..][..h].to_vec())
+                        .collect();
+                    b.param_f32("router", &[experts, h], rows)
+                } else {
+                    b.param_f32("router", &[experts, h], vec![0.0; experts * h])
+                };
+                let bias = (!softmax).then(|| {
+                    let v = (0..experts)
+                        .map(|e| -0.015625 * rank(e % groups) as f32)
+                        .collect();
+                    b.param_f32("bias", &[experts], v)
+                });
+                let up = b.weight("up", &[experts, 2 * inter, h], 2.0 / (h as f32).sqrt());
+                let down = b.weight("down", &[experts, h, inter], 2.0 / (inter as f32).sqrt());
+                let res = b.input(h, h);
+                b.op(Op::Moe {
+                    x: b.input(0, h),
+                    router,
+                    bias,
+                    up,
+                    down,
+                    out: res,
+                    tmp: b.input(2 * h, tmp),
+                    route: RouteIr {
+                        experts,
+                        top_k: k,
+                        score: if softmax {
+                            RouterScore::Softmax
+                        } else {
+                            RouterScore::Sigmoid
+                        },
+                        expert_bias: !softmax,
+                        renormalize: softmax,
+                        renorm_eps: F64(0.0),
+                        scaling: F64(1.0),
+                        groups: 1,
+                        top_groups: 1,
+                    },
+                    inter,
+                    act: ExpertAct::Swiglu,
+                });
+                b.op(Op::Unary {
+                    x: res,
+                    act: Act::Identity,
+                    out: b.output(0, h),
+                });
+            });
+        }
+    }
 }
 
 /// W8A8 prefill against the CPU's W8A16: the activations' E4M3 rounding (3 mantissa bits,

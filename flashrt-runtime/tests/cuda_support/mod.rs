@@ -548,6 +548,19 @@ impl OpBuilder {
         )
     }
 
+    /// An f32 parameter of any shape with the given values (not rounded).
+    pub fn param_f32(&mut self, name: &str, shape: &[usize], values: Vec<f32>) -> BufferId {
+        assert_eq!(values.len(), shape.iter().product::<usize>(), "{name}");
+        self.push(
+            name,
+            Role::Weight,
+            DType::F32,
+            shape.to_vec(),
+            None,
+            Some(values),
+        )
+    }
+
     /// A state region (recurrent: f32; others: the target dtype).
     pub fn state(&mut self, name: &str, shape: &[usize], kind: StateKind) -> BufferId {
         let dtype = if kind == StateKind::Recurrent {

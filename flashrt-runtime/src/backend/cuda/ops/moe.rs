@@ -602,22 +602,30 @@ impl Builder<'_> {
                 ("moe_up", (MOE_TILE * h * t.size()) as u32)
             };
             let func = self.kernels.typed(name, t)?;
+            // One-row routed launches: 128-thread blocks (5 resident an SM with the kernel's
+            // 96 registers, where 256-thread ones fit 2: 35B-A3B's 512 features get 2 a warp,
+            // not 2 or 3).
+            let threads = if routed && rows == 1 { 128 } else { 256 };
             if routed {
                 // As many blocks as are resident (the warps stride over the features): every
-                // block routes once, none waits for a second wave.
+                // block routes once, none waits for a second wave. Then as few columns as
+                // give each warp the same number of features at most.
                 self.allow_smem(label, func, smem)?;
                 let resident = func
-                    .occupancy_max_active_blocks_per_multiprocessor(256, smem as usize, None)
+                    .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
                     .unwrap_or(1)
                     .max(1)
                     * self.sms.max(1) as u32;
-                xs = xs.min((resident / ys).max(1));
+                let warps = (threads / 32) as usize;
+                let most = (resident / ys).max(1).min(ceil_div(feats, warps)) as usize;
+                let rounds = feats.div_ceil(most * warps);
+                xs = ceil_div(feats, warps * rounds);
             }
             cmds.push(self.kernel_smem(
                 &format!("{label} up"),
                 func,
                 (xs, ys, 1),
-                256,
+                threads,
                 smem,
                 &p,
             )?);
