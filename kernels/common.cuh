@@ -172,6 +172,11 @@ static __device__ __forceinline__ float block_sum(float v, float* scratch) {
 
 // Device scalars of the I/O arena (see flashrt_ir::plan): number of valid rows and the
 // absolute position of the chunk's first token.
+// io.len is written once a step, by `io_scatter` (kernels/io.cu), the step graph's first node. A
+// PDL launch starts only after its predecessor has passed its own wait, so every grid before
+// that predecessor is complete and visible: a kernel that is never a graph's second launch (the
+// MoE block's, after a norm at least) may load len before its `pdl_wait()`, off its chain of
+// dependent loads.
 static __device__ __forceinline__ int load_len(const int* len) { return __ldg(len); }
 static __device__ __forceinline__ int load_pos(const int* pos) { return __ldg(pos); }
 

@@ -247,8 +247,8 @@ template <typename T> static __device__ __forceinline__ void moe_logits_impl(con
 #pragma unroll
         for (int j = 0; j < N; ++j) nw[t][j] = p.norm_x ? norm_scale(col, j) : 1.0f;
     }
+    const int len = flashrt::load_len(p.len); // before the wait: common.cuh
     flashrt::pdl_enter();
-    const int len = flashrt::load_len(p.len);
     const int r0 = blockIdx.y * MOE_LOGIT_ROWS;
     if (r0 >= len) return;
     const int n = min(MOE_LOGIT_ROWS, len - r0);

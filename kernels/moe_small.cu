@@ -23,7 +23,8 @@
 // not depend on its place) and block y takes the y-th active expert; the last y with `shared`
 // runs the shared expert over every row from the start. Block (0, 0) stores the rows' ids and
 // weights for moe_down_small.
-template <typename T, int ROWS, int B> static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p) {
+template <typename T, int ROWS, int B>
+static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p, const int len) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int keep[8][32];
     __shared__ int sid[8 * MOE_MAX_K];
@@ -32,7 +33,7 @@ template <typename T, int ROWS, int B> static __device__ __forceinline__ void mo
     __shared__ int act_e[8 * MOE_MAX_K], act_lo[8 * MOE_MAX_K], act_hi[8 * MOE_MAX_K];
     __shared__ unsigned amask[8];
     __shared__ int n_act;
-    const int len = flashrt::load_len(p.len), H = p.hidden, K = p.top_k, E = p.experts;
+    const int H = p.hidden, K = p.top_k, E = p.experts;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     T* xall = reinterpret_cast<T*>(smem);
     float* scratch = reinterpret_cast<float*>(smem + (size_t)len * H * sizeof(T));
@@ -118,29 +119,31 @@ template <typename T, int ROWS, int B> static __device__ __forceinline__ void mo
     FLASHRT_MARK(6);
 }
 
+// The entries load len before the PDL wait (common.cuh).
 template <typename T> static __device__ __forceinline__ void moe_up_routed_tiles_impl(const MoeParams& p) {
-    moe_up_routed_impl<T, MOE_TILE, MOE_BATCH / 2>(p);
+    const int len = flashrt::load_len(p.len);
+    flashrt::pdl_enter();
+    moe_up_routed_impl<T, MOE_TILE, MOE_BATCH / 2>(p, len);
 }
 // One-row plans (a decode step): tiles of one pair, a feature's gate and up rows loaded whole
 // (16 packs a lane in flight for hidden 2048) and fewer registers, so more blocks resident.
 template <typename T> static __device__ __forceinline__ void moe_up_routed1_impl(const MoeParams& p) {
-    moe_up_routed_impl<T, 1, 8>(p);
+    const int len = flashrt::load_len(p.len);
+    flashrt::pdl_enter();
+    moe_up_routed_impl<T, 1, 8>(p, len);
 }
 
-FLASHRT_ENTRY(moe_up_routed_tiles, MoeParams, 256)
+FLASHRT_ENTRY_SELF(moe_up_routed_tiles, MoeParams, 256)
 // 16-bit: at most 96 registers (94 used, none spilled; 101 unbounded) so that five 128-thread
 // blocks are resident an SM: a 35B-A3B step's 9 x 64 blocks at once, 2 features a warp. (f32,
 // a test target, would spill: unbounded.)
 extern "C" __global__ void __maxnreg__(96) moe_up_routed1_bf16(const MoeParams p) {
-    flashrt::pdl_enter();
     moe_up_routed1_impl<__nv_bfloat16>(p);
 }
 extern "C" __global__ void __maxnreg__(96) moe_up_routed1_f16(const MoeParams p) {
-    flashrt::pdl_enter();
     moe_up_routed1_impl<__half>(p);
 }
 extern "C" __global__ void __launch_bounds__(256) moe_up_routed1_f32(const MoeParams p) {
-    flashrt::pdl_enter();
     moe_up_routed1_impl<float>(p);
 }
 
@@ -148,19 +151,42 @@ extern "C" __global__ void __launch_bounds__(256) moe_up_routed1_f32(const MoePa
 // block = 256: warp w owns output feature 8 * bx + w of every row. Its lanes walk the
 // (rank, pack) pairs of all ranks at once, MOE_BATCH loads in flight each, summing
 // w_j * down_{e_j}[c] . hidden(r, j) (f32, the y of the prefill path not rounded), then the
-// shared expert's down_s[c] . s_h(r) (weight 1), one warp sum, added to out.
+// shared expert's down_s[c] . s_h(r) (weight 1), one warp sum, added to out. A lane's packs are
+// summed in pack order (the routed ranks', then the shared expert's). With a shared expert of
+// at most 64 packs (s_inter 512 at 16 bits) after a whole number of 32-pack lane rounds, each
+// lane loads its (at most two) shared down packs before the PDL wait (weights) and its s_h
+// packs with the routed rounds' first loads, so the shared expert adds no round of loads.
+#define MOE_DOWN_SHARED_PRE 2
 template <typename T> static __device__ __forceinline__ void moe_down_small_impl(const MoeParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.x * (blockDim.x >> 5) + warp;
-    FLASHRT_MARK(0);
-    if (c >= p.hidden) return;
     constexpr int N = flashrt::Pack16<T>::N;
-    const int len = flashrt::load_len(p.len), K = p.top_k, H = p.hidden, I = p.inter;
+    const int K = p.top_k, H = p.hidden, I = p.inter;
     const int P = I / N, SP = p.shared ? p.s_inter / N : 0;
-    const int total = K * P + SP;
+    const int KP = K * P;
+    const bool pre = SP > 0 && SP <= 32 * MOE_DOWN_SHARED_PRE && KP % 32 == 0;
+    uint4 sw[MOE_DOWN_SHARED_PRE];
+#pragma unroll
+    for (int j = 0; j < MOE_DOWN_SHARED_PRE; ++j) {
+        const int s = lane + 32 * j;
+        sw[j] = pre && c < H && s < SP ? flashrt::ld16(static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + s * N)
+                                       : make_uint4(0, 0, 0, 0);
+    }
+    const int len = flashrt::load_len(p.len); // before the wait: common.cuh
+    flashrt::pdl_enter();
+    FLASHRT_MARK(0);
+    if (c >= H) return;
+    const int total = pre ? KP : KP + SP;
     for (int r = 0; r < len; ++r) {
         const int* ids = moe::ids_of<T>(p, r);
         const float* wts = moe::weights_of<T>(p, r);
+        uint4 sh[MOE_DOWN_SHARED_PRE];
+#pragma unroll
+        for (int j = 0; j < MOE_DOWN_SHARED_PRE; ++j) {
+            const int s = lane + 32 * j;
+            sh[j] = pre && s < SP ? flashrt::ld16(static_cast<const T*>(p.s_h) + (size_t)r * p.ld_s_h + s * N)
+                                  : make_uint4(0, 0, 0, 0);
+        }
         float acc = 0.0f;
         for (int q0 = lane; q0 < total; q0 += MOE_BATCH * 32) {
             uint4 wp[MOE_BATCH], hp[MOE_BATCH];
@@ -170,13 +196,13 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
                 const int q = q0 + b * 32;
                 wp[b] = hp[b] = make_uint4(0, 0, 0, 0);
                 sc[b] = 0.0f;
-                if (q < K * P) {
+                if (q < KP) {
                     const int j = q / P, col = (q % P) * N;
                     wp[b] = flashrt::ld16(static_cast<const T*>(p.down) + ((size_t)ids[j] * H + c) * I + col);
                     hp[b] = flashrt::ld16(moe::hidden_of<T>(p, r, j) + col);
                     sc[b] = wts[j];
                 } else if (q < total) {
-                    const int col = (q - K * P) * N;
+                    const int col = (q - KP) * N;
                     wp[b] = flashrt::ld16(static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + col);
                     hp[b] = flashrt::ld16(static_cast<const T*>(p.s_h) + (size_t)r * p.ld_s_h + col);
                     sc[b] = 1.0f;
@@ -193,6 +219,18 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
                 acc += sc[b] * d;
             }
         }
+        // The shared expert's packs (preloaded), after the routed ones as in the loop above.
+#pragma unroll
+        for (int j = 0; j < MOE_DOWN_SHARED_PRE; ++j) {
+            if (!pre || lane + 32 * j >= SP) break;
+            float wv[N], hv[N];
+            flashrt::unpack16<T>(sw[j], wv);
+            flashrt::unpack16<T>(sh[j], hv);
+            float d = 0.0f;
+#pragma unroll
+            for (int e = 0; e < N; ++e) d += wv[e] * hv[e];
+            acc += 1.0f * d;
+        }
         acc = flashrt::warp_sum(acc);
         if (lane == 0) {
             T* o = static_cast<T*>(p.out) + (size_t)r * p.ld_out + c;
@@ -202,4 +240,4 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
     FLASHRT_MARK(6);
 }
 
-FLASHRT_ENTRY(moe_down_small, MoeParams, 256)
+FLASHRT_ENTRY_SELF(moe_down_small, MoeParams, 256)
