@@ -157,6 +157,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_up_routed1_f32(const MoePa
 // lane loads its (at most two) shared down packs before the PDL wait (weights) and its s_h
 // packs with the routed rounds' first loads, so the shared expert adds no round of loads.
 #define MOE_DOWN_SHARED_PRE 2
+// The f32 dot product of two 16-byte packs, in element order.
+template <typename T> static __device__ __forceinline__ float moe_pack_dot(const uint4& w, const uint4& h) {
+    constexpr int N = flashrt::Pack16<T>::N;
+    float wv[N], hv[N];
+    flashrt::unpack16<T>(w, wv);
+    flashrt::unpack16<T>(h, hv);
+    float d = 0.0f;
+#pragma unroll
+    for (int e = 0; e < N; ++e) d += wv[e] * hv[e];
+    return d;
+}
 template <typename T> static __device__ __forceinline__ void moe_down_small_impl(const MoeParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.x * (blockDim.x >> 5) + warp;
@@ -209,27 +220,13 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
                 }
             }
 #pragma unroll
-            for (int b = 0; b < MOE_BATCH; ++b) {
-                float wv[N], hv[N];
-                flashrt::unpack16<T>(wp[b], wv);
-                flashrt::unpack16<T>(hp[b], hv);
-                float d = 0.0f;
-#pragma unroll
-                for (int e = 0; e < N; ++e) d += wv[e] * hv[e];
-                acc += sc[b] * d;
-            }
+            for (int b = 0; b < MOE_BATCH; ++b) acc += sc[b] * moe_pack_dot<T>(wp[b], hp[b]);
         }
         // The shared expert's packs (preloaded), after the routed ones as in the loop above.
 #pragma unroll
         for (int j = 0; j < MOE_DOWN_SHARED_PRE; ++j) {
             if (!pre || lane + 32 * j >= SP) break;
-            float wv[N], hv[N];
-            flashrt::unpack16<T>(sw[j], wv);
-            flashrt::unpack16<T>(sh[j], hv);
-            float d = 0.0f;
-#pragma unroll
-            for (int e = 0; e < N; ++e) d += wv[e] * hv[e];
-            acc += 1.0f * d;
+            acc += 1.0f * moe_pack_dot<T>(sw[j], sh[j]);
         }
         acc = flashrt::warp_sum(acc);
         if (lane == 0) {
