@@ -193,14 +193,6 @@ static __device__ __forceinline__ void tile_dots(const T* const (&w)[W], const T
 #define MOE_LOGIT_WARPS 4
 #define MOE_LOGIT_BATCH 16
 
-// grid = (ceil((E + token gate) / 4), ceil(rows / 8)), block = 128, dynamic shared memory
-// 8 * hidden T: the block's rows of x in shared memory, warp w computes expert 4 * bx + w for
-// them, reading its router row once (decode's router is a 2 MB f32 read spread over E / 4
-// blocks). Each logit is the same lane-strided f32 sum whatever rows share the block. Before
-// the PDL wait (weights only), each warp loads the first MOE_LOGIT_BATCH packs a lane of its
-// router row into registers (all of it up to hidden 2048) and asks the L2 for the rest, and
-// each thread loads the norm weights of its first two packs, so that once the predecessor is
-// done only x's trip and the arithmetic remain.
 // Before the predecessor is done: the part of this warp's router row past the packs
 // moe_logits_impl preloads (or the token gate row) into L2.
 template <typename T> static __device__ __forceinline__ void moe_logits_prefetch(const MoeParams& p) {
@@ -219,6 +211,15 @@ template <typename T> static __device__ __forceinline__ void moe_logits_prefetch
     for (size_t off = from + (size_t)lane * 128; off < bytes; off += 32 * 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
 }
+
+// grid = (ceil((E + token gate) / 4), ceil(rows / 8)), block = 128, dynamic shared memory
+// 8 * hidden T: the block's rows of x in shared memory, warp w computes expert 4 * bx + w for
+// them, reading its router row once (decode's router is a 2 MB f32 read spread over E / 4
+// blocks). Each logit is the same lane-strided f32 sum whatever rows share the block. Before
+// the PDL wait (weights only), each warp loads the first MOE_LOGIT_BATCH packs a lane of its
+// router row into registers (all of it up to hidden 2048) and asks the L2 for the rest, and
+// each thread loads the norm weights of its first two packs, so that once the predecessor is
+// done only x's trip and the arithmetic remain.
 template <typename T> static __device__ __forceinline__ void moe_logits_impl(const MoeParams& p) {
     extern __shared__ __align__(16) unsigned char logit_smem[];
     T* xs = reinterpret_cast<T*>(logit_smem);

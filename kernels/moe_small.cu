@@ -16,8 +16,8 @@
 // one launch (the decode step's chain loses moe_route's launch and the plan's round trips).
 // grid = (x, min(E, rows * k) + shared), block = 256 (one row: 128), x chosen so the launch is
 // resident at once (every block routes once, none waits for a second wave; the warps stride
-// over the features) and no warp takes more features than the fewest rounds need; dynamic shared memory rows * hidden T (the rows of x)
-// + rows * 2 * E floats (routing scratch). Every block but the shared expert's routes every
+// over the features) and no warp takes more features than the fewest rounds need; dynamic
+// shared memory rows * hidden T (the rows of x) + rows * 2 * E floats (routing scratch). Every block but the shared expert's routes every
 // row (warp w routes row w, route_row: moe_route's arithmetic), then warp 0 groups the pairs by
 // expert (experts in index order, each expert's pairs in pair order; a pair's arithmetic does
 // not depend on its place) and block y takes the y-th active expert; the last y with `shared`

@@ -535,17 +535,10 @@ impl OpBuilder {
         w
     }
 
-    /// A small f32 parameter with the given values.
+    /// A small 1-D f32 parameter with the given values rounded to bf16 (exact in every target).
     pub fn param(&mut self, name: &str, values: Vec<f32>) -> BufferId {
         let n = values.len();
-        self.push(
-            name,
-            Role::Weight,
-            DType::F32,
-            vec![n],
-            None,
-            Some(values.into_iter().map(bf16).collect()),
-        )
+        self.param_f32(name, &[n], values.into_iter().map(bf16).collect())
     }
 
     /// An f32 parameter of any shape with the given values (not rounded).
