@@ -593,7 +593,8 @@ static __device__ __forceinline__ void merge_store(const AttentionDecodeParams& 
 }
 
 template <typename T, int D>
-static __device__ __forceinline__ void attention_decode_impl(const AttentionDecodeParams& dp) {
+static __device__ __forceinline__ void attention_decode_impl(const AttentionDecodeParams& dp, const int live,
+                                                             const int pos_io) {
     using namespace flashrt_dec;
     using Sh = Shape<T, D>;
     constexpr int KS = D / 16;
@@ -607,7 +608,7 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
     int len, row0 = 0, pos0;
     if (dp.slots) {
         row0 = blockIdx.z;
-        if (row0 >= flashrt::load_len(p.len)) return;
+        if (row0 >= live) return;
         len = 1;
         pos0 = __ldg(dp.rows_pos + row0);
         p.q = static_cast<const T*>(p.q) + (size_t)row0 * p.ld_q;
@@ -616,9 +617,9 @@ static __device__ __forceinline__ void attention_decode_impl(const AttentionDeco
         p.cache_k = flashrt::in_slot(p.cache_k, dp.slots, row0);
         p.cache_v = flashrt::in_slot(p.cache_v, dp.slots, row0);
     } else {
-        len = min(min(flashrt::load_len(p.len), dp.rows), MAX_ROWS);
+        len = min(min(live, dp.rows), MAX_ROWS);
         if (len <= 0) return;
-        pos0 = flashrt::load_pos(p.pos);
+        pos0 = pos_io;
     }
 
     Block b;
@@ -870,20 +871,23 @@ FLASHRT_DEC_COMBINE(f32, float)
     extern "C" __global__ void __launch_bounds__(flashrt_dec::THREADS, 1)                              \
         attention_decode_d##D##_bf16(const AttentionDecodeParams p) {                                  \
         flashrt::prefetch_l2_share(p.pf, p.pf_bytes);                                                   \
+        const int len = flashrt::load_len(p.a.len), pos = flashrt::load_pos(p.a.pos);                  \
         flashrt::pdl_enter();                                                                           \
-        attention_decode_impl<__nv_bfloat16, D>(p);                                                    \
+        attention_decode_impl<__nv_bfloat16, D>(p, len, pos);                                          \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(flashrt_dec::THREADS, 1)                              \
         attention_decode_d##D##_f16(const AttentionDecodeParams p) {                                   \
         flashrt::prefetch_l2_share(p.pf, p.pf_bytes);                                                   \
+        const int len = flashrt::load_len(p.a.len), pos = flashrt::load_pos(p.a.pos);                  \
         flashrt::pdl_enter();                                                                           \
-        attention_decode_impl<__half, D>(p);                                                           \
+        attention_decode_impl<__half, D>(p, len, pos);                                                 \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(flashrt_dec::THREADS, 1)                              \
         attention_decode_d##D##_f32(const AttentionDecodeParams p) {                                   \
         flashrt::prefetch_l2_share(p.pf, p.pf_bytes);                                                   \
+        const int len = flashrt::load_len(p.a.len), pos = flashrt::load_pos(p.a.pos);                  \
         flashrt::pdl_enter();                                                                           \
-        attention_decode_impl<float, D>(p);                                                            \
+        attention_decode_impl<float, D>(p, len, pos);                                                  \
     }
 
 FLASHRT_DEC_ENTRY(64)

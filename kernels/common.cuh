@@ -175,8 +175,9 @@ static __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // io.len is written once a step, by `io_scatter` (kernels/io.cu), the step graph's first node. A
 // PDL launch starts only after its predecessor has passed its own wait, so every grid before
 // that predecessor is complete and visible: a kernel that is never a graph's second launch (the
-// MoE block's, after a norm at least) may load len before its `pdl_wait()`, off its chain of
-// dependent loads.
+// MoE block's, after a norm at least; attention decode and the fused Gated DeltaNet decode block,
+// after a projection) may load len (and io.pos, written with it) before its `pdl_wait()`, off
+// its chain of dependent loads.
 static __device__ __forceinline__ int load_len(const int* len) { return __ldg(len); }
 static __device__ __forceinline__ int load_pos(const int* pos) { return __ldg(pos); }
 
@@ -259,6 +260,27 @@ static __device__ __forceinline__ void prefetch_l2_share(const void* p, unsigned
 // them only when it has proved every view address 16-byte aligned and every row stride and
 // width a multiple of the pack.
 namespace flashrt {
+
+// Weights a step reads once and that nothing reads again soon (a one-row MoE block's experts):
+// the L2 evicts these lines before others (`createpolicy ... evict_first`), so a stream of them
+// does not push out what a launch asked the L2 to hold for the next matmul (`prefetch_l2`).
+// Same value as ld16; built with -DMOE_EVICT_FIRST=0 it is ld16.
+#ifndef MOE_EVICT_FIRST
+#define MOE_EVICT_FIRST 1
+#endif
+static __device__ __forceinline__ uint4 ld16_evict_first(const void* p) {
+#if MOE_EVICT_FIRST && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint4 v;
+    unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(pol));
+    return v;
+#else
+    return *static_cast<const uint4*>(p);
+#endif
+}
 
 template <typename T> struct Pack16 {
     static constexpr int N = 16 / (int)sizeof(T);

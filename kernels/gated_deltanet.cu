@@ -422,10 +422,10 @@ template <typename T, int R, int NB, int MAXR> static __device__ __forceinline__
         win[m] = conv_ok && s >= 0 ? flashrt::to_f32(cst[(size_t)s * C + ch]) : 0.0f;
     }
 
+    const int live = flashrt::load_len(p.len); // before the wait too (common.cuh)
     FLASHRT_MARK(1);
     flashrt::pdl_enter();
     FLASHRT_MARK(2);
-    const int live = flashrt::load_len(p.len);
     if (q.slots && row0 >= live) return; // a batched step's padding row (the whole cluster)
     const int len = q.slots ? 1 : min(live, MAXR);
     // Activation rows from row0 on (r below counts from there).

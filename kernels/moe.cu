@@ -87,6 +87,11 @@ struct MoeParams {
     int s_inter;
     int shared;           // 1: the shared expert is fused (s_up, s_down, s_h set)
     int pad2_;
+    // Small phases' routed up launches: the next matmul's weights, asked of the L2 before the
+    // PDL wait (`prefetch_l2_share`; null / 0: none). The experts' weights stream past the L2
+    // evict-first (ld16_evict_first) so those lines stay.
+    const void* next_w;
+    unsigned long long next_bytes;
 };
 
 namespace moe {
@@ -155,7 +160,7 @@ static __device__ __forceinline__ void tile_dots_at(const T* const (&w)[W], cons
         for (int b = 0; b < B; ++b) {
             const int c = c0 + b * 32 * N;
 #pragma unroll
-            for (int v = 0; v < W; ++v) wp[v][b] = c < k ? flashrt::ld16(w[v] + c) : make_uint4(0, 0, 0, 0);
+            for (int v = 0; v < W; ++v) wp[v][b] = c < k ? flashrt::ld16_evict_first(w[v] + c) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int b = 0; b < B; ++b) {

@@ -53,7 +53,27 @@ static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p, co
             flashrt::st16(xall + (size_t)q * H + col, flashrt::ld16(static_cast<const T*>(p.x) + (size_t)q * p.ld_x + col));
         }
     FLASHRT_MARK(1);
-    if (!sh) {
+    if (!sh && len == 1) {
+        // One row: its k experts are distinct, so an expert's place among the active ones is
+        // the number of its row's picks below it, and warp 0 (which routed the row and holds
+        // its picks) plans alone, in registers: the plan the general path below makes.
+        if (warp == 0) {
+            const int x = lane < K ? sid[lane] : 0x7fffffff;
+            int less = 0;
+            for (int i = 0; i < K; ++i) less += __shfl_sync(0xffffffffu, x, i) < x;
+            if (lane < K) {
+                plist[less] = lane;
+                act_e[less] = x;
+                act_lo[less] = less;
+                act_hi[less] = less + 1;
+                if (blockIdx.x == 0 && blockIdx.y == 0) {
+                    moe::ids_of<T>(p, 0)[lane] = x;
+                    moe::weights_of<T>(p, 0)[lane] = swt[lane];
+                }
+            }
+            if (lane == 0) n_act = K;
+        }
+    } else if (!sh) {
         if (warp == 0 && lane < 8) amask[lane] = 0u;
         __syncthreads();
         const int n = len * K;
@@ -122,6 +142,7 @@ static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p, co
 // The entries load len before the PDL wait (common.cuh).
 template <typename T> static __device__ __forceinline__ void moe_up_routed_tiles_impl(const MoeParams& p) {
     const int len = flashrt::load_len(p.len);
+    flashrt::prefetch_l2_share(p.next_w, p.next_bytes);
     flashrt::pdl_enter();
     moe_up_routed_impl<T, MOE_TILE, MOE_BATCH / 2>(p, len);
 }
@@ -129,6 +150,7 @@ template <typename T> static __device__ __forceinline__ void moe_up_routed_tiles
 // (16 packs a lane in flight for hidden 2048) and fewer registers, so more blocks resident.
 template <typename T> static __device__ __forceinline__ void moe_up_routed1_impl(const MoeParams& p) {
     const int len = flashrt::load_len(p.len);
+    flashrt::prefetch_l2_share(p.next_w, p.next_bytes);
     flashrt::pdl_enter();
     moe_up_routed_impl<T, 1, 8>(p, len);
 }
@@ -180,7 +202,7 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_SHARED_PRE; ++j) {
         const int s = lane + 32 * j;
-        sw[j] = pre && c < H && s < SP ? flashrt::ld16(static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + s * N)
+        sw[j] = pre && c < H && s < SP ? flashrt::ld16_evict_first(static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + s * N)
                                        : make_uint4(0, 0, 0, 0);
     }
     const int len = flashrt::load_len(p.len); // before the wait: common.cuh
@@ -209,12 +231,12 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
                 sc[b] = 0.0f;
                 if (q < KP) {
                     const int j = q / P, col = (q % P) * N;
-                    wp[b] = flashrt::ld16(static_cast<const T*>(p.down) + ((size_t)ids[j] * H + c) * I + col);
+                    wp[b] = flashrt::ld16_evict_first(static_cast<const T*>(p.down) + ((size_t)ids[j] * H + c) * I + col);
                     hp[b] = flashrt::ld16(moe::hidden_of<T>(p, r, j) + col);
                     sc[b] = wts[j];
                 } else if (q < total) {
                     const int col = (q - KP) * N;
-                    wp[b] = flashrt::ld16(static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + col);
+                    wp[b] = flashrt::ld16_evict_first(static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + col);
                     hp[b] = flashrt::ld16(static_cast<const T*>(p.s_h) + (size_t)r * p.ld_s_h + col);
                     sc[b] = 1.0f;
                 }

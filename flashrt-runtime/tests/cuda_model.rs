@@ -1411,6 +1411,23 @@ fn moe_wide_tiles_compute_what_the_narrow_tiles_compute() {
     }
 }
 
+/// `CudaOptions::moe_prefetch` (the routed up launch asks the L2 for the next matmul's first
+/// weights before its PDL wait) moves bytes into the L2 and computes nothing: decode and verify
+/// steps of 1..5 rows give the same logits and states bit for bit with it off, at 32 MiB and
+/// asking for far more than any matrix holds (capped at the matrix: a prefetch past its end
+/// would read outside the weights).
+#[test]
+fn moe_prefetch_changes_nothing_computed() {
+    let name = "moe_prefetch_changes_nothing_computed";
+    let with = |mib: usize| CudaOptions {
+        moe_prefetch: mib << 20,
+        ..CudaOptions::default()
+    };
+    if same_bits_with(name, QWEN_MOE_LIKE, &[with(0), with(32), with(1 << 12)]) {
+        println!("moe_prefetch 0, 32 MiB and 4 GiB: bit-identical");
+    }
+}
+
 /// `CudaOptions::moe_route_in_up` (a small phase's MoE block routed and planned inside its up
 /// launch, kernels/moe_small.cu `moe_up_routed*`) computes what `moe_route` + `moe_up` compute: decode
 /// and verify steps of 1..5 rows after prefill chunks give the same logits and states bit for

@@ -312,6 +312,14 @@ pub struct CudaOptions {
     /// step 3.45 -> 3.43 on the H100 (benches/RESULTS.md, 2026-12-06 21:36 and 22:37 UTC).
     /// Default from `FLASHRT_PREFETCH_NEXT_MB` (MiB; 0 = off).
     pub prefetch_next: usize,
+    /// Bytes of the next layer's first matmul that a one-row MoE block's routed up launch
+    /// (kernels/moe_small.cu) asks of the L2 before its PDL wait: DRAM is otherwise nearly idle
+    /// while the router launch and the up launch's routing run (~10 us a layer at the
+    /// 35B-A3B shape, benches/RESULTS.md 2026-12-07), and the experts' weights stream past the
+    /// L2 with the evict-first policy (`MOE_EVICT_FIRST`) so that what was asked for is still
+    /// there when the next layer's projection reads it. None in batched steps. Default from
+    /// `FLASHRT_MOE_PREFETCH_MB` (MiB; 0 = off).
+    pub moe_prefetch: usize,
     /// Batched steps' split-KV attention decode with each (KV head, split) block running the
     /// step's rows one after another (kernels/attention_decode.cu `attention_decode_rows_d*`:
     /// a ring that streams the next row's keys while this row's key groups merge) instead of
@@ -366,6 +374,7 @@ impl Default for CudaOptions {
             gdn_prep: num("FLASHRT_GDN_PREP", 2),
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
             prefetch_next: (num("FLASHRT_PREFETCH_NEXT_MB", 16) as usize) << 20,
+            moe_prefetch: (num("FLASHRT_MOE_PREFETCH_MB", 0) as usize) << 20,
             attn_rows: on("FLASHRT_ATTN_ROWS"),
         }
     }
@@ -850,6 +859,7 @@ fn builder<'a>(
         gemv8m_max_splits: model.options.gemv8m_max_splits,
         gdn_col_blocks: model.options.gdn_col_blocks,
         prefetch_next: model.options.prefetch_next,
+        moe_prefetch: model.options.moe_prefetch,
         next_weights: std::cell::Cell::new((0, 0)),
         gemvm_part: dptr(&exec.gemvm_part),
         gdn_prep: exec

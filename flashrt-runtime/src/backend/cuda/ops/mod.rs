@@ -439,6 +439,9 @@ pub struct Builder<'a> {
     /// Bytes of the next matmul's weights a latency-bound launch before it (a Gated DeltaNet
     /// block, attention decode) asks of the L2 (`CudaOptions::prefetch_next`; 0: none).
     pub prefetch_next: usize,
+    /// Bytes of the next layer's first matmul a one-row MoE block asks of the L2
+    /// (`CudaOptions::moe_prefetch`; 0: none).
+    pub moe_prefetch: usize,
     /// What that launch asks for, set by [`Builder::program`] per op: (address, bytes), or 0s.
     pub next_weights: Cell<(u64, u64)>,
 }
@@ -779,7 +782,20 @@ impl Builder<'_> {
     /// 2026-12-06 21:36 UTC), and none in batched steps, whose Gated DeltaNet blocks stream
     /// every row's state (8 rows: 50 MB a layer) and lost time to it there.
     fn next_weights_after(&self, ops: &[Op]) -> (u64, u64) {
-        if self.prefetch_next == 0 || self.batch.is_some() {
+        if self.prefetch_next == 0 {
+            return (0, 0);
+        }
+        self.next_linear_weights(ops, |bytes| (bytes / 4).min(self.prefetch_next))
+    }
+
+    /// The first matmul's weights within a few ops after `ops[0]`, `cap(bytes)` of them; (0,
+    /// 0) in batched steps or where there is none.
+    pub(super) fn next_linear_weights(
+        &self,
+        ops: &[Op],
+        cap: impl Fn(usize) -> usize,
+    ) -> (u64, u64) {
+        if self.batch.is_some() {
             return (0, 0);
         }
         ops.iter()
@@ -788,8 +804,7 @@ impl Builder<'_> {
             .find_map(|op| match op {
                 Op::Linear { w, .. } => {
                     let b = self.buf(*w);
-                    (b.role == Role::Weight)
-                        .then(|| (self.addr(*w), (b.bytes / 4).min(self.prefetch_next) as u64))
+                    (b.role == Role::Weight).then(|| (self.addr(*w), cap(b.bytes) as u64))
                 }
                 _ => None,
             })
@@ -924,6 +939,7 @@ impl Builder<'_> {
                         act: *act,
                         norm: None,
                         shared: None,
+                        next: (0, 0),
                     },
                     rows,
                     label,

@@ -38,6 +38,8 @@ pub(super) struct MoeOp<'a> {
     /// Small phases: the RMSNorm before the block and the shared expert after it, fused.
     pub(super) norm: Option<GemvNorm>,
     pub(super) shared: Option<SharedExpert>,
+    /// Small phases: the next matmul's weights the up launch asks of the L2 (address, bytes).
+    pub(super) next: (u64, u64),
 }
 
 /// kernels/moe.cu `MoeParams`.
@@ -86,6 +88,10 @@ struct MoeParams {
     s_inter: i32,
     shared: i32,
     pad2: i32,
+    /// One-row routed up launches: the next matmul's weights to ask of the L2 before the PDL
+    /// wait (`CudaOptions::moe_prefetch`; 0, 0: none).
+    next_w: u64,
+    next_bytes: u64,
 }
 
 /// kernels/moe.cu limits.
@@ -175,6 +181,11 @@ impl Builder<'_> {
             return Ok(None);
         }
         let shared = self.shared_expert(&ops[at + 1..], x, out, *act, rows);
+        let used = at + 1 + shared.map_or(0, |s| s.ops);
+        let next = match self.moe_prefetch {
+            0 => (0, 0),
+            cap => self.next_linear_weights(&ops[used - 1..], |b| b.min(cap)),
+        };
         let m = MoeOp {
             x,
             router: *router,
@@ -188,9 +199,10 @@ impl Builder<'_> {
             act: *act,
             norm,
             shared,
+            next,
         };
         self.moe(m, rows, label, cmds)?;
-        Ok(Some(at + 1 + shared.map_or(0, |s| s.ops)))
+        Ok(Some(used))
     }
 
     /// The shared expert the lowering writes after an MoE block reading `hn` and adding to
@@ -438,6 +450,8 @@ impl Builder<'_> {
             s_inter: sh.map_or(0, |s| s.inter as i32),
             shared: sh.is_some() as i32,
             pad2: 0,
+            next_w: m.next.0,
+            next_bytes: m.next.1,
         };
         let active = e.min(rows * k) as u32;
         let rr = rows as u32;
