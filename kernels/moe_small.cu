@@ -9,7 +9,13 @@
 //   moe_down_small             the down projections and the combine, the shared expert's down
 //
 // (`CudaOptions::moe_route_in_up` off, or x too wide for shared memory: moe_route with the plan,
-// then moe_up, kernels/moe.cu, instead of moe_up_routed*.)
+// then moe_up, kernels/moe.cu, instead of moe_up_routed*.) One row with
+// `CudaOptions::moe_fuse_down`: two launches, moe_logits and moe_updown1 (moe_up_routed1's
+// blocks then doing moe_down_small's work, moe_down_fused).
+//
+// The experts' weights stream past the L2 evict-first (ld16_evict_first): a step reads each
+// once, and with the default policy they pushed out what the next launches read (35B-A3B
+// decode step 3.41 -> 3.25 ms on the H100, benches/RESULTS.md 2026-12-07 12:13).
 #include "common.cuh"
 
 // Small phases (<= 8 rows, E <= 256): the routing, the plan and the experts' up projections in
@@ -23,7 +29,10 @@
 // not depend on its place) and block y takes the y-th active expert; the last y with `shared`
 // runs the shared expert over every row from the start. Block (0, 0) stores the rows' ids and
 // weights for moe_down_small.
-template <typename T, int ROWS, int B>
+template <typename T> static __device__ __forceinline__ void moe_down_fused(const MoeParams& p, int len,
+                                                                      const int* sid, const float* swt, bool routes);
+
+template <typename T, int ROWS, int B, bool FUSE = false>
 static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p, const int len) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int keep[8][32];
@@ -112,10 +121,12 @@ static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p, co
     }
     __syncthreads();
     FLASHRT_MARK(2);
-    if (!sh && (int)blockIdx.y >= n_act) return;
-    const int e = sh ? 0 : act_e[blockIdx.y];
-    const int lo = sh ? 0 : act_lo[blockIdx.y];
-    const int hi = sh ? len : act_hi[blockIdx.y];
+    // A block past the active experts has no up work (fused: it still takes its down share).
+    const bool works = sh || (int)blockIdx.y < n_act;
+    if (!FUSE && !works) return;
+    const int e = !works || sh ? 0 : act_e[blockIdx.y];
+    const int lo = !works || sh ? 0 : act_lo[blockIdx.y];
+    const int hi = !works ? 0 : sh ? len : act_hi[blockIdx.y];
     const int I = sh ? p.s_inter : p.inter;
     for (int c = blockIdx.x * warps + warp; c < I; c += gridDim.x * warps) {
         const T* wg;
@@ -137,6 +148,7 @@ static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p, co
         if (c == blockIdx.x * warps + warp) FLASHRT_MARK(4);
     }
     FLASHRT_MARK(6);
+    if constexpr (FUSE) moe_down_fused<T>(p, len, sid, swt, !sh);
 }
 
 // The entries load len before the PDL wait (common.cuh).
@@ -155,6 +167,15 @@ template <typename T> static __device__ __forceinline__ void moe_up_routed1_impl
     moe_up_routed_impl<T, 1, 8>(p, len);
 }
 
+// One row, the down projections and the combine in the same launch (`moe_updown1`,
+// `CudaOptions::moe_fuse_down`): moe_up_routed1, then moe_down_fused.
+template <typename T> static __device__ __forceinline__ void moe_updown1_impl(const MoeParams& p) {
+    const int len = flashrt::load_len(p.len);
+    flashrt::prefetch_l2_share(p.next_w, p.next_bytes);
+    flashrt::pdl_enter();
+    moe_up_routed_impl<T, 1, 8, true>(p, len);
+}
+
 FLASHRT_ENTRY_SELF(moe_up_routed_tiles, MoeParams, 256)
 // 16-bit: at most 96 registers (94 used, none spilled; 101 unbounded) so that five 128-thread
 // blocks are resident an SM: a 35B-A3B step's 9 x 64 blocks at once, 2 features a warp. (f32,
@@ -168,6 +189,8 @@ extern "C" __global__ void __maxnreg__(96) moe_up_routed1_f16(const MoeParams p)
 extern "C" __global__ void __launch_bounds__(256) moe_up_routed1_f32(const MoeParams p) {
     moe_up_routed1_impl<float>(p);
 }
+extern "C" __global__ void __maxnreg__(96) moe_updown1_bf16(const MoeParams p) { moe_updown1_impl<__nv_bfloat16>(p); }
+extern "C" __global__ void __maxnreg__(96) moe_updown1_f16(const MoeParams p) { moe_updown1_impl<__half>(p); }
 
 // Small phases (<= 8 rows): down projection and combine in one launch. grid = ceil(hidden / 8),
 // block = 256: warp w owns output feature 8 * bx + w of every row. Its lanes walk the
@@ -260,3 +283,107 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
 }
 
 FLASHRT_ENTRY_SELF(moe_down_small, MoeParams, 256)
+
+// A 16-byte load of data another block of this launch stored (L2, past the non-coherent L1).
+static __device__ __forceinline__ uint4 ld16_cg(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+// moe_updown1's second phase: what moe_down_small computes, in the up launch's blocks. Every
+// block arrives at `p.sync[0]` once its up outputs are stored; the routing blocks' warps (which
+// hold the rows' picks in shared memory: `sid` / `swt`, row r's at r * k) take output features
+// g, g + (their count), ... and request their first feature's first round of expert weights
+// before waiting for every block, so those loads overlap the slowest blocks' up work; then
+// each feature's sum is moe_down_small's (lane-strided packs, the routed ranks' then the shared
+// expert's, one warp sum, added to out): the same terms in the same order per lane, so the
+// same bits (MOE_FUSED_BATCH packs in flight a round, 6: at 96 registers 8 spill; the rest of
+// the first feature's weights are asked of the L2 before the wait). The last block
+// to leave clears both counters for the next launch. Needs every block of the launch resident
+// at once (the host launches it only then; a block waiting here holds its SM slot).
+#ifndef MOE_FUSED_BATCH
+#define MOE_FUSED_BATCH 6
+#endif
+template <typename T>
+static __device__ __forceinline__ void moe_down_fused(const MoeParams& p, const int len, const int* sid,
+                                                      const float* swt, const bool routes) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    constexpr int N = flashrt::Pack16<T>::N;
+    const int K = p.top_k, H = p.hidden, I = p.inter;
+    const int P = I / N, SP = p.shared ? p.s_inter / N : 0;
+    const int KP = K * P, total = KP + SP;
+    const unsigned blocks = gridDim.x * gridDim.y;
+    const int rw = gridDim.x * (gridDim.y - (p.shared ? 1 : 0)) * warps;
+    const int g = (blockIdx.y * gridDim.x + blockIdx.x) * warps + warp;
+    // Pack q of feature c: a routed rank's (weight swt) or the shared expert's (weight 1).
+    auto wrow = [&](int q, int c) -> const T* {
+        if (q < KP) return static_cast<const T*>(p.down) + ((size_t)sid[q / P] * H + c) * I + (q % P) * N;
+        return static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + (q - KP) * N;
+    };
+    const int c0 = routes ? g : H;
+    uint4 wp[MOE_FUSED_BATCH];
+#pragma unroll
+    for (int b = 0; b < MOE_FUSED_BATCH; ++b) {
+        const int q = lane + 32 * b;
+        wp[b] = len == 1 && c0 < H && q < total ? flashrt::ld16_evict_first(wrow(q, c0)) : make_uint4(0, 0, 0, 0);
+    }
+    // The rest of that feature's weights asked of the L2 (a 128-byte line, 8 packs, a lane).
+    if (len == 1 && c0 < H)
+        for (int q = 32 * MOE_FUSED_BATCH + 8 * lane; q < total; q += 8 * 32)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow(q, c0)));
+    // Arrive; wait for every block's up outputs.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicAdd(&p.sync[0], 1u);
+        // (A short sleep between polls: a few hundred threads reading one L2 line in a loop.)
+        for (unsigned seen;;) {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.sync) : "memory");
+            if (seen >= blocks) break;
+            __nanosleep(32);
+        }
+    }
+    __syncthreads();
+    FLASHRT_MARK(7);
+    for (int r = 0; r < len; ++r) {
+        for (int c = c0; c < H; c += rw) {
+            float acc = 0.0f;
+            for (int q0 = lane; q0 < total; q0 += MOE_FUSED_BATCH * 32) {
+                uint4 hp[MOE_FUSED_BATCH];
+                float sc[MOE_FUSED_BATCH];
+                const bool pre = len == 1 && c == c0 && q0 == lane;
+#pragma unroll
+                for (int b = 0; b < MOE_FUSED_BATCH; ++b) {
+                    const int q = q0 + b * 32;
+                    if (!pre) wp[b] = q < total ? flashrt::ld16_evict_first(wrow(q, c)) : make_uint4(0, 0, 0, 0);
+                    hp[b] = make_uint4(0, 0, 0, 0);
+                    sc[b] = 0.0f;
+                    if (q < KP) {
+                        hp[b] = ld16_cg(moe::hidden_of<T>(p, r, q / P) + (q % P) * N);
+                        sc[b] = swt[r * K + q / P];
+                    } else if (q < total) {
+                        hp[b] = ld16_cg(static_cast<const T*>(p.s_h) + (size_t)r * p.ld_s_h + (q - KP) * N);
+                        sc[b] = 1.0f;
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < MOE_FUSED_BATCH; ++b) acc += sc[b] * moe_pack_dot<T>(wp[b], hp[b]);
+            }
+            acc = flashrt::warp_sum(acc);
+            if (lane == 0) {
+                T* o = static_cast<T*>(p.out) + (size_t)r * p.ld_out + c;
+                *o = flashrt::from_f32<T>(flashrt::to_f32(*o) + acc);
+            }
+        }
+    }
+    // Leave: the last block out clears the counters (every block has passed its wait by then).
+    if (threadIdx.x == 0 && atomicAdd(&p.sync[1], 1u) == blocks - 1) {
+        p.sync[0] = 0u;
+        p.sync[1] = 0u;
+    }
+    FLASHRT_MARK(6);
+}

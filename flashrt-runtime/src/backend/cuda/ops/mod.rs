@@ -43,6 +43,8 @@ mod gemv;
 mod linear;
 pub(super) use gated_deltanet::gdn_prep_bytes;
 pub(super) use gemv::gemvm_sync_bytes;
+/// Bytes kept for kernels/moe_small.cu `moe_updown1`'s counters (`MoeParams::sync`).
+pub(super) const MOE_SYNC_BYTES: usize = 256;
 mod mamba2;
 mod moe;
 mod norm;
@@ -442,6 +444,11 @@ pub struct Builder<'a> {
     /// Bytes of the next layer's first matmul a one-row MoE block asks of the L2
     /// (`CudaOptions::moe_prefetch`; 0: none).
     pub moe_prefetch: usize,
+    /// One-row MoE blocks in two launches, the down projections in the up launch
+    /// (`CudaOptions::moe_fuse_down`).
+    pub moe_fuse_down: bool,
+    /// The fused MoE block's two counters (zero between launches; [`MOE_SYNC_BYTES`]).
+    pub moe_sync: u64,
     /// What that launch asks for, set by [`Builder::program`] per op: (address, bytes), or 0s.
     pub next_weights: Cell<(u64, u64)>,
 }
