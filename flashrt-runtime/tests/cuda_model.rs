@@ -1428,6 +1428,22 @@ fn moe_prefetch_changes_nothing_computed() {
     }
 }
 
+/// The MoE configurations the small-phase kernels' bit-identity tests run: the
+/// Qwen3.5-MoE-like model (softmax, renormalised, gated shared expert) and, where the fixtures
+/// are, the LFM2-MoE and Nemotron-H MoE configurations (sigmoid scores, a selection bias, a
+/// scaling factor, squared-ReLU experts), with random weights.
+fn moe_models() -> Vec<(String, String)> {
+    let mut models = vec![("qwen-moe-like".to_string(), QWEN_MOE_LIKE.to_string())];
+    if let Some(dir) = fixtures_dir() {
+        for f in ["lfm2moe-public", "nemotronhmoe-public"] {
+            let json = std::fs::read_to_string(dir.join(f).join("config.json"))
+                .unwrap_or_else(|e| panic!("{f}: {e}"));
+            models.push((f.to_string(), json));
+        }
+    }
+    models
+}
+
 /// `CudaOptions::moe_fuse_down` (a one-row MoE block's down projections and combine in its up
 /// launch, kernels/moe_small.cu `moe_updown1`, the blocks meeting at a counter) computes what
 /// the separate down launch computes: decode steps and verify passes after prefill chunks give
@@ -1441,15 +1457,7 @@ fn moe_fused_down_computes_what_the_down_launch_computes() {
         moe_fuse_down,
         ..CudaOptions::default()
     };
-    let mut models = vec![("qwen-moe-like".to_string(), QWEN_MOE_LIKE.to_string())];
-    if let Some(dir) = fixtures_dir() {
-        for f in ["lfm2moe-public", "nemotronhmoe-public"] {
-            let json = std::fs::read_to_string(dir.join(f).join("config.json"))
-                .unwrap_or_else(|e| panic!("{f}: {e}"));
-            models.push((f.to_string(), json));
-        }
-    }
-    for (model, json) in &models {
+    for (model, json) in &moe_models() {
         if !same_bits_with(name, json, &[with(false), with(true)]) {
             return;
         }
@@ -1470,15 +1478,7 @@ fn moe_routing_in_the_up_launch_computes_what_moe_route_computes() {
         moe_route_in_up,
         ..CudaOptions::default()
     };
-    let mut models = vec![("qwen-moe-like".to_string(), QWEN_MOE_LIKE.to_string())];
-    if let Some(dir) = fixtures_dir() {
-        for f in ["lfm2moe-public", "nemotronhmoe-public"] {
-            let json = std::fs::read_to_string(dir.join(f).join("config.json"))
-                .unwrap_or_else(|e| panic!("{f}: {e}"));
-            models.push((f.to_string(), json));
-        }
-    }
-    for (model, json) in &models {
+    for (model, json) in &moe_models() {
         if !same_bits_with(name, json, &[with(false), with(true)]) {
             return;
         }
