@@ -317,8 +317,12 @@ pub struct CudaOptions {
     /// while the router launch and the up launch's routing run (~10 us a layer at the
     /// 35B-A3B shape, benches/RESULTS.md 2026-12-07), and the experts' weights stream past the
     /// L2 with the evict-first policy (`MOE_EVICT_FIRST`) so that what was asked for is still
-    /// there when the next layer's projection reads it. None in batched steps. Default from
-    /// `FLASHRT_MOE_PREFETCH_MB` (MiB; 0 = off).
+    /// there when the next layer's projection reads it. None in batched steps. 32 MiB: the
+    /// 35B-A3B decode step 3.25 / 3.26 -> 3.23 / 3.22 ms on the H100 (16 MiB: 3.24 / 3.24; without
+    /// the evict-first loads it costs time, 3.41 -> 3.51 / 3.49: benches/RESULTS.md 2026-12-07
+    /// 12:13). Nothing changes in what is computed (GPU test
+    /// `moe_prefetch_changes_nothing_computed`). Default from `FLASHRT_MOE_PREFETCH_MB` (MiB;
+    /// 0 = off).
     pub moe_prefetch: usize,
     /// A one-row MoE block's down projections and combine in its routed up launch
     /// (kernels/moe_small.cu `moe_updown1`): each block requests its first down weights as
@@ -382,7 +386,7 @@ impl Default for CudaOptions {
             gdn_prep: num("FLASHRT_GDN_PREP", 2),
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
             prefetch_next: (num("FLASHRT_PREFETCH_NEXT_MB", 16) as usize) << 20,
-            moe_prefetch: (num("FLASHRT_MOE_PREFETCH_MB", 0) as usize) << 20,
+            moe_prefetch: (num("FLASHRT_MOE_PREFETCH_MB", 32) as usize) << 20,
             moe_fuse_down: num("FLASHRT_MOE_FUSE_DOWN", 0) != 0,
             attn_rows: on("FLASHRT_ATTN_ROWS"),
         }
