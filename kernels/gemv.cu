@@ -124,11 +124,9 @@ static_assert(offsetof(GemvParams, part) == 112 && offsetof(GemvParams, m) == 12
 static __device__ __forceinline__ uint4 load_stream(const void* p) {
     uint4 v;
 #if GEMV_EVICT_FIRST
-    unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(pol));
+                 : "l"(p), "l"(flashrt::l2_evict_first_policy()));
 #else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)

@@ -151,29 +151,24 @@ static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p, co
     if constexpr (FUSE) moe_down_fused<T>(p, len, sid, swt, !sh);
 }
 
-// The entries load len before the PDL wait (common.cuh).
+// The routed up entries: len loaded and the next matmul's weights asked of the L2 before the
+// PDL wait (common.cuh). moe_up_routed_tiles: several rows. moe_up_routed1: one-row plans (a
+// decode step), tiles of one pair, a feature's gate and up rows loaded whole (16 packs a lane
+// in flight for hidden 2048) and fewer registers, so more blocks resident. moe_updown1: the
+// same, then the down projections and the combine in the same launch
+// (`CudaOptions::moe_fuse_down`, moe_down_fused).
+template <typename T, int ROWS, int B, bool FUSE = false>
+static __device__ __forceinline__ void moe_up_routed_entry(const MoeParams& p) {
+    const int len = flashrt::load_len(p.len);
+    flashrt::prefetch_l2_share(p.next_w, p.next_bytes);
+    flashrt::pdl_enter();
+    moe_up_routed_impl<T, ROWS, B, FUSE>(p, len);
+}
 template <typename T> static __device__ __forceinline__ void moe_up_routed_tiles_impl(const MoeParams& p) {
-    const int len = flashrt::load_len(p.len);
-    flashrt::prefetch_l2_share(p.next_w, p.next_bytes);
-    flashrt::pdl_enter();
-    moe_up_routed_impl<T, MOE_TILE, MOE_BATCH / 2>(p, len);
+    moe_up_routed_entry<T, MOE_TILE, MOE_BATCH / 2>(p);
 }
-// One-row plans (a decode step): tiles of one pair, a feature's gate and up rows loaded whole
-// (16 packs a lane in flight for hidden 2048) and fewer registers, so more blocks resident.
 template <typename T> static __device__ __forceinline__ void moe_up_routed1_impl(const MoeParams& p) {
-    const int len = flashrt::load_len(p.len);
-    flashrt::prefetch_l2_share(p.next_w, p.next_bytes);
-    flashrt::pdl_enter();
-    moe_up_routed_impl<T, 1, 8>(p, len);
-}
-
-// One row, the down projections and the combine in the same launch (`moe_updown1`,
-// `CudaOptions::moe_fuse_down`): moe_up_routed1, then moe_down_fused.
-template <typename T> static __device__ __forceinline__ void moe_updown1_impl(const MoeParams& p) {
-    const int len = flashrt::load_len(p.len);
-    flashrt::prefetch_l2_share(p.next_w, p.next_bytes);
-    flashrt::pdl_enter();
-    moe_up_routed_impl<T, 1, 8, true>(p, len);
+    moe_up_routed_entry<T, 1, 8>(p);
 }
 
 FLASHRT_ENTRY_SELF(moe_up_routed_tiles, MoeParams, 256)
@@ -189,8 +184,10 @@ extern "C" __global__ void __maxnreg__(96) moe_up_routed1_f16(const MoeParams p)
 extern "C" __global__ void __launch_bounds__(256) moe_up_routed1_f32(const MoeParams p) {
     moe_up_routed1_impl<float>(p);
 }
-extern "C" __global__ void __maxnreg__(96) moe_updown1_bf16(const MoeParams p) { moe_updown1_impl<__nv_bfloat16>(p); }
-extern "C" __global__ void __maxnreg__(96) moe_updown1_f16(const MoeParams p) { moe_updown1_impl<__half>(p); }
+extern "C" __global__ void __maxnreg__(96) moe_updown1_bf16(const MoeParams p) {
+    moe_up_routed_entry<__nv_bfloat16, 1, 8, true>(p);
+}
+extern "C" __global__ void __maxnreg__(96) moe_updown1_f16(const MoeParams p) { moe_up_routed_entry<__half, 1, 8, true>(p); }
 
 // Small phases (<= 8 rows): down projection and combine in one launch. grid = ceil(hidden / 8),
 // block = 256: warp w owns output feature 8 * bx + w of every row. Its lanes walk the
@@ -213,6 +210,22 @@ template <typename T> static __device__ __forceinline__ float moe_pack_dot(const
     for (int e = 0; e < N; ++e) d += wv[e] * hv[e];
     return d;
 }
+// Down pack q of output feature c (lane-strided over the row's k * P routed packs, rank q / P's
+// expert `ids[q / P]`, then the shared expert's): its weights, and the matching pack of row
+// r's input (the rank's hidden values, or the shared expert's).
+template <typename T>
+static __device__ __forceinline__ const T* moe_down_w(const MoeParams& p, const int* ids, int c, int q) {
+    constexpr int N = flashrt::Pack16<T>::N;
+    const int P = p.inter / N, KP = p.top_k * P;
+    if (q < KP) return static_cast<const T*>(p.down) + ((size_t)ids[q / P] * p.hidden + c) * p.inter + (q % P) * N;
+    return static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + (q - KP) * N;
+}
+template <typename T> static __device__ __forceinline__ const T* moe_down_in(const MoeParams& p, int r, int q) {
+    constexpr int N = flashrt::Pack16<T>::N;
+    const int P = p.inter / N, KP = p.top_k * P;
+    if (q < KP) return moe::hidden_of<T>(p, r, q / P) + (q % P) * N;
+    return static_cast<const T*>(p.s_h) + (size_t)r * p.ld_s_h + (q - KP) * N;
+}
 template <typename T> static __device__ __forceinline__ void moe_down_small_impl(const MoeParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int c = blockIdx.x * (blockDim.x >> 5) + warp;
@@ -225,7 +238,7 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
 #pragma unroll
     for (int j = 0; j < MOE_DOWN_SHARED_PRE; ++j) {
         const int s = lane + 32 * j;
-        sw[j] = pre && c < H && s < SP ? flashrt::ld16_evict_first(static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + s * N)
+        sw[j] = pre && c < H && s < SP ? flashrt::ld16_evict_first(moe_down_w<T>(p, nullptr, c, KP + s))
                                        : make_uint4(0, 0, 0, 0);
     }
     const int len = flashrt::load_len(p.len); // before the wait: common.cuh
@@ -240,8 +253,7 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
 #pragma unroll
         for (int j = 0; j < MOE_DOWN_SHARED_PRE; ++j) {
             const int s = lane + 32 * j;
-            sh[j] = pre && s < SP ? flashrt::ld16(static_cast<const T*>(p.s_h) + (size_t)r * p.ld_s_h + s * N)
-                                  : make_uint4(0, 0, 0, 0);
+            sh[j] = pre && s < SP ? flashrt::ld16(moe_down_in<T>(p, r, KP + s)) : make_uint4(0, 0, 0, 0);
         }
         float acc = 0.0f;
         for (int q0 = lane; q0 < total; q0 += MOE_BATCH * 32) {
@@ -252,16 +264,10 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
                 const int q = q0 + b * 32;
                 wp[b] = hp[b] = make_uint4(0, 0, 0, 0);
                 sc[b] = 0.0f;
-                if (q < KP) {
-                    const int j = q / P, col = (q % P) * N;
-                    wp[b] = flashrt::ld16_evict_first(static_cast<const T*>(p.down) + ((size_t)ids[j] * H + c) * I + col);
-                    hp[b] = flashrt::ld16(moe::hidden_of<T>(p, r, j) + col);
-                    sc[b] = wts[j];
-                } else if (q < total) {
-                    const int col = (q - KP) * N;
-                    wp[b] = flashrt::ld16_evict_first(static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + col);
-                    hp[b] = flashrt::ld16(static_cast<const T*>(p.s_h) + (size_t)r * p.ld_s_h + col);
-                    sc[b] = 1.0f;
+                if (q < total) {
+                    wp[b] = flashrt::ld16_evict_first(moe_down_w<T>(p, ids, c, q));
+                    hp[b] = flashrt::ld16(moe_down_in<T>(p, r, q));
+                    sc[b] = q < KP ? wts[q / P] : 1.0f;
                 }
             }
 #pragma unroll
@@ -319,22 +325,18 @@ static __device__ __forceinline__ void moe_down_fused(const MoeParams& p, const 
     const unsigned blocks = gridDim.x * gridDim.y;
     const int rw = gridDim.x * (gridDim.y - (p.shared ? 1 : 0)) * warps;
     const int g = (blockIdx.y * gridDim.x + blockIdx.x) * warps + warp;
-    // Pack q of feature c: a routed rank's (weight swt) or the shared expert's (weight 1).
-    auto wrow = [&](int q, int c) -> const T* {
-        if (q < KP) return static_cast<const T*>(p.down) + ((size_t)sid[q / P] * H + c) * I + (q % P) * N;
-        return static_cast<const T*>(p.s_down) + (size_t)c * p.s_inter + (q - KP) * N;
-    };
     const int c0 = routes ? g : H;
     uint4 wp[MOE_FUSED_BATCH];
 #pragma unroll
     for (int b = 0; b < MOE_FUSED_BATCH; ++b) {
         const int q = lane + 32 * b;
-        wp[b] = len == 1 && c0 < H && q < total ? flashrt::ld16_evict_first(wrow(q, c0)) : make_uint4(0, 0, 0, 0);
+        wp[b] = len == 1 && c0 < H && q < total ? flashrt::ld16_evict_first(moe_down_w<T>(p, sid, c0, q))
+                                                : make_uint4(0, 0, 0, 0);
     }
     // The rest of that feature's weights asked of the L2 (a 128-byte line, 8 packs, a lane).
     if (len == 1 && c0 < H)
         for (int q = 32 * MOE_FUSED_BATCH + 8 * lane; q < total; q += 8 * 32)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(wrow(q, c0)));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(moe_down_w<T>(p, sid, c0, q)));
     // Arrive; wait for every block's up outputs.
     __threadfence();
     __syncthreads();
@@ -359,16 +361,11 @@ static __device__ __forceinline__ void moe_down_fused(const MoeParams& p, const 
 #pragma unroll
                 for (int b = 0; b < MOE_FUSED_BATCH; ++b) {
                     const int q = q0 + b * 32;
-                    if (!pre) wp[b] = q < total ? flashrt::ld16_evict_first(wrow(q, c)) : make_uint4(0, 0, 0, 0);
-                    hp[b] = make_uint4(0, 0, 0, 0);
-                    sc[b] = 0.0f;
-                    if (q < KP) {
-                        hp[b] = ld16_cg(moe::hidden_of<T>(p, r, q / P) + (q % P) * N);
-                        sc[b] = swt[r * K + q / P];
-                    } else if (q < total) {
-                        hp[b] = ld16_cg(static_cast<const T*>(p.s_h) + (size_t)r * p.ld_s_h + (q - KP) * N);
-                        sc[b] = 1.0f;
-                    }
+                    if (!pre)
+                        wp[b] = q < total ? flashrt::ld16_evict_first(moe_down_w<T>(p, sid + r * K, c, q))
+                                          : make_uint4(0, 0, 0, 0);
+                    hp[b] = q < total ? ld16_cg(moe_down_in<T>(p, r, q)) : make_uint4(0, 0, 0, 0);
+                    sc[b] = q < KP ? swt[r * K + q / P] : q < total ? 1.0f : 0.0f;
                 }
 #pragma unroll
                 for (int b = 0; b < MOE_FUSED_BATCH; ++b) acc += sc[b] * moe_pack_dot<T>(wp[b], hp[b]);

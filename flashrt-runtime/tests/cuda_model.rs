@@ -1444,6 +1444,17 @@ fn moe_models() -> Vec<(String, String)> {
     models
 }
 
+/// [`same_bits_with`] of options `off` and `on` (the option `what`) on every [`moe_models`]
+/// configuration.
+fn same_bits_on_moe_models(name: &str, what: &str, off: CudaOptions, on: CudaOptions) {
+    for (model, json) in &moe_models() {
+        if !same_bits_with(name, json, &[off, on]) {
+            return;
+        }
+        println!("{model}: {what} on and off bit-identical");
+    }
+}
+
 /// `CudaOptions::moe_fuse_down` (a one-row MoE block's down projections and combine in its up
 /// launch, kernels/moe_small.cu `moe_updown1`, the blocks meeting at a counter) computes what
 /// the separate down launch computes: decode steps and verify passes after prefill chunks give
@@ -1457,12 +1468,7 @@ fn moe_fused_down_computes_what_the_down_launch_computes() {
         moe_fuse_down,
         ..CudaOptions::default()
     };
-    for (model, json) in &moe_models() {
-        if !same_bits_with(name, json, &[with(false), with(true)]) {
-            return;
-        }
-        println!("{model}: moe_fuse_down on and off bit-identical");
-    }
+    same_bits_on_moe_models(name, "moe_fuse_down", with(false), with(true));
 }
 
 /// `CudaOptions::moe_route_in_up` (a small phase's MoE block routed and planned inside its up
@@ -1478,12 +1484,7 @@ fn moe_routing_in_the_up_launch_computes_what_moe_route_computes() {
         moe_route_in_up,
         ..CudaOptions::default()
     };
-    for (model, json) in &moe_models() {
-        if !same_bits_with(name, json, &[with(false), with(true)]) {
-            return;
-        }
-        println!("{model}: moe_route_in_up on and off bit-identical");
-    }
+    same_bits_on_moe_models(name, "moe_route_in_up", with(false), with(true));
 }
 
 /// `CudaOptions::qk_prep` (an attention layer's query / gate split, q and k norms, rotary

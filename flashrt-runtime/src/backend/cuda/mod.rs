@@ -876,7 +876,6 @@ fn builder<'a>(
         moe_prefetch: model.options.moe_prefetch,
         next_weights: std::cell::Cell::new((0, 0)),
         gemvm_part: dptr(&exec.gemvm_part),
-        moe_sync: dptr(&exec.gemvm_part) + ops::gemvm_sync_bytes(model.sms) as u64,
         moe_fuse_down: model.options.moe_fuse_down,
         gdn_prep: exec
             .gdn_prep

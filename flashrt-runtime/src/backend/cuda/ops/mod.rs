@@ -447,8 +447,6 @@ pub struct Builder<'a> {
     /// One-row MoE blocks in two launches, the down projections in the up launch
     /// (`CudaOptions::moe_fuse_down`).
     pub moe_fuse_down: bool,
-    /// The fused MoE block's two counters (zero between launches; [`MOE_SYNC_BYTES`]).
-    pub moe_sync: u64,
     /// What that launch asks for, set by [`Builder::program`] per op: (address, bytes), or 0s.
     pub next_weights: Cell<(u64, u64)>,
 }
@@ -788,6 +786,15 @@ impl Builder<'_> {
     /// with its own loads: the 35B-A3B shape's 16.8 MB out_proj, benches/RESULTS.md
     /// 2026-12-06 21:36 UTC), and none in batched steps, whose Gated DeltaNet blocks stream
     /// every row's state (8 rows: 50 MB a layer) and lost time to it there.
+    /// The fused MoE block's two counters: the [`MOE_SYNC_BYTES`] after the gemv shares in the
+    /// same zeroed allocation (exec.rs), 0 without one.
+    pub(super) fn moe_sync(&self) -> u64 {
+        match self.gemvm_part {
+            0 => 0,
+            a => a + gemvm_sync_bytes(self.sms) as u64,
+        }
+    }
+
     fn next_weights_after(&self, ops: &[Op]) -> (u64, u64) {
         if self.prefetch_next == 0 {
             return (0, 0);

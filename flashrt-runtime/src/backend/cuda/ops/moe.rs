@@ -92,7 +92,7 @@ struct MoeParams {
     /// wait (`CudaOptions::moe_prefetch`; 0, 0: none).
     next_w: u64,
     next_bytes: u64,
-    /// `moe_updown1`: two zeroed counters (`Builder::moe_sync`).
+    /// `moe_updown1`: two zeroed counters (`Builder::moe_sync()`).
     sync: u64,
 }
 
@@ -454,7 +454,7 @@ impl Builder<'_> {
             pad2: 0,
             next_w: m.next.0,
             next_bytes: m.next.1,
-            sync: self.moe_sync,
+            sync: self.moe_sync(),
         };
         let active = e.min(rows * k) as u32;
         let rr = rows as u32;
@@ -626,7 +626,7 @@ impl Builder<'_> {
             // ... with the down projections in the same launch (`moe_fuse_down`), where every
             // block of it can be resident at once (its blocks wait for each other).
             let mut fused = false;
-            if routed && rows == 1 && self.moe_fuse_down && self.moe_sync != 0 {
+            if routed && rows == 1 && self.moe_fuse_down && self.moe_sync() != 0 {
                 let f = self.kernels.typed("moe_updown1", t)?;
                 self.allow_smem(label, f, smem)?;
                 let per_sm = f
