@@ -116,22 +116,11 @@ struct GemvParams {
 static_assert(offsetof(GemvParams, part) == 112 && offsetof(GemvParams, m) == 120 && sizeof(GemvMat) == 40,
               "GemvParams layout changed: update ops/gemv.rs and these offsets");
 
-// -DGEMV_EVICT_FIRST=1: the weights past the L2 evict-first (as the MoE experts', common.cuh
-// ld16_evict_first), a measuring build.
-#ifndef GEMV_EVICT_FIRST
-#define GEMV_EVICT_FIRST 0
-#endif
 static __device__ __forceinline__ uint4 load_stream(const void* p) {
     uint4 v;
-#if GEMV_EVICT_FIRST
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(flashrt::l2_evict_first_policy()));
-#else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
-#endif
     return v;
 }
 

@@ -92,8 +92,6 @@ struct MoeParams {
     // evict-first (ld16_evict_first) so those lines stay.
     const void* next_w;
     unsigned long long next_bytes;
-    // moe_updown1: two counters, zero between launches (the launch's last block clears them).
-    unsigned* sync;
 };
 
 namespace moe {

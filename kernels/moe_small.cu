@@ -9,9 +9,9 @@
 //   moe_down_small             the down projections and the combine, the shared expert's down
 //
 // (`CudaOptions::moe_route_in_up` off, or x too wide for shared memory: moe_route with the plan,
-// then moe_up, kernels/moe.cu, instead of moe_up_routed*.) One row with
-// `CudaOptions::moe_fuse_down`: two launches, moe_logits and moe_updown1 (moe_up_routed1's
-// blocks then doing moe_down_small's work, moe_down_fused).
+// then moe_up, kernels/moe.cu, instead of moe_up_routed*.) (Doing the down projections in the
+// up launch's blocks after they meet at a counter, `moe_updown1`, was measured slower: 3.83
+// against 3.30 ms a 35B-A3B step on the H100, benches/RESULTS.md 2026-12-07 15:00; removed.)
 //
 // The experts' weights stream past the L2 evict-first (ld16_evict_first): a step reads each
 // once, and with the default policy they pushed out what the next launches read (35B-A3B
@@ -29,10 +29,7 @@
 // not depend on its place) and block y takes the y-th active expert; the last y with `shared`
 // runs the shared expert over every row from the start. Block (0, 0) stores the rows' ids and
 // weights for moe_down_small.
-template <typename T> static __device__ __forceinline__ void moe_down_fused(const MoeParams& p, int len,
-                                                                      const int* sid, const float* swt, bool routes);
-
-template <typename T, int ROWS, int B, bool FUSE = false>
+template <typename T, int ROWS, int B>
 static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p, const int len) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ int keep[8][32];
@@ -121,12 +118,10 @@ static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p, co
     }
     __syncthreads();
     FLASHRT_MARK(2);
-    // A block past the active experts has no up work (fused: it still takes its down share).
-    const bool works = sh || (int)blockIdx.y < n_act;
-    if (!FUSE && !works) return;
-    const int e = !works || sh ? 0 : act_e[blockIdx.y];
-    const int lo = !works || sh ? 0 : act_lo[blockIdx.y];
-    const int hi = !works ? 0 : sh ? len : act_hi[blockIdx.y];
+    if (!sh && (int)blockIdx.y >= n_act) return;
+    const int e = sh ? 0 : act_e[blockIdx.y];
+    const int lo = sh ? 0 : act_lo[blockIdx.y];
+    const int hi = sh ? len : act_hi[blockIdx.y];
     const int I = sh ? p.s_inter : p.inter;
     for (int c = blockIdx.x * warps + warp; c < I; c += gridDim.x * warps) {
         const T* wg;
@@ -148,21 +143,18 @@ static __device__ __forceinline__ void moe_up_routed_impl(const MoeParams& p, co
         if (c == blockIdx.x * warps + warp) FLASHRT_MARK(4);
     }
     FLASHRT_MARK(6);
-    if constexpr (FUSE) moe_down_fused<T>(p, len, sid, swt, !sh);
 }
 
 // The routed up entries: len loaded and the next matmul's weights asked of the L2 before the
 // PDL wait (common.cuh). moe_up_routed_tiles: several rows. moe_up_routed1: one-row plans (a
 // decode step), tiles of one pair, a feature's gate and up rows loaded whole (16 packs a lane
-// in flight for hidden 2048) and fewer registers, so more blocks resident. moe_updown1: the
-// same, then the down projections and the combine in the same launch
-// (`CudaOptions::moe_fuse_down`, moe_down_fused).
-template <typename T, int ROWS, int B, bool FUSE = false>
+// in flight for hidden 2048) and fewer registers, so more blocks resident.
+template <typename T, int ROWS, int B>
 static __device__ __forceinline__ void moe_up_routed_entry(const MoeParams& p) {
     const int len = flashrt::load_len(p.len);
     flashrt::prefetch_l2_share(p.next_w, p.next_bytes);
     flashrt::pdl_enter();
-    moe_up_routed_impl<T, ROWS, B, FUSE>(p, len);
+    moe_up_routed_impl<T, ROWS, B>(p, len);
 }
 template <typename T> static __device__ __forceinline__ void moe_up_routed_tiles_impl(const MoeParams& p) {
     moe_up_routed_entry<T, MOE_TILE, MOE_BATCH / 2>(p);
@@ -184,10 +176,6 @@ extern "C" __global__ void __maxnreg__(96) moe_up_routed1_f16(const MoeParams p)
 extern "C" __global__ void __launch_bounds__(256) moe_up_routed1_f32(const MoeParams p) {
     moe_up_routed1_impl<float>(p);
 }
-extern "C" __global__ void __maxnreg__(96) moe_updown1_bf16(const MoeParams p) {
-    moe_up_routed_entry<__nv_bfloat16, 1, 8, true>(p);
-}
-extern "C" __global__ void __maxnreg__(96) moe_updown1_f16(const MoeParams p) { moe_up_routed_entry<__half, 1, 8, true>(p); }
 
 // Small phases (<= 8 rows): down projection and combine in one launch. grid = ceil(hidden / 8),
 // block = 256: warp w owns output feature 8 * bx + w of every row. Its lanes walk the
@@ -289,98 +277,3 @@ template <typename T> static __device__ __forceinline__ void moe_down_small_impl
 }
 
 FLASHRT_ENTRY_SELF(moe_down_small, MoeParams, 256)
-
-// A 16-byte load of data another block of this launch stored (L2, past the non-coherent L1).
-static __device__ __forceinline__ uint4 ld16_cg(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
-
-// moe_updown1's second phase: what moe_down_small computes, in the up launch's blocks. Every
-// block arrives at `p.sync[0]` once its up outputs are stored; the routing blocks' warps (which
-// hold the rows' picks in shared memory: `sid` / `swt`, row r's at r * k) take output features
-// g, g + (their count), ... and request their first feature's first round of expert weights
-// before waiting for every block, so those loads overlap the slowest blocks' up work; then
-// each feature's sum is moe_down_small's (lane-strided packs, the routed ranks' then the shared
-// expert's, one warp sum, added to out): the same terms in the same order per lane, so the
-// same bits (MOE_FUSED_BATCH packs in flight a round, 6: at 96 registers 8 spill; the rest of
-// the first feature's weights are asked of the L2 before the wait). The last block
-// to leave clears both counters for the next launch. Needs every block of the launch resident
-// at once (the host launches it only then; a block waiting here holds its SM slot).
-#ifndef MOE_FUSED_BATCH
-#define MOE_FUSED_BATCH 6
-#endif
-template <typename T>
-static __device__ __forceinline__ void moe_down_fused(const MoeParams& p, const int len, const int* sid,
-                                                      const float* swt, const bool routes) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    constexpr int N = flashrt::Pack16<T>::N;
-    const int K = p.top_k, H = p.hidden, I = p.inter;
-    const int P = I / N, SP = p.shared ? p.s_inter / N : 0;
-    const int KP = K * P, total = KP + SP;
-    const unsigned blocks = gridDim.x * gridDim.y;
-    const int rw = gridDim.x * (gridDim.y - (p.shared ? 1 : 0)) * warps;
-    const int g = (blockIdx.y * gridDim.x + blockIdx.x) * warps + warp;
-    const int c0 = routes ? g : H;
-    uint4 wp[MOE_FUSED_BATCH];
-#pragma unroll
-    for (int b = 0; b < MOE_FUSED_BATCH; ++b) {
-        const int q = lane + 32 * b;
-        wp[b] = len == 1 && c0 < H && q < total ? flashrt::ld16_evict_first(moe_down_w<T>(p, sid, c0, q))
-                                                : make_uint4(0, 0, 0, 0);
-    }
-    // The rest of that feature's weights asked of the L2 (a 128-byte line, 8 packs, a lane).
-    if (len == 1 && c0 < H)
-        for (int q = 32 * MOE_FUSED_BATCH + 8 * lane; q < total; q += 8 * 32)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(moe_down_w<T>(p, sid, c0, q)));
-    // Arrive; wait for every block's up outputs.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        atomicAdd(&p.sync[0], 1u);
-        // (A short sleep between polls: a few hundred threads reading one L2 line in a loop.)
-        for (unsigned seen;;) {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p.sync) : "memory");
-            if (seen >= blocks) break;
-            __nanosleep(32);
-        }
-    }
-    __syncthreads();
-    FLASHRT_MARK(7);
-    for (int r = 0; r < len; ++r) {
-        for (int c = c0; c < H; c += rw) {
-            float acc = 0.0f;
-            for (int q0 = lane; q0 < total; q0 += MOE_FUSED_BATCH * 32) {
-                uint4 hp[MOE_FUSED_BATCH];
-                float sc[MOE_FUSED_BATCH];
-                const bool pre = len == 1 && c == c0 && q0 == lane;
-#pragma unroll
-                for (int b = 0; b < MOE_FUSED_BATCH; ++b) {
-                    const int q = q0 + b * 32;
-                    if (!pre)
-                        wp[b] = q < total ? flashrt::ld16_evict_first(moe_down_w<T>(p, sid + r * K, c, q))
-                                          : make_uint4(0, 0, 0, 0);
-                    hp[b] = q < total ? ld16_cg(moe_down_in<T>(p, r, q)) : make_uint4(0, 0, 0, 0);
-                    sc[b] = q < KP ? swt[r * K + q / P] : q < total ? 1.0f : 0.0f;
-                }
-#pragma unroll
-                for (int b = 0; b < MOE_FUSED_BATCH; ++b) acc += sc[b] * moe_pack_dot<T>(wp[b], hp[b]);
-            }
-            acc = flashrt::warp_sum(acc);
-            if (lane == 0) {
-                T* o = static_cast<T*>(p.out) + (size_t)r * p.ld_out + c;
-                *o = flashrt::from_f32<T>(flashrt::to_f32(*o) + acc);
-            }
-        }
-    }
-    // Leave: the last block out clears the counters (every block has passed its wait by then).
-    if (threadIdx.x == 0 && atomicAdd(&p.sync[1], 1u) == blocks - 1) {
-        p.sync[0] = 0u;
-        p.sync[1] = 0u;
-    }
-    FLASHRT_MARK(6);
-}

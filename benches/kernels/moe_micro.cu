@@ -16,9 +16,7 @@
 // plain read of as many bytes takes at the bandwidth measured here, and a hash of every output
 // (`bits`), so a kernel variant built with -D flags can be checked for the same bits. Built
 // with -DFLASHRT_PROBE (benches/kernels/micro.cuh), each kind is also launched once alone with
-// per-warp phase stamps (median / last warp, us after the first warp's start). Then the fused
-// block (`moe_updown1`, `CudaOptions::moe_fuse_down`: up and down in one launch), its `fused
-// bits` (equal to `bits`) and its chain (MB_FUSE=0: not run).
+// per-warp phase stamps (median / last warp, us after the first warp's start).
 //
 //   NV="nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I kernels"
 //   $NV -o moe_micro benches/kernels/moe_micro.cu        (-DFLASHRT_PROBE: the stamps)
@@ -278,34 +276,6 @@ int main() {
            b_up / 1e6);
     printf("  down alone                        %8.2f us           floor %6.2f us (%.1f MB)\n", t_down,
            floor_us(b_down), b_down / 1e6);
-
-    // The fused block (moe_updown1: the down projections in the up launch's blocks, which meet
-    // at a counter; `CudaOptions::moe_fuse_down`), where the whole launch is resident at once:
-    // its bits (outputs zeroed first, every output hashed as above) and its chain.
-    int fuse_sm = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fuse_sm, moe_updown1_bf16, up_threads, up_smem));
-    if (env_int("MB_FUSE", 1) && fuse_sm * sms >= (int)(xs * ys)) {
-        unsigned* sync = dalloc<unsigned>(64);
-        CK(cudaMemset(sync, 0, 64 * sizeof(unsigned)));
-        std::vector<MoeParams> pf(ps.begin(), ps.end());
-        for (auto& q : pf) q.sync = sync;
-        Launch fl{moe_updown1_bf16, dim3(xs, ys), (unsigned)up_threads, up_smem};
-        for (int l = 0; l < layers; ++l) CK(cudaMemset(outs[l], 0, H * 2));
-        for (int l = 0; l < layers; ++l) {
-            launch(logits, pf[l]);
-            launch(fl, pf[l]);
-        }
-        CK(cudaDeviceSynchronize());
-        const unsigned long long hf = hash_all();
-        const double fused = timed([&] {
-            for (int l = 0; l < layers; ++l) {
-                launch(logits, pf[l]);
-                launch(fl, pf[l]);
-            }
-        });
-        printf("fused bits %016llx (%s)\nfused chain (logits, up + down)     %8.2f us a layer\n", hf,
-               hf == h ? "same" : "DIFFERENT", fused);
-    }
 
 #ifdef FLASHRT_PROBE
     // Each kind once alone (its inputs from the chain above), every warp's phases.

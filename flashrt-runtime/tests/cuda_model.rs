@@ -1455,22 +1455,6 @@ fn same_bits_on_moe_models(name: &str, what: &str, off: CudaOptions, on: CudaOpt
     }
 }
 
-/// `CudaOptions::moe_fuse_down` (a one-row MoE block's down projections and combine in its up
-/// launch, kernels/moe_small.cu `moe_updown1`, the blocks meeting at a counter) computes what
-/// the separate down launch computes: decode steps and verify passes after prefill chunks give
-/// the same logits and states bit for bit, on the Qwen3.5-MoE-like model (gated shared expert)
-/// and the LFM2-MoE and Nemotron-H MoE fixtures' configurations with random weights; and the
-/// counters are left at zero for the next launch (every later step would hang otherwise).
-#[test]
-fn moe_fused_down_computes_what_the_down_launch_computes() {
-    let name = "moe_fused_down_computes_what_the_down_launch_computes";
-    let with = |moe_fuse_down| CudaOptions {
-        moe_fuse_down,
-        ..CudaOptions::default()
-    };
-    same_bits_on_moe_models(name, "moe_fuse_down", with(false), with(true));
-}
-
 /// `CudaOptions::moe_route_in_up` (a small phase's MoE block routed and planned inside its up
 /// launch, kernels/moe_small.cu `moe_up_routed*`) computes what `moe_route` + `moe_up` compute: decode
 /// and verify steps of 1..5 rows after prefill chunks give the same logits and states bit for

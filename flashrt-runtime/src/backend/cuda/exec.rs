@@ -43,8 +43,7 @@ pub(super) struct Exec {
     pub io_base: u64,
     /// The device sampler's workspace (kernels/sample.cu), for rows of the model's vocabulary.
     pub sample_ws: CudaSlice<u8>,
-    /// The tensor-core gemv's split-tile shares (ops::gemvm_sync_bytes), then the fused MoE
-    /// block's counters (ops::MOE_SYNC_BYTES).
+    /// The tensor-core gemv's split-tile shares (ops::gemvm_sync_bytes).
     pub gemvm_part: CudaSlice<u8>,
     /// The chunked Gated DeltaNet kernel's chunk records (`CudaOptions::gdn_prep`).
     pub gdn_prep: Option<CudaSlice<u8>>,
@@ -103,11 +102,10 @@ impl Exec {
             super::sample::workspace_bytes(model.compiled.ir.vocab),
             "sampler workspace",
         )?;
-        // The MoE block's counters (ops::MOE_SYNC_BYTES) after the shares.
         let gemvm_part = alloc_zeroed(
             &stream,
-            ops::gemvm_sync_bytes(model.sms) + ops::MOE_SYNC_BYTES,
-            "gemv split-tile shares and MoE block counters",
+            ops::gemvm_sync_bytes(model.sms),
+            "gemv split-tile shares",
         )?;
         let gdn_prep = match model.gdn_prep_bytes() {
             0 => None,

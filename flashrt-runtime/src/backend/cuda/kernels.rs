@@ -84,7 +84,6 @@ const PER_DTYPE: &[&str] = &[
 /// Kernels whose entry points are `<name>_<dtype>` for the 16-bit dtypes only (tensor-core
 /// kernels: bf16 and f16; f32 targets use the CUDA-core kernels).
 const PER_HALF_DTYPE: &[&str] = &[
-    "moe_updown1",
     "attention_prefill_d64",
     "attention_prefill_d128",
     "attention_prefill_d256",

@@ -324,14 +324,6 @@ pub struct CudaOptions {
     /// `moe_prefetch_changes_nothing_computed`). Default from `FLASHRT_MOE_PREFETCH_MB` (MiB;
     /// 0 = off).
     pub moe_prefetch: usize,
-    /// A one-row MoE block's down projections and combine in its routed up launch
-    /// (kernels/moe_small.cu `moe_updown1`): each block requests its first down weights as
-    /// soon as its up work is done and waits for the others at a counter, instead of a third
-    /// launch starting after the slowest up block. Taken only where every block of the launch
-    /// fits on the device at once. The same sums (GPU test
-    /// `moe_fused_down_computes_what_the_down_launch_computes`). Default from
-    /// `FLASHRT_MOE_FUSE_DOWN` (0 = off).
-    pub moe_fuse_down: bool,
     /// Batched steps' split-KV attention decode with each (KV head, split) block running the
     /// step's rows one after another (kernels/attention_decode.cu `attention_decode_rows_d*`:
     /// a ring that streams the next row's keys while this row's key groups merge) instead of
@@ -387,7 +379,6 @@ impl Default for CudaOptions {
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
             prefetch_next: (num("FLASHRT_PREFETCH_NEXT_MB", 16) as usize) << 20,
             moe_prefetch: (num("FLASHRT_MOE_PREFETCH_MB", 32) as usize) << 20,
-            moe_fuse_down: num("FLASHRT_MOE_FUSE_DOWN", 0) != 0,
             attn_rows: on("FLASHRT_ATTN_ROWS"),
         }
     }
@@ -823,7 +814,6 @@ impl DeviceModel for CudaModel {
             + c
             + sample::workspace_bytes(self.inner.compiled.ir.vocab)
             + ops::gemvm_sync_bytes(self.inner.sms)
-            + ops::MOE_SYNC_BYTES
             + self.inner.row_area_bytes()
             + self.inner.gdn_prep_bytes()
     }
@@ -876,7 +866,6 @@ fn builder<'a>(
         moe_prefetch: model.options.moe_prefetch,
         next_weights: std::cell::Cell::new((0, 0)),
         gemvm_part: dptr(&exec.gemvm_part),
-        moe_fuse_down: model.options.moe_fuse_down,
         gdn_prep: exec
             .gdn_prep
             .as_ref()

@@ -43,8 +43,6 @@ mod gemv;
 mod linear;
 pub(super) use gated_deltanet::gdn_prep_bytes;
 pub(super) use gemv::gemvm_sync_bytes;
-/// Bytes kept for kernels/moe_small.cu `moe_updown1`'s counters (`MoeParams::sync`).
-pub(super) const MOE_SYNC_BYTES: usize = 256;
 mod mamba2;
 mod moe;
 mod norm;
@@ -444,9 +442,6 @@ pub struct Builder<'a> {
     /// Bytes of the next layer's first matmul a one-row MoE block asks of the L2
     /// (`CudaOptions::moe_prefetch`; 0: none).
     pub moe_prefetch: usize,
-    /// One-row MoE blocks in two launches, the down projections in the up launch
-    /// (`CudaOptions::moe_fuse_down`).
-    pub moe_fuse_down: bool,
     /// What that launch asks for, set by [`Builder::program`] per op: (address, bytes), or 0s.
     pub next_weights: Cell<(u64, u64)>,
 }
@@ -786,15 +781,6 @@ impl Builder<'_> {
     /// with its own loads: the 35B-A3B shape's 16.8 MB out_proj, benches/RESULTS.md
     /// 2026-12-06 21:36 UTC), and none in batched steps, whose Gated DeltaNet blocks stream
     /// every row's state (8 rows: 50 MB a layer) and lost time to it there.
-    /// The fused MoE block's two counters: the [`MOE_SYNC_BYTES`] after the gemv shares in the
-    /// same zeroed allocation (exec.rs), 0 without one.
-    pub(super) fn moe_sync(&self) -> u64 {
-        match self.gemvm_part {
-            0 => 0,
-            a => a + gemvm_sync_bytes(self.sms) as u64,
-        }
-    }
-
     fn next_weights_after(&self, ops: &[Op]) -> (u64, u64) {
         if self.prefetch_next == 0 {
             return (0, 0);

@@ -92,8 +92,6 @@ struct MoeParams {
     /// wait (`CudaOptions::moe_prefetch`; 0, 0: none).
     next_w: u64,
     next_bytes: u64,
-    /// `moe_updown1`: two zeroed counters (`Builder::moe_sync()`).
-    sync: u64,
 }
 
 /// kernels/moe.cu limits.
@@ -454,7 +452,6 @@ impl Builder<'_> {
             pad2: 0,
             next_w: m.next.0,
             next_bytes: m.next.1,
-            sync: self.moe_sync(),
         };
         let active = e.min(rows * k) as u32;
         let rr = rows as u32;
@@ -618,25 +615,11 @@ impl Builder<'_> {
             } else {
                 ("moe_up", (MOE_TILE * h * t.size()) as u32)
             };
-            let mut func = self.kernels.typed(name, t)?;
+            let func = self.kernels.typed(name, t)?;
             // One-row routed launches: 128-thread blocks (5 resident an SM with the kernel's
             // 96 registers, where 256-thread ones fit 2: 35B-A3B's 512 features get 2 a warp,
             // not 2 or 3).
             let threads = if routed && rows == 1 { 128 } else { 256 };
-            // ... with the down projections in the same launch (`moe_fuse_down`), where every
-            // block of it can be resident at once (its blocks wait for each other).
-            let mut fused = false;
-            if routed && rows == 1 && self.moe_fuse_down && self.moe_sync() != 0 {
-                let f = self.kernels.typed("moe_updown1", t)?;
-                self.allow_smem(label, f, smem)?;
-                let per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-                    .unwrap_or(0);
-                if per_sm as usize * self.sms >= ys as usize {
-                    func = f;
-                    fused = true;
-                }
-            }
             if routed {
                 // As many blocks as are resident (the warps stride over the features): every
                 // block routes once, none waits for a second wave. Then as few columns as
@@ -653,20 +636,13 @@ impl Builder<'_> {
                 xs = ceil_div(feats, warps * rounds);
             }
             cmds.push(self.kernel_smem(
-                &if fused {
-                    format!("{label} up + down + combine")
-                } else {
-                    format!("{label} up")
-                },
+                &format!("{label} up"),
                 func,
                 (xs, ys, 1),
                 threads,
                 smem,
                 &p,
             )?);
-            if fused {
-                return Ok(());
-            }
             if small {
                 cmds.push(self.kernel(
                     &format!("{label} down + combine"),
