@@ -110,35 +110,11 @@ struct GemvParams {
     // 64-bit words per warp of the launch), all zero between launches.
     float* part;
     GemvMat m[GEMV_MATS];
-    // One-row `gemv*` launches (`CudaOptions::gemv_tail_prefetch`): the blocks of the last
-    // `tail_blocks` (one wave of resident blocks) ask the L2 for `tail_bytes` at each non-null
-    // `tail_w[i]`, shared out over them (`gemv_tail_prefetch`): the first weights the next
-    // launch's first wave reads, so DRAM streams them while this launch drains and the next
-    // one starts. Weights only; nothing computed changes. 0: none.
-    const void* tail_w[2];
-    unsigned long long tail_bytes;
-    int tail_blocks;
-    int pad_;
 };
 // The host's copy of this layout (flashrt-runtime/src/backend/cuda/ops/gemv.rs `GemvParams`)
 // checks the same offsets: a field added or removed on one side alone fails a build.
-static_assert(offsetof(GemvParams, part) == 112 && offsetof(GemvParams, m) == 120 && sizeof(GemvMat) == 40 &&
-                  offsetof(GemvParams, tail_w) == 280 && sizeof(GemvParams) == 312,
+static_assert(offsetof(GemvParams, part) == 112 && offsetof(GemvParams, m) == 120 && sizeof(GemvMat) == 40,
               "GemvParams layout changed: update ops/gemv.rs and these offsets");
-
-// The tail's prefetch (GemvParams::tail_w): tail block t asks for its share of region t % 2
-// (of one region when tail_w[1] is null), thread 0 alone, one bulk prefetch each.
-static __device__ __forceinline__ void gemv_tail_prefetch(const GemvParams& p) {
-    const int t = (int)blockIdx.x - ((int)gridDim.x - p.tail_blocks);
-    if (p.tail_bytes == 0 || t < 0 || threadIdx.x != 0) return;
-    const int regions = p.tail_w[1] ? 2 : 1;
-    const int r = t % regions, per = (p.tail_blocks + regions - 1 - r) / regions;
-    const unsigned long long share = ((p.tail_bytes + per - 1) / per + 15) & ~15ull;
-    const unsigned long long lo = (unsigned long long)(t / regions) * share;
-    if (lo >= p.tail_bytes) return;
-    const unsigned long long n = p.tail_bytes - lo < share ? p.tail_bytes - lo : share;
-    flashrt::prefetch_l2(static_cast<const char*>(p.tail_w[r]) + lo, (unsigned)n);
-}
 
 static __device__ __forceinline__ uint4 load_stream(const void* p) {
     uint4 v;
@@ -645,7 +621,6 @@ static __device__ __forceinline__ void gemv_async_tiles(const GemvParams& p, con
 template <typename T, int R, int GEMV_FEATS, bool NORM, bool FP8 = false>
 static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
     __shared__ float red[GEMV_WARPS][R][GEMV_FEATS];
-    gemv_tail_prefetch(p);
     const T* x = static_cast<const T*>(p.x);
     // `last_row`: a prefill chunk whose caller wants only the last position's logits computes
     // the LM head for row io.len - 1 alone, reading and writing that row.

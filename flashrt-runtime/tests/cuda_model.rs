@@ -1428,29 +1428,6 @@ fn moe_prefetch_changes_nothing_computed() {
     }
 }
 
-/// `CudaOptions::gemv_tail_prefetch` (a one-row gemv launch's last wave asks the L2 for the
-/// first weights of the next launch) moves bytes into the L2 and computes nothing: on
-/// [`QWEN_LIKE`] with an MLP 16384 wide (its gate/up launch runs in many waves, and its down
-/// projection's first wave is the whole matrix), decode and verify steps give the same logits
-/// and states bit for bit off, at 8 MiB and asking for far more than the next launch's first
-/// wave reads (capped there).
-#[test]
-fn gemv_tail_prefetch_changes_nothing_computed() {
-    let name = "gemv_tail_prefetch_changes_nothing_computed";
-    let json = QWEN_LIKE.replace(
-        "\"intermediate_size\": 1024",
-        "\"intermediate_size\": 16384",
-    );
-    assert_ne!(json, QWEN_LIKE, "the MLP width was replaced");
-    let with = |mib: usize| CudaOptions {
-        gemv_tail_prefetch: mib << 20,
-        ..CudaOptions::default()
-    };
-    if same_bits_with(name, &json, &[with(0), with(8), with(1 << 12)]) {
-        println!("gemv_tail_prefetch 0, 8 MiB and 4 GiB: bit-identical");
-    }
-}
-
 /// The MoE configurations the small-phase kernels' bit-identity tests run: the
 /// Qwen3.5-MoE-like model (softmax, renormalised, gated shared expert) and, where the fixtures
 /// are, the LFM2-MoE and Nemotron-H MoE configurations (sigmoid scores, a selection bias, a

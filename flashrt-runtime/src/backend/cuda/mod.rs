@@ -271,12 +271,6 @@ pub struct CudaOptions {
     /// shape alone, so every phase computes a row alike. Default 4 from
     /// `FLASHRT_GEMV8M_MAX_SPLITS` (`0`: every shape the kernel can run).
     pub gemv8m_max_splits: u32,
-    /// Bytes a one-row CUDA-core `gemv` launch followed by another asks of the L2 from its
-    /// last wave of blocks: the first weights the next launch's first wave reads (kernels/gemv.cu
-    /// `gemv_tail_prefetch`), so DRAM keeps streaming while this launch drains and the next
-    /// one waits for it and starts. Nothing changes in what is computed. Default from
-    /// `FLASHRT_GEMV_TAIL_PF_MB` (MiB; 0 = off until measured).
-    pub gemv_tail_prefetch: usize,
     /// Blocks per value head of the fused Gated DeltaNet decode kernel (1, 2 or 4: 128, 64 or
     /// 32 state columns a block; kernels/gated_deltanet.cu `gdn_decode_r*_c*`). Outputs do not
     /// depend on it. 2 on the H200: 27B decode 13.96 -> 13.53 ms, 35B-A3B 3.61 -> 3.43 ms against
@@ -380,7 +374,6 @@ impl Default for CudaOptions {
                 num("FLASHRT_GEMV8M_PREFETCH", 0),
             ),
             gemv8m_max_splits: num("FLASHRT_GEMV8M_MAX_SPLITS", 4),
-            gemv_tail_prefetch: (num("FLASHRT_GEMV_TAIL_PF_MB", 0) as usize) << 20,
             gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
             gdn_prep: num("FLASHRT_GDN_PREP", 2),
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
@@ -868,7 +861,6 @@ fn builder<'a>(
         gemv_stage_rows: model.options.gemv_stage_rows,
         gemvm_prefetch: model.options.gemvm_prefetch,
         gemv8m_max_splits: model.options.gemv8m_max_splits,
-        gemv_tail_prefetch: model.options.gemv_tail_prefetch,
         gdn_col_blocks: model.options.gdn_col_blocks,
         prefetch_next: model.options.prefetch_next,
         moe_prefetch: model.options.moe_prefetch,

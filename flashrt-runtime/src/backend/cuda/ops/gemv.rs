@@ -123,13 +123,6 @@ pub(super) struct GemvParams {
     /// `gemv8m_*` / `gemv16m_*`: split tiles' shares ([`gemvm_sync_bytes`]).
     pub(super) part: u64,
     pub(super) m: [GemvMat; MAX_GEMV],
-    /// One-row CUDA-core launches: the next launch's first weights, `tail_bytes` at each
-    /// non-zero `tail_w`, asked of the L2 by this launch's last `tail_blocks` blocks
-    /// ([`Builder::gemv`], `CudaOptions::gemv_tail_prefetch`); 0 for none.
-    pub(super) tail_w: [u64; 2],
-    pub(super) tail_bytes: u64,
-    pub(super) tail_blocks: i32,
-    pub(super) pad: i32,
 }
 
 // kernels/gemv.cu checks the same offsets of its `GemvParams` (the struct is passed by value as
@@ -138,26 +131,7 @@ const _: () = assert!(
     std::mem::offset_of!(GemvParams, part) == 112
         && std::mem::offset_of!(GemvParams, m) == 120
         && std::mem::size_of::<GemvMat>() == 40
-        && std::mem::offset_of!(GemvParams, tail_w) == 280
-        && std::mem::size_of::<GemvParams>() == 312
 );
-
-/// A `gemv` launch as [`Builder::gemv_launch`] builds it, before it becomes a command.
-pub(super) struct GemvLaunch {
-    label: String,
-    func: CudaFunction,
-    grid: u32,
-    threads: u32,
-    shared: u32,
-    p: GemvParams,
-    /// Ops it consumes.
-    used: usize,
-    /// One-row CUDA-core launches (one block per tile, in tile order): the blocks resident at
-    /// once, and the weights its first wave of them reads — (address, bytes) of matrix 0's
-    /// first rows, and of matrix 1's in glu mode (the gate/up pairs); 0s otherwise.
-    resident: u32,
-    wave: [(u64, u64); 2],
-}
 
 impl GemvWeights {
     /// The kernel name prefix (`gemv` / `gemv8`) and the scale block (`qbr`, `qbc`).
@@ -225,12 +199,6 @@ impl Builder<'_> {
     /// one `gemv` launch (kernels/gemv.cu) — up to 4 consecutive matrices reading the same
     /// input, or an MLP's gate, up and `Mul` fused (`glu`). Returns how many ops it consumed,
     /// `None` when the head op is not such a `Linear` (or gemv is off).
-    ///
-    /// With `gemv_tail_prefetch`, a one-row CUDA-core launch of several waves whose next ops
-    /// are another such launch asks the L2, from its last wave of blocks, for the first
-    /// weights the next launch's first wave reads (at most `gemv_tail_prefetch` bytes): DRAM
-    /// otherwise idles while this launch's last blocks drain, the next launch waits for them
-    /// and its first loads make their trip.
     pub(super) fn gemv(
         &self,
         ops: &[Op],
@@ -238,51 +206,8 @@ impl Builder<'_> {
         label: &str,
         cmds: &mut Vec<Cmd>,
     ) -> Result<Option<usize>> {
-        let Some(mut l) = self.gemv_launch(ops, shape_rows, label)? else {
-            return Ok(None);
-        };
-        if self.gemv_tail_prefetch > 0
-            && self.batch.is_none()
-            && l.resident > 0
-            && l.grid >= 2 * l.resident
-            && l.used < ops.len()
-        {
-            // (A look ahead only: where the next ops cannot be built as a gemv launch here,
-            // their own turn reports why.)
-            if let Ok(Some(next)) = self.gemv_launch(&ops[l.used..], shape_rows, label)
-                && next.resident > 0
-            {
-                let regions = 1 + (next.wave[1].1 > 0) as usize;
-                let bytes = next.wave[0]
-                    .1
-                    .min((self.gemv_tail_prefetch / regions) as u64);
-                l.p.tail_w = [
-                    next.wave[0].0,
-                    if regions == 2 { next.wave[1].0 } else { 0 },
-                ];
-                l.p.tail_bytes = bytes;
-                l.p.tail_blocks = l.resident as i32;
-            }
-        }
-        let grid = (l.grid, 1, 1);
-        cmds.push(if l.shared > 0 {
-            self.kernel_smem(&l.label, &l.func, grid, l.threads, l.shared, &l.p)?
-        } else {
-            self.kernel(&l.label, &l.func, grid, l.threads, &l.p)
-        });
-        Ok(Some(l.used))
-    }
-
-    /// The launch [`Builder::gemv`] makes of the head of `ops`, not yet a command.
-    fn gemv_launch(
-        &self,
-        ops: &[Op],
-        shape_rows: usize,
-        label: &str,
-    ) -> Result<Option<GemvLaunch>> {
         let t = self.target();
-        if !self.gemv || shape_rows > 8 || !matches!(t, DType::Bf16 | DType::F16) || ops.is_empty()
-        {
+        if !self.gemv || shape_rows > 8 || !matches!(t, DType::Bf16 | DType::F16) {
             return Ok(None);
         }
         // A leading RmsNorm over whole rows, read by the Linears right after it, is fused
@@ -502,10 +427,6 @@ impl Builder<'_> {
             },
             part: self.gemvm_part,
             m: mats,
-            tail_w: [0; 2],
-            tail_bytes: 0,
-            tail_blocks: 0,
-            pad: 0,
         };
         let (suffix, warps) = if mma {
             ("", GEMVM_WARPS)
@@ -558,46 +479,19 @@ impl Builder<'_> {
         } else {
             total_blocks
         };
-        let shared = if mma && mma_smem > 0 {
-            mma_smem as u32
+        let grid = (grid_blocks, 1, 1);
+        cmds.push(if mma && mma_smem > 0 {
+            self.kernel_smem(&label, func, grid, threads, mma_smem as u32, &p)?
         } else if smem_mma {
-            gemvs_smem(shape_rows)
+            self.kernel_smem(&label, func, grid, threads, gemvs_smem(shape_rows), &p)?
         } else if cores_staged {
-            cores_smem as u32
+            self.kernel_smem(&label, func, grid, threads, cores_smem as u32, &p)?
         } else {
-            0
-        };
-        let (resident, wave) = if !mma && !smem_mma && shape_rows == 1 {
-            let resident = func
-                .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
-                .unwrap_or(0) as usize
-                * self.sms;
-            let w_size = match first.weights {
-                GemvWeights::Plain => t.size(),
-                GemvWeights::Fp8 { .. } => 1,
-            };
-            let rows = (resident * per_block).min(mats[0].n as usize);
-            let bytes = (rows * k * w_size) as u64;
-            let second = if glu.is_some() {
-                (mats[1].w, bytes)
-            } else {
-                (0, 0)
-            };
-            (resident as u32, [(mats[0].w, bytes), second])
-        } else {
-            (0, [(0, 0); 2])
-        };
-        Ok(Some(GemvLaunch {
-            label,
-            func: func.clone(),
-            grid: grid_blocks,
-            threads,
-            shared,
-            p,
-            used: norm.is_some() as usize + group.len() + glu.is_some() as usize,
-            resident,
-            wave,
-        }))
+            self.kernel(&label, func, grid, threads, &p)
+        });
+        Ok(Some(
+            norm.is_some() as usize + group.len() + glu.is_some() as usize,
+        ))
     }
 
     /// Features per block and entry-point suffix for a `gemv` launch over matrices with

@@ -424,9 +424,6 @@ pub struct Builder<'a> {
     /// FP8 matmuls take the tensor-core kernel only where at most this many warps share a
     /// tile on average (`CudaOptions::gemv8m_max_splits`; 0: wherever it can run).
     pub gemv8m_max_splits: u32,
-    /// Bytes a one-row CUDA-core gemv launch asks of the L2 for the next one
-    /// (`CudaOptions::gemv_tail_prefetch`; 0: none).
-    pub gemv_tail_prefetch: usize,
     /// Blocks per value head of the fused Gated DeltaNet decode launch
     /// (`CudaOptions::gdn_col_blocks`: 1, 2 or 4).
     pub gdn_col_blocks: u32,
@@ -867,10 +864,6 @@ impl Builder<'_> {
             pf: 0,
             part: 0,
             m,
-            tail_w: [0; 2],
-            tail_bytes: 0,
-            tail_blocks: 0,
-            pad: 0,
         };
         cmds.push(self.kernel(
             &format!("{label} `{}` (last row)", self.buf(*w).name),
