@@ -110,10 +110,17 @@ struct GemvParams {
     // 64-bit words per warp of the launch), all zero between launches.
     float* part;
     GemvMat m[GEMV_MATS];
+    // 1: a side launch (`CudaOptions::gemv_side`): it reads only what was complete before its
+    // predecessor started (a residual row, normalised in its own prologue; norm_out null), so
+    // it lets the next kernel launch first, runs beside its predecessor, and waits for it at
+    // the end — whoever waits for this launch then finds both done. 0: wait, then trigger.
+    int side;
+    int pad_;
 };
 // The host's copy of this layout (flashrt-runtime/src/backend/cuda/ops/gemv.rs `GemvParams`)
 // checks the same offsets: a field added or removed on one side alone fails a build.
-static_assert(offsetof(GemvParams, part) == 112 && offsetof(GemvParams, m) == 120 && sizeof(GemvMat) == 40,
+static_assert(offsetof(GemvParams, part) == 112 && offsetof(GemvParams, m) == 120 && sizeof(GemvMat) == 40 &&
+                  offsetof(GemvParams, side) == 280 && sizeof(GemvParams) == 288,
               "GemvParams layout changed: update ops/gemv.rs and these offsets");
 
 static __device__ __forceinline__ uint4 load_stream(const void* p) {
@@ -661,7 +668,7 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
                 }
             }
         __syncthreads();
-    } else if (NORM && blockIdx.x == 0) {
+    } else if (NORM && blockIdx.x == 0 && p.norm_out) {
         gemv_norm_store<T, R>(p, x, inv);
     }
     if constexpr (R == 1) {
@@ -952,16 +959,26 @@ FLASHRT_GEMVS_ENTRY(8)
 #define GEMV8_FEATS_OF(R) ((R) == 1 ? 8 : 4)
 #define GEMV8_MINB_OF(R) ((R) == 1 ? 3 : 1)
 
+// The CUDA-core entries' PDL order: wait then trigger, or a side launch's (GemvParams::side).
+template <typename T, int R, int FEATS, bool NORM, bool FP8>
+static __device__ __forceinline__ void gemv_entry(const GemvParams& p) {
+    // (One call of the body, so that it is inlined once.)
+    if (p.side)
+        flashrt::pdl_trigger();
+    else
+        flashrt::pdl_enter();
+    gemv_impl<T, R, FEATS, NORM, FP8>(p);
+    if (p.side) flashrt::pdl_wait();
+}
+
 // `gemv_r<R>`: plain; `gemv_norm_r<R>`: with the fused RMSNorm prologue (`p.norm` = 1);
 // `gemv8_*`: the same over FP8 E4M3 weights with block scales (activations bf16/f16).
 #define FLASHRT_GEMV_ENTRY_T(NAME, R, FEATS, NORM, MINB, FP8)                                             \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##_bf16(const GemvParams p) {   \
-        flashrt::pdl_enter();                                                                             \
-        gemv_impl<__nv_bfloat16, R, FEATS, NORM, FP8>(p);                                               \
+        gemv_entry<__nv_bfloat16, R, FEATS, NORM, FP8>(p);                                              \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB) NAME##_f16(const GemvParams p) {    \
-        flashrt::pdl_enter();                                                                             \
-        gemv_impl<__half, R, FEATS, NORM, FP8>(p);                                                      \
+        gemv_entry<__half, R, FEATS, NORM, FP8>(p);                                                     \
     }
 #define FLASHRT_GEMV_ENTRY(R)                                                                            \
     FLASHRT_GEMV_ENTRY_T(gemv_r##R, R, GEMV_FEATS_OF(R), false, GEMV_MINB_OF(R), false)                  \

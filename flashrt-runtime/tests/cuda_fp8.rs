@@ -309,3 +309,62 @@ fn random_fp8_model_tracks_cpu() {
         assert!(agree >= 8, "{what}: greedy agreement {agree}/12");
     }
 }
+
+/// `CudaOptions::gemv_side` (at one row, an FP8 layer's bf16 Gated DeltaNet in_proj_b / _a as a
+/// side launch beside the FP8 in_proj_qkv / _z launch, normalising the residual row itself and
+/// waiting for its predecessor at its end) computes what the launch after it computes: on a
+/// random FP8 model (the released checkpoints' exclusions: in_proj_a / _b and the LM head in
+/// bf16), a prompt prefilled in chunks, then decode steps and verify passes give the same
+/// logits and states bit for bit with the option off and on.
+#[test]
+fn fp8_side_launch_computes_what_the_serial_launch_computes() {
+    let name = "fp8_side_launch_computes_what_the_serial_launch_computes";
+    let with = |gemv_side| CudaOptions {
+        gemv_side,
+        ..CudaOptions::default()
+    };
+    let (Some(off), Some(on)) = (cuda_with(name, with(false)), cuda_with(name, with(true))) else {
+        return;
+    };
+    let o = HfOptions {
+        name: Some("fp8_side".into()),
+        max_seq: Some(512),
+        prefill_buckets: Some(vec![8, 64]),
+        quantize: Some(QuantIr::with_defaults(QuantFormat::Fp8E4m3, [128, 128])),
+        ..HfOptions::default()
+    };
+    let ir = ir_from_hf_config(QWEN_LIKE, &o).unwrap();
+    let kept = ir
+        .quant
+        .as_ref()
+        .map(|q| q.exclude.clone())
+        .unwrap_or_default();
+    assert!(
+        kept.iter().any(|e| e.contains("in_proj_b")),
+        "in_proj_b stays bf16 (the side launch's case): {kept:?}"
+    );
+    let models: Vec<Model> = [off, on]
+        .into_iter()
+        .map(|g| Model::from_ir(g as Arc<dyn Backend>, &ir, WeightSource::Random(3)).unwrap())
+        .collect();
+    let mut s: Vec<_> = models.iter().map(|m| m.session().unwrap()).collect();
+    let mut rng = Rng::new(23);
+    for (i, n) in [40usize, 1, 2, 1, 5, 1, 3, 1, 1].into_iter().enumerate() {
+        let chunk: Vec<u32> = (0..n).map(|_| rng.below(1000)).collect();
+        for x in s.iter_mut() {
+            x.append(&chunk).unwrap();
+        }
+        assert!(
+            s[0].logits() == s[1].logits(),
+            "chunk {i} ({n} rows): logits differ with the side launch"
+        );
+    }
+    for b in models[0].compiled().layout.state_buffers() {
+        assert!(
+            s[0].read_region(&b.name).unwrap() == s[1].read_region(&b.name).unwrap(),
+            "state `{}` differs with the side launch",
+            b.name
+        );
+    }
+    println!("gemv_side off and on: decode steps and verify passes bit-identical (FP8)");
+}

@@ -271,6 +271,13 @@ pub struct CudaOptions {
     /// shape alone, so every phase computes a row alike. Default 4 from
     /// `FLASHRT_GEMV8M_MAX_SPLITS` (`0`: every shape the kernel can run).
     pub gemv8m_max_splits: u32,
+    /// At one row, a normalised input's matrices of a second weight format (an FP8 layer's
+    /// bf16 Gated DeltaNet in_proj_b / _a, kept unquantized as the released checkpoints keep
+    /// them) run as a side launch beside the first group's instead of after it: it normalises
+    /// the row itself, lets the next kernel launch first and waits for its predecessor at its
+    /// end (kernels/gemv.cu `gemv_entry`). The same values. Default from `FLASHRT_GEMV_SIDE`
+    /// (0 = off until measured).
+    pub gemv_side: bool,
     /// Blocks per value head of the fused Gated DeltaNet decode kernel (1, 2 or 4: 128, 64 or
     /// 32 state columns a block; kernels/gated_deltanet.cu `gdn_decode_r*_c*`). Outputs do not
     /// depend on it. 2 on the H200: 27B decode 13.96 -> 13.53 ms, 35B-A3B 3.61 -> 3.43 ms against
@@ -374,6 +381,7 @@ impl Default for CudaOptions {
                 num("FLASHRT_GEMV8M_PREFETCH", 0),
             ),
             gemv8m_max_splits: num("FLASHRT_GEMV8M_MAX_SPLITS", 4),
+            gemv_side: num("FLASHRT_GEMV_SIDE", 0) != 0,
             gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
             gdn_prep: num("FLASHRT_GDN_PREP", 2),
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
@@ -861,6 +869,7 @@ fn builder<'a>(
         gemv_stage_rows: model.options.gemv_stage_rows,
         gemvm_prefetch: model.options.gemvm_prefetch,
         gemv8m_max_splits: model.options.gemv8m_max_splits,
+        gemv_side: model.options.gemv_side,
         gdn_col_blocks: model.options.gdn_col_blocks,
         prefetch_next: model.options.prefetch_next,
         moe_prefetch: model.options.moe_prefetch,

@@ -123,6 +123,10 @@ pub(super) struct GemvParams {
     /// `gemv8m_*` / `gemv16m_*`: split tiles' shares ([`gemvm_sync_bytes`]).
     pub(super) part: u64,
     pub(super) m: [GemvMat; MAX_GEMV],
+    /// 1: a side launch ([`Builder::gemv`]): triggers the next kernel first and waits for its
+    /// predecessor at the end.
+    pub(super) side: i32,
+    pub(super) pad: i32,
 }
 
 // kernels/gemv.cu checks the same offsets of its `GemvParams` (the struct is passed by value as
@@ -131,6 +135,8 @@ const _: () = assert!(
     std::mem::offset_of!(GemvParams, part) == 112
         && std::mem::offset_of!(GemvParams, m) == 120
         && std::mem::size_of::<GemvMat>() == 40
+        && std::mem::offset_of!(GemvParams, side) == 280
+        && std::mem::size_of::<GemvParams>() == 288
 );
 
 impl GemvWeights {
@@ -199,12 +205,74 @@ impl Builder<'_> {
     /// one `gemv` launch (kernels/gemv.cu) — up to 4 consecutive matrices reading the same
     /// input, or an MLP's gate, up and `Mul` fused (`glu`). Returns how many ops it consumed,
     /// `None` when the head op is not such a `Linear` (or gemv is off).
+    ///
+    /// With `gemv_side`, at one row, where a normalised input's matrices come in two weight
+    /// formats (an FP8 layer's Gated DeltaNet in_proj_qkv / _z and its bf16 in_proj_b / _a,
+    /// which the released checkpoints keep unquantized), the second group becomes a side
+    /// launch: it normalises the residual row itself (the same values: the prologue rounds as
+    /// the RmsNorm op does) instead of reading what the first launch stores, so it needs
+    /// nothing the first launch writes and runs beside it (kernels/gemv.cu `gemv_entry`).
     pub(super) fn gemv(
         &self,
         ops: &[Op],
         shape_rows: usize,
         label: &str,
         cmds: &mut Vec<Cmd>,
+    ) -> Result<Option<usize>> {
+        let Some(used) = self.gemv_with(ops, shape_rows, label, cmds, false)? else {
+            return Ok(None);
+        };
+        // (Only the CUDA-core kernel's entry runs side launches: 16-bit weights, neither
+        // tensor-core gemv option on.)
+        if !self.gemv_side
+            || shape_rows != 1
+            || self.gemv16_mma
+            || self.gemv16_smem
+            || self.gemv_norm(ops, shape_rows).is_none()
+        {
+            return Ok(Some(used));
+        }
+        // The Linears right after this launch's on the same normalised input, weights of the
+        // other format, as [the norm, those Linears] in one side launch.
+        let Op::Linear { x: x0, .. } = &ops[1] else {
+            return Ok(Some(used));
+        };
+        let side: Vec<Op> = ops[used..]
+            .iter()
+            .take(MAX_GEMV)
+            .take_while(|op| {
+                matches!(op, Op::Linear { x, accumulate: false, .. } if x == x0)
+                    && self
+                        .gemv_operands(op, shape_rows)
+                        .is_some_and(|o| o.weights == GemvWeights::Plain)
+            })
+            .cloned()
+            .collect();
+        if side.is_empty() {
+            return Ok(Some(used));
+        }
+        let n = side.len();
+        let mut fused = vec![ops[0].clone()];
+        fused.extend(side);
+        match self.gemv_with(&fused, shape_rows, label, cmds, true)? {
+            Some(k) if k == n + 1 => Ok(Some(used + n)),
+            // (Built as fewer ops than asked: undo; they run in their own turn as before.)
+            Some(_) => {
+                cmds.pop();
+                Ok(Some(used))
+            }
+            None => Ok(Some(used)),
+        }
+    }
+
+    /// [`Builder::gemv`]'s launch of the head of `ops`; `side`: as a side launch.
+    fn gemv_with(
+        &self,
+        ops: &[Op],
+        shape_rows: usize,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+        side: bool,
     ) -> Result<Option<usize>> {
         let t = self.target();
         if !self.gemv || shape_rows > 8 || !matches!(t, DType::Bf16 | DType::F16) {
@@ -415,7 +483,7 @@ impl Builder<'_> {
             norm: norm.is_some() as i32,
             one_plus: n.one_plus as i32,
             norm_w: n.w,
-            norm_out: n.out,
+            norm_out: if side { 0 } else { n.out },
             ld_norm_out: n.ld_out,
             eps: n.eps,
             qbr,
@@ -427,6 +495,8 @@ impl Builder<'_> {
             },
             part: self.gemvm_part,
             m: mats,
+            side: side as i32,
+            pad: 0,
         };
         let (suffix, warps) = if mma {
             ("", GEMVM_WARPS)

@@ -424,6 +424,9 @@ pub struct Builder<'a> {
     /// FP8 matmuls take the tensor-core kernel only where at most this many warps share a
     /// tile on average (`CudaOptions::gemv8m_max_splits`; 0: wherever it can run).
     pub gemv8m_max_splits: u32,
+    /// One-row gemv launches of a normalised input's second weight format beside the first
+    /// (`CudaOptions::gemv_side`).
+    pub gemv_side: bool,
     /// Blocks per value head of the fused Gated DeltaNet decode launch
     /// (`CudaOptions::gdn_col_blocks`: 1, 2 or 4).
     pub gdn_col_blocks: u32,
@@ -864,6 +867,8 @@ impl Builder<'_> {
             pf: 0,
             part: 0,
             m,
+            side: 0,
+            pad: 0,
         };
         cmds.push(self.kernel(
             &format!("{label} `{}` (last row)", self.buf(*w).name),
