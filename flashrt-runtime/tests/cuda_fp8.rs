@@ -45,6 +45,19 @@ fn fp8_fixtures_f32_on_gpu_match_transformers() {
     }
 }
 
+/// [`QWEN_LIKE`] quantized to FP8 as `--quantize fp8` does (128 x 128 blocks, the released
+/// checkpoints' exclusions kept in bf16), 512 positions, prefill buckets 8 and 64.
+fn random_fp8_ir() -> flashrt_runtime::ir::ModelIr {
+    let o = HfOptions {
+        name: Some("fp8_test".into()),
+        max_seq: Some(512),
+        prefill_buckets: Some(vec![8, 64]),
+        quantize: Some(QuantIr::with_defaults(QuantFormat::Fp8E4m3, [128, 128])),
+        ..HfOptions::default()
+    };
+    ir_from_hf_config(QWEN_LIKE, &o).unwrap()
+}
+
 fn opts(buckets: &[usize]) -> HfOptions {
     HfOptions {
         max_seq: Some(256),
@@ -255,15 +268,7 @@ fn random_fp8_model_tracks_cpu() {
     let Some(gpu) = cuda("random_fp8_model_tracks_cpu") else {
         return;
     };
-    let json = QWEN_LIKE;
-    let o = HfOptions {
-        name: Some("fp8_test".into()),
-        max_seq: Some(512),
-        prefill_buckets: Some(vec![8, 64]),
-        quantize: Some(QuantIr::with_defaults(QuantFormat::Fp8E4m3, [128, 128])),
-        ..HfOptions::default()
-    };
-    let ir = ir_from_hf_config(json, &o).unwrap();
+    let ir = random_fp8_ir();
     let cpu_m = Model::from_ir(cpu(), &ir, WeightSource::Random(3)).unwrap();
     let mut prompt_rng = Rng::new(17);
     let prompt: Vec<u32> = (0..128).map(|_| prompt_rng.below(1000)).collect();
@@ -326,14 +331,7 @@ fn fp8_side_launch_computes_what_the_serial_launch_computes() {
     let (Some(off), Some(on)) = (cuda_with(name, with(false)), cuda_with(name, with(true))) else {
         return;
     };
-    let o = HfOptions {
-        name: Some("fp8_side".into()),
-        max_seq: Some(512),
-        prefill_buckets: Some(vec![8, 64]),
-        quantize: Some(QuantIr::with_defaults(QuantFormat::Fp8E4m3, [128, 128])),
-        ..HfOptions::default()
-    };
-    let ir = ir_from_hf_config(QWEN_LIKE, &o).unwrap();
+    let ir = random_fp8_ir();
     let kept = ir
         .quant
         .as_ref()
