@@ -11,7 +11,7 @@
 // (`CudaOptions::moe_route_in_up` off, or x too wide for shared memory: moe_route with the plan,
 // then moe_up, kernels/moe.cu, instead of moe_up_routed*.) (Doing the down projections in the
 // up launch's blocks after they meet at a counter, `moe_updown1`, was measured slower: 3.83
-// against 3.30 ms a 35B-A3B step on the H100, benches/RESULTS.md 2026-12-07 15:00; removed.)
+// against 3.30 ms a 35B-A3B step on the H100, benches/RESULTS.md 2026-12-07 14:55; removed.)
 //
 // The experts' weights stream past the L2 evict-first (ld16_evict_first): a step reads each
 // once, and with the default policy they pushed out what the next launches read (35B-A3B
