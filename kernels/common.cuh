@@ -268,18 +268,14 @@ namespace flashrt {
 #ifndef MOE_EVICT_FIRST
 #define MOE_EVICT_FIRST 1
 #endif
-// The L2 cache policy of such loads (`ld... .L2::cache_hint`, sm_80+).
-static __device__ __forceinline__ unsigned long long l2_evict_first_policy() {
-    unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    return pol;
-}
 static __device__ __forceinline__ uint4 ld16_evict_first(const void* p) {
 #if MOE_EVICT_FIRST && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     uint4 v;
+    unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(l2_evict_first_policy()));
+                 : "l"(p), "l"(pol));
     return v;
 #else
     return *static_cast<const uint4*>(p);

@@ -219,18 +219,13 @@ int main() {
         launch(downl, ps[l]);
     }
     CK(cudaDeviceSynchronize());
-    // A hash of every layer's outputs, ids, weights and hidden values.
-    auto hash_all = [&] {
-        unsigned long long v = 1469598103934665603ull;
-        for (int l = 0; l < layers; ++l) {
-            v = hash_dev(outs[l], H * 2, v);
-            v = hash_dev(shs[l], SI * 2, v);
-            v = hash_dev(gates[l], 2, v);
-            v = hash_dev(tmps[l], (size_t)ld_tmp * 2, v);
-        }
-        return v;
-    };
-    const unsigned long long h = hash_all();
+    unsigned long long h = 1469598103934665603ull;
+    for (int l = 0; l < layers; ++l) {
+        h = hash_dev(outs[l], H * 2, h);
+        h = hash_dev(shs[l], SI * 2, h);
+        h = hash_dev(gates[l], 2, h);
+        h = hash_dev(tmps[l], (size_t)ld_tmp * 2, h);
+    }
     int ids[K];
     float wts[K];
     CK(cudaMemcpy(ids, (const char*)tmps[0] + (size_t)K * (I + H) * 2, sizeof ids, cudaMemcpyDeviceToHost));
