@@ -392,7 +392,8 @@ template <typename T, int R, int GEMV_FEATS, bool NORM, bool FP8>
 static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, const T* x, const T* xs, int row0,
                                                  const float (&inv)[R],
                                                  float (&red)[GEMV_WARPS][R][GEMV_FEATS], int next = -1,
-                                                 uint4* carry = nullptr, bool* carried = nullptr) {
+                                                 uint4* carry = nullptr, bool* carried = nullptr,
+                                                 const uint4 (*pre)[GEMV_FEATS] = nullptr) {
     constexpr int WARPS = GEMV_WARPS;
     // Bytes per weight element; a 16-byte chunk holds CH of them.
     constexpr int WSIZE = FP8 ? 1 : (int)sizeof(T);
@@ -491,15 +492,9 @@ static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, 
             *carried = next >= 0 && (int)threadIdx.x < wchunks;
         }
     } else {
-    for (int c = threadIdx.x; c < wchunks; c += WARPS * 32) {
-        uint4 wv[GEMV_FEATS];
-#pragma unroll
-        for (int i = 0; i < GEMV_FEATS; ++i) wv[i] = ok[i] ? load_stream(wr[i] + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+    // Chunk c's products from its weights `wv` (and, FP8, the rows' block scales `s`).
+    auto chunk = [&](int c, const uint4 (&wv)[GEMV_FEATS], const float (&s)[GEMV_FEATS]) {
         if constexpr (FP8) {
-            float s[GEMV_FEATS];
-            const int sc = c * CH / p.qbc;
-#pragma unroll
-            for (int i = 0; i < GEMV_FEATS; ++i) s[i] = ok[i] ? __ldg(sr[i] + sc) : 0.0f;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 float d[GEMV_FEATS];
@@ -534,6 +529,32 @@ static __device__ __forceinline__ void gemv_tile(const GemvParams& p, int tile, 
                 }
             }
         }
+    };
+    // The rows' block scales of chunk c (FP8).
+    auto scales = [&](int c, float (&s)[GEMV_FEATS]) {
+        if constexpr (FP8) {
+            const int sc = c * CH / p.qbc;
+#pragma unroll
+            for (int i = 0; i < GEMV_FEATS; ++i) s[i] = ok[i] ? __ldg(sr[i] + sc) : 0.0f;
+        }
+    };
+    int c = threadIdx.x;
+    if (pre) {
+        // The first chunk's weights were loaded before the PDL wait (gemv_early_chunk).
+        if (c < wchunks) {
+            float s[GEMV_FEATS];
+            scales(c, s);
+            chunk(c, *pre, s);
+        }
+        c += WARPS * 32;
+    }
+    for (; c < wchunks; c += WARPS * 32) {
+        uint4 wv[GEMV_FEATS];
+        float s[GEMV_FEATS];
+#pragma unroll
+        for (int i = 0; i < GEMV_FEATS; ++i) wv[i] = ok[i] ? load_stream(wr[i] + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+        scales(c, s);
+        chunk(c, wv, s);
     }
     }
 
@@ -625,8 +646,46 @@ static __device__ __forceinline__ void gemv_async_tiles(const GemvParams& p, con
 // tile, or with FLASHRT_GEMV_TILES=1 for several rows of 16-bit weights as many blocks as are
 // resident, so that the norm prologue, whose cost grows with the rows, runs once per block
 // rather than once per tile). What a tile computes does not depend on which block runs it.
+// One row, its first weights before the PDL wait (`-DGEMV_EARLY=1`: launches without the fused
+// norm; 2: all). Weights are never written by a step, so a block can ask DRAM for its tile's
+// first chunk (and, FP8, its block scales) as soon as it is resident, i.e. while the previous
+// kernel's last blocks still run, and wait for that kernel only before it reads its input. The
+// chunk is then gemv_tile's first, with the same products in the same order: the same bits.
+// (With the norm, the 8-feature kernels spill: `2` is for measuring only.)
+#ifndef GEMV_EARLY
+#define GEMV_EARLY 0
+#endif
+#define GEMV_EARLY_ON(R, NORM) ((R) == 1 && (GEMV_EARLY == 2 || (GEMV_EARLY == 1 && !(NORM))))
+
+// Chunk threadIdx.x of tile `tile`'s F weight rows (gemv_tile's `wr`, `ok`: zero past n or
+// past k). (Their FP8 scales are loaded after the wait: before it, the one-row FP8 kernel spills.)
+template <int F>
+static __device__ __forceinline__ void gemv_early_chunk(const GemvParams& p, int tile, int wsize, uint4 (&wv)[F]) {
+    constexpr int HALF = F / 2;
+    int b = tile, mi = 0;
+    gemv_tile_in(p, b, mi);
+    const int c = threadIdx.x, ch = 16 / wsize;
+    const bool in_k = c < p.k / ch;
+#pragma unroll
+    for (int i = 0; i < F; ++i) {
+        const int j = p.glu ? b * HALF + (i % HALF) : b * F + i;
+        const GemvMat& m = p.glu ? p.m[i / HALF] : p.m[mi];
+        const bool ok = in_k && j < (p.glu ? p.m[0].n : m.n);
+        wv[i] = ok ? load_stream(static_cast<const char*>(m.w) + ((size_t)j * p.k * wsize + (size_t)c * 16))
+                   : make_uint4(0, 0, 0, 0);
+    }
+}
+
 template <typename T, int R, int GEMV_FEATS, bool NORM, bool FP8 = false>
 static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
+    // One row with GEMV_EARLY: the first weights, then the wait (gemv_entry has not waited).
+    uint4 pre[GEMV_FEATS];
+    if constexpr (GEMV_EARLY_ON(R, NORM)) {
+        if (!p.side) {
+            gemv_early_chunk<GEMV_FEATS>(p, blockIdx.x, FP8 ? 1 : (int)sizeof(T), pre);
+            flashrt::pdl_enter();
+        }
+    }
     __shared__ float red[GEMV_WARPS][R][GEMV_FEATS];
     const T* x = static_cast<const T*>(p.x);
     // `last_row`: a prefill chunk whose caller wants only the last position's logits computes
@@ -674,7 +733,10 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
     if constexpr (R == 1) {
         // One row: always one block per tile (and the loop's registers would spill in the FP8
         // kernels).
-        gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, blockIdx.x, x, xs, row0, inv, red);
+        if (GEMV_EARLY_ON(R, NORM) && !p.side)
+            gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, blockIdx.x, x, xs, row0, inv, red, -1, nullptr, nullptr, &pre);
+        else
+            gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, blockIdx.x, x, xs, row0, inv, red);
         return;
     }
     if constexpr (GEMV_ASYNC_ON(R, NORM, FP8)) {
@@ -965,7 +1027,7 @@ static __device__ __forceinline__ void gemv_entry(const GemvParams& p) {
     // (One call of the body, so that it is inlined once.)
     if (p.side)
         flashrt::pdl_trigger();
-    else
+    else if (!GEMV_EARLY_ON(R, NORM))
         flashrt::pdl_enter();
     gemv_impl<T, R, FEATS, NORM, FP8>(p);
     if (p.side) flashrt::pdl_wait();
