@@ -115,7 +115,9 @@ struct GemvParams {
     // it lets the next kernel launch first, runs beside its predecessor, and waits for it at
     // the end — whoever waits for this launch then finds both done. 0: wait, then trigger.
     int side;
-    int pad_;
+    // 1: (one row, no fused norm, not a side launch) each block asks for its tile's first
+    // weights before its PDL wait (`gemv_early_chunk`; `CudaOptions::gemv_early`).
+    int early;
 };
 // The host's copy of this layout (flashrt-runtime/src/backend/cuda/ops/gemv.rs `GemvParams`)
 // checks the same offsets: a field added or removed on one side alone fails a build.
@@ -646,16 +648,15 @@ static __device__ __forceinline__ void gemv_async_tiles(const GemvParams& p, con
 // tile, or with FLASHRT_GEMV_TILES=1 for several rows of 16-bit weights as many blocks as are
 // resident, so that the norm prologue, whose cost grows with the rows, runs once per block
 // rather than once per tile). What a tile computes does not depend on which block runs it.
-// One row, its first weights before the PDL wait (`-DGEMV_EARLY=1`: launches without the fused
-// norm; 2: all). Weights are never written by a step, so a block can ask DRAM for its tile's
-// first chunk (and, FP8, its block scales) as soon as it is resident, i.e. while the previous
-// kernel's last blocks still run, and wait for that kernel only before it reads its input. The
-// chunk is then gemv_tile's first, with the same products in the same order: the same bits.
-// (With the norm, the 8-feature kernels spill: `2` is for measuring only.)
-#ifndef GEMV_EARLY
-#define GEMV_EARLY 0
-#endif
-#define GEMV_EARLY_ON(R, NORM) ((R) == 1 && (GEMV_EARLY == 2 || (GEMV_EARLY == 1 && !(NORM))))
+// One row without a fused norm, `p.early`: the first weights before the PDL wait. Weights are
+// never written by a step, so a block can ask DRAM for its tile's first chunk as soon as it is
+// resident, i.e. while the previous kernel's last blocks still run, and wait for that kernel
+// only before it reads its input. The chunk is then gemv_tile's first, with the same products
+// in the same order: the same bits. H100, one row at 2048 (benches/RESULTS.md, 2026-12-07
+// 17:40): the 35B-A3B step 3.30 -> 3.23 ms (its out_proj / o_proj, 16.8 MB each), the 27B
+// bf16 step 17.96 -> 18.07 and FP8 11.62 -> 11.68 (31-178 MB launches), hence a launch size
+// limit on the host. (With the norm too, the 8-feature kernels spill, and nothing gained.)
+#define GEMV_EARLY_OK(R, NORM) ((R) == 1 && !(NORM))
 
 // Chunk threadIdx.x of tile `tile`'s F weight rows (gemv_tile's `wr`, `ok`: zero past n or
 // past k). (Their FP8 scales are loaded after the wait: before it, the one-row FP8 kernel spills.)
@@ -678,10 +679,10 @@ static __device__ __forceinline__ void gemv_early_chunk(const GemvParams& p, int
 
 template <typename T, int R, int GEMV_FEATS, bool NORM, bool FP8 = false>
 static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
-    // One row with GEMV_EARLY: the first weights, then the wait (gemv_entry has not waited).
+    // `p.early`: the first weights, then the wait (gemv_entry has not waited).
     uint4 pre[GEMV_FEATS];
-    if constexpr (GEMV_EARLY_ON(R, NORM)) {
-        if (!p.side) {
+    if constexpr (GEMV_EARLY_OK(R, NORM)) {
+        if (p.early && !p.side) {
             gemv_early_chunk<GEMV_FEATS>(p, blockIdx.x, FP8 ? 1 : (int)sizeof(T), pre);
             flashrt::pdl_enter();
         }
@@ -733,7 +734,7 @@ static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
     if constexpr (R == 1) {
         // One row: always one block per tile (and the loop's registers would spill in the FP8
         // kernels).
-        if (GEMV_EARLY_ON(R, NORM) && !p.side)
+        if (GEMV_EARLY_OK(R, NORM) && p.early && !p.side)
             gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, blockIdx.x, x, xs, row0, inv, red, -1, nullptr, nullptr, &pre);
         else
             gemv_tile<T, R, GEMV_FEATS, NORM, FP8>(p, blockIdx.x, x, xs, row0, inv, red);
@@ -1027,7 +1028,7 @@ static __device__ __forceinline__ void gemv_entry(const GemvParams& p) {
     // (One call of the body, so that it is inlined once.)
     if (p.side)
         flashrt::pdl_trigger();
-    else if (!GEMV_EARLY_ON(R, NORM))
+    else if (!(GEMV_EARLY_OK(R, NORM) && p.early))
         flashrt::pdl_enter();
     gemv_impl<T, R, FEATS, NORM, FP8>(p);
     if (p.side) flashrt::pdl_wait();

@@ -275,9 +275,18 @@ pub struct CudaOptions {
     /// bf16 Gated DeltaNet in_proj_b / _a, kept unquantized as the released checkpoints keep
     /// them) run as a side launch beside the first group's instead of after it: it normalises
     /// the row itself, lets the next kernel launch first and waits for its predecessor at its
-    /// end (kernels/gemv.cu `gemv_entry`). The same values. Default from `FLASHRT_GEMV_SIDE`
-    /// (0 = off until measured).
+    /// end (kernels/gemv.cu `gemv_entry`). The same values. On by default: the FP8 27B step
+    /// 11.64 / 11.63 -> 11.60 / 11.58 ms on the H100 (one row at 2048, alternated twice;
+    /// benches/RESULTS.md 2026-12-07 17:40 UTC); `FLASHRT_GEMV_SIDE=0` turns it off.
     pub gemv_side: bool,
+    /// One-row CUDA-core `gemv` launches without a fused norm whose weights are at most this
+    /// many bytes ask DRAM for each block's first weights before the PDL wait, so a launch's
+    /// first blocks stream while its predecessor's last ones run (kernels/gemv.cu
+    /// `gemv_early_chunk`; the same values). H100, one row at 2048: the 35B-A3B step 3.30 ->
+    /// 3.23 ms (its 16.8 MB out_proj / o_proj), while every launch of the 27B shape (31-178
+    /// MB) lost (bf16 17.96 -> 18.07 ms, FP8 11.62 -> 11.68; benches/RESULTS.md 2026-12-07
+    /// 17:40 UTC), hence the limit. Default 24 MiB from `FLASHRT_GEMV_EARLY_MB` (0: none).
+    pub gemv_early: usize,
     /// Blocks per value head of the fused Gated DeltaNet decode kernel (1, 2 or 4: 128, 64 or
     /// 32 state columns a block; kernels/gated_deltanet.cu `gdn_decode_r*_c*`). Outputs do not
     /// depend on it. 2 on the H200: 27B decode 13.96 -> 13.53 ms, 35B-A3B 3.61 -> 3.43 ms against
@@ -381,7 +390,8 @@ impl Default for CudaOptions {
                 num("FLASHRT_GEMV8M_PREFETCH", 0),
             ),
             gemv8m_max_splits: num("FLASHRT_GEMV8M_MAX_SPLITS", 4),
-            gemv_side: num("FLASHRT_GEMV_SIDE", 0) != 0,
+            gemv_side: num("FLASHRT_GEMV_SIDE", 1) != 0,
+            gemv_early: (num("FLASHRT_GEMV_EARLY_MB", 24) as usize) << 20,
             gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
             gdn_prep: num("FLASHRT_GDN_PREP", 2),
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
@@ -870,6 +880,7 @@ fn builder<'a>(
         gemvm_prefetch: model.options.gemvm_prefetch,
         gemv8m_max_splits: model.options.gemv8m_max_splits,
         gemv_side: model.options.gemv_side,
+        gemv_early: model.options.gemv_early,
         gdn_col_blocks: model.options.gdn_col_blocks,
         prefetch_next: model.options.prefetch_next,
         moe_prefetch: model.options.moe_prefetch,

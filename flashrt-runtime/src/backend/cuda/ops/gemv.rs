@@ -126,7 +126,9 @@ pub(super) struct GemvParams {
     /// 1: a side launch ([`Builder::gemv`]): triggers the next kernel first and waits for its
     /// predecessor at the end.
     pub(super) side: i32,
-    pub(super) pad: i32,
+    /// 1: each block asks for its first weights before its PDL wait (one row, CUDA cores, no
+    /// fused norm, not a side launch; [`Builder::gemv_early`]).
+    pub(super) early: i32,
 }
 
 // kernels/gemv.cu checks the same offsets of its `GemvParams` (the struct is passed by value as
@@ -436,8 +438,14 @@ impl Builder<'_> {
         let mut mats = [GemvMat::default(); MAX_GEMV];
         let mut total_blocks = 0u32;
         let mut names = Vec::new();
+        let wsize = match first.weights {
+            GemvWeights::Plain => t.size(),
+            GemvWeights::Fp8 { .. } => 1,
+        };
+        let mut weight_bytes = 0;
         for (slot, (op, o)) in mats.iter_mut().zip(&group) {
             let (out, w) = out_view(op);
+            weight_bytes += out.width * k * wsize;
             let blocks = ceil_div(out.width, per_block);
             *slot = GemvMat {
                 w: o.w,
@@ -496,7 +504,12 @@ impl Builder<'_> {
             part: self.gemvm_part,
             m: mats,
             side: side as i32,
-            pad: 0,
+            early: (shape_rows == 1
+                && norm.is_none()
+                && !side
+                && !mma
+                && !smem_mma
+                && weight_bytes <= self.gemv_early) as i32,
         };
         let (suffix, warps) = if mma {
             ("", GEMVM_WARPS)

@@ -427,6 +427,9 @@ pub struct Builder<'a> {
     /// One-row gemv launches of a normalised input's second weight format beside the first
     /// (`CudaOptions::gemv_side`).
     pub gemv_side: bool,
+    /// One-row CUDA-core `gemv` launches without a fused norm of at most this many bytes of
+    /// weights ask for their first weights before their PDL wait (`CudaOptions::gemv_early`).
+    pub gemv_early: usize,
     /// Blocks per value head of the fused Gated DeltaNet decode launch
     /// (`CudaOptions::gdn_col_blocks`: 1, 2 or 4).
     pub gdn_col_blocks: u32,
@@ -868,7 +871,8 @@ impl Builder<'_> {
             part: 0,
             m,
             side: 0,
-            pad: 0,
+            // (An LM head: far past `gemv_early`.)
+            early: 0,
         };
         cmds.push(self.kernel(
             &format!("{label} `{}` (last row)", self.buf(*w).name),
