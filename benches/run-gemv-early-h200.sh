@@ -7,10 +7,10 @@
 #      path);
 #   2. `flashrt bench` at one row, 2048 context, 32 decode steps — the 27B shape in bf16 and
 #      with `--quantize fp8`, and the 35B-A3B shape — with `.gpu/flashrt-base` (the binary
-#      before the change, when carried), this binary with FLASHRT_GEMV_EARLY_MB=0 (`off`) and
-#      with its default (`on`), alternated, REPS rounds.
+#      before the change, when carried) and this binary with FLASHRT_GEMV_EARLY_MB = each of
+#      MBS (default `0 24`: off, the default; `mb<N>` in the names), alternated, REPS rounds.
 # Usage (repository root on the GPU machine, carry .gpupack/p.tar.xz):
-#   [REPS=2] [MODEL_TESTS=0] bash benches/run-gemv-early-h200.sh OUT
+#   [REPS=2] [MODEL_TESTS=0] [MBS="0 24 64"] bash benches/run-gemv-early-h200.sh OUT
 set -uo pipefail
 OUT="${1:-${OUT:-benches/results/latest-gemv-early}}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,13 +23,14 @@ if [ "${MODEL_TESTS:-1}" = 1 ]; then
   timeout 280 "$BIN/cuda_model" --test-threads=1 >"$OUT/cuda_model.log" 2>&1 || status=1
 fi
 echo "== tests"; grep -hE 'test result|panicked|FAILED' "$OUT"/cuda_*.log
-variants=(off on)
-[ -x "$ROOT/.gpu/flashrt-base" ] && variants=(base off on)
+variants=()
+[ -x "$ROOT/.gpu/flashrt-base" ] && variants=(base)
+for mb in ${MBS:-0 24}; do variants+=("mb$mb"); done
 for i in $(seq 1 "${REPS:-2}"); do
   for v in "${variants[@]}"; do
     bin="$FLASHRT" envs=()
     [ "$v" = base ] && bin="$ROOT/.gpu/flashrt-base"
-    [ "$v" = off ] && envs=(FLASHRT_GEMV_EARLY_MB=0)
+    [ "$v" != base ] && envs=(FLASHRT_GEMV_EARLY_MB="${v#mb}")
     for m in 27b 27b8 35b; do
       model=qwen36-27b.toml extra=()
       [ "$m" = 27b8 ] && extra=(--quantize fp8)
