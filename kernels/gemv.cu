@@ -644,10 +644,6 @@ static __device__ __forceinline__ void gemv_async_tiles(const GemvParams& p, con
     flashrt::cp_async_wait<0>();
 }
 
-// A block takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the host launches one block per
-// tile, or with FLASHRT_GEMV_TILES=1 for several rows of 16-bit weights as many blocks as are
-// resident, so that the norm prologue, whose cost grows with the rows, runs once per block
-// rather than once per tile). What a tile computes does not depend on which block runs it.
 // One row without a fused norm, `p.early`: the first weights before the PDL wait. Weights are
 // never written by a step, so a block can ask DRAM for its tile's first chunk as soon as it is
 // resident, i.e. while the previous kernel's last blocks still run, and wait for that kernel
@@ -677,6 +673,10 @@ static __device__ __forceinline__ void gemv_early_chunk(const GemvParams& p, int
     }
 }
 
+// A block takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... (the host launches one block per
+// tile, or with FLASHRT_GEMV_TILES=1 for several rows of 16-bit weights as many blocks as are
+// resident, so that the norm prologue, whose cost grows with the rows, runs once per block
+// rather than once per tile). What a tile computes does not depend on which block runs it.
 template <typename T, int R, int GEMV_FEATS, bool NORM, bool FP8 = false>
 static __device__ __forceinline__ void gemv_impl(const GemvParams& p) {
     // `p.early`: the first weights, then the wait (gemv_entry has not waited).
