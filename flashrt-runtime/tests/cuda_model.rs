@@ -1428,6 +1428,23 @@ fn moe_prefetch_changes_nothing_computed() {
     }
 }
 
+/// `CudaOptions::gemv_early` (one-row gemv launches without a fused norm load their first
+/// weights before their PDL wait) changes when weights arrive, never what is computed: decode
+/// and verify steps of 1..5 rows give the same logits and states bit for bit with it off and
+/// with every such launch taking it (the model's Gated DeltaNet out_proj and attention o_proj
+/// at one row).
+#[test]
+fn gemv_early_changes_nothing_computed() {
+    let name = "gemv_early_changes_nothing_computed";
+    let with = |gemv_early: usize| CudaOptions {
+        gemv_early,
+        ..CudaOptions::default()
+    };
+    if same_bits_with(name, QWEN_MOE_LIKE, &[with(0), with(usize::MAX)]) {
+        println!("gemv_early off and on for every launch: bit-identical");
+    }
+}
+
 /// The MoE configurations the small-phase kernels' bit-identity tests run: the
 /// Qwen3.5-MoE-like model (softmax, renormalised, gated shared expert) and, where the fixtures
 /// are, the LFM2-MoE and Nemotron-H MoE configurations (sigmoid scores, a selection bias, a
