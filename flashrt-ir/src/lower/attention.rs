@@ -19,9 +19,26 @@ impl Lower<'_> {
         };
         let qw = a.q_heads * a.head_dim;
         let kvw = a.kv_heads * a.head_dim;
-        let q = self.scratch("q", qw);
+        // q_proj's output (`[query | gate]` per head where there is an output gate), k and v
+        // side by side in one scratch where rows stay aligned (one prefill matmul for the three
+        // on the CUDA backend).
+        let qo = if a.output_gate { 2 * qw } else { qw };
+        let (qo, k, v) = match self.scratch_cols("attn_in", &[qo, kvw, kvw]).as_deref() {
+            Some(&[qo, k, v]) => (qo, k, v),
+            _ => (
+                self.scratch(if a.output_gate { "q_gate" } else { "q" }, qo),
+                self.scratch("k", kvw),
+                self.scratch("v", kvw),
+            ),
+        };
+        // With the gate, the split below writes the query and the gate to their own scratches.
         let gate = a.output_gate.then(|| self.scratch("gate", qw));
-        let q_gate = gate.map(|_| self.scratch("q_gate", 2 * qw));
+        let q = if a.output_gate {
+            self.scratch("q", qw)
+        } else {
+            qo
+        };
+        let q_gate = gate.map(|_| qo);
         // Qwen3.5's q_proj emits `[query | gate]` per head, split below.
         self.linear(
             i,
@@ -33,8 +50,6 @@ impl Lower<'_> {
             ops,
             false,
         );
-        let k = self.scratch("k", kvw);
-        let v = self.scratch("v", kvw);
         self.linear(
             i,
             "attn.k_proj",

@@ -13,10 +13,18 @@ impl Lower<'_> {
     ) {
         let c = g.qkv_channels();
         let vw = g.value_heads * g.value_dim;
-        let raw = self.scratch("proj", c);
-        let z = self.scratch("z", vw);
-        let bv = self.scratch("b", g.value_heads);
-        let av = self.scratch("a", g.value_heads);
+        // The four input projections' outputs side by side in one scratch where rows stay
+        // aligned (one prefill matmul for all four on the CUDA backend).
+        let h = g.value_heads;
+        let (raw, z, bv, av) = match self.scratch_cols("gdn_in", &[c, vw, h, h]).as_deref() {
+            Some(&[raw, z, bv, av]) => (raw, z, bv, av),
+            _ => (
+                self.scratch("proj", c),
+                self.scratch("z", vw),
+                self.scratch("b", h),
+                self.scratch("a", h),
+            ),
+        };
         self.linear(
             i,
             "gdn.in_proj_qkv",

@@ -16,8 +16,15 @@ impl Lower<'_> {
                     }
                     WeightNaming::Qwen35 => ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
                 };
-                let g = self.scratch("mlp_gate", inter);
-                let u = self.scratch("mlp_up", inter);
+                // Gate and up side by side in one scratch where rows stay aligned (one
+                // prefill matmul for both on the CUDA backend).
+                let (g, u) = match self.scratch_cols("mlp_gu", &[inter, inter]).as_deref() {
+                    Some(&[g, u]) => (g, u),
+                    _ => (
+                        self.scratch("mlp_gate", inter),
+                        self.scratch("mlp_up", inter),
+                    ),
+                };
                 self.linear(i, "mlp.gate_proj", gate_n, hn, g, false, ops, false);
                 self.linear(i, "mlp.up_proj", up_n, hn, u, false, ops, false);
                 ops.push(Op::Mul {

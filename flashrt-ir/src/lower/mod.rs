@@ -201,6 +201,41 @@ impl<'a> Lower<'a> {
         }
     }
 
+    /// Adjacent column views of one scratch buffer, one per width in order: matmuls that read
+    /// one input and write these views can run as one matmul over their weights end to end
+    /// (the CUDA backend's prefill `linear_group`; weights created one after another are
+    /// adjacent in the arena). `None` where that would misalign a row: the total width and
+    /// the first column of every piece whose width is a multiple of 8 must be multiples of 8
+    /// (16-byte rows for the vector loads of the kernels that read them).
+    fn scratch_cols(&mut self, name: &'static str, widths: &[usize]) -> Option<Vec<View>> {
+        let mut col = 0;
+        for &w in widths {
+            if w % 8 == 0 && col % 8 != 0 {
+                return None;
+            }
+            col += w;
+        }
+        if col % 8 != 0 {
+            return None;
+        }
+        let whole = self.scratch(name, col);
+        let mut col = 0;
+        Some(
+            widths
+                .iter()
+                .map(|&width| {
+                    let v = View {
+                        col,
+                        width,
+                        ..whole
+                    };
+                    col += width;
+                    v
+                })
+                .collect(),
+        )
+    }
+
     fn materialise_scratch(&mut self) -> BTreeMap<u32, (BufferId, usize)> {
         let mut out = BTreeMap::new();
         let mut entries: Vec<_> = self

@@ -287,6 +287,13 @@ pub struct CudaOptions {
     /// MB) lost (bf16 17.96 -> 18.07 ms, FP8 11.62 -> 11.68; benches/RESULTS.md 2026-12-07
     /// 17:40 UTC), hence the limit. Default 24 MiB from `FLASHRT_GEMV_EARLY_MB` (0: none).
     pub gemv_early: usize,
+    /// Prefill matmuls that read one input and write adjacent columns of one buffer from
+    /// weights stored end to end (a Gated DeltaNet layer's four input projections, attention's
+    /// q, k and v, an MLP's gate and up: flashrt-ir's `scratch_cols`) run as one cuBLASLt
+    /// matmul over the whole weight block (`linear_group` in ops/linear.rs). A row's outputs
+    /// are the same dot products; the GEMM's algorithm may differ with its width. Default on;
+    /// `FLASHRT_LINEAR_GROUP=0` runs them one by one.
+    pub linear_group: bool,
     /// Blocks per value head of the fused Gated DeltaNet decode kernel (1, 2 or 4: 128, 64 or
     /// 32 state columns a block; kernels/gated_deltanet.cu `gdn_decode_r*_c*`). Outputs do not
     /// depend on it. 2 on the H200: 27B decode 13.96 -> 13.53 ms, 35B-A3B 3.61 -> 3.43 ms against
@@ -392,6 +399,7 @@ impl Default for CudaOptions {
             gemv8m_max_splits: num("FLASHRT_GEMV8M_MAX_SPLITS", 4),
             gemv_side: num("FLASHRT_GEMV_SIDE", 1) != 0,
             gemv_early: (num("FLASHRT_GEMV_EARLY_MB", 24) as usize) << 20,
+            linear_group: num("FLASHRT_LINEAR_GROUP", 1) != 0,
             gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
             gdn_prep: num("FLASHRT_GDN_PREP", 2),
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
@@ -881,6 +889,7 @@ fn builder<'a>(
         gemv8m_max_splits: model.options.gemv8m_max_splits,
         gemv_side: model.options.gemv_side,
         gemv_early: model.options.gemv_early,
+        linear_group: model.options.linear_group,
         gdn_col_blocks: model.options.gdn_col_blocks,
         prefetch_next: model.options.prefetch_next,
         moe_prefetch: model.options.moe_prefetch,

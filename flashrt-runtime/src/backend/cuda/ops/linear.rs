@@ -72,35 +72,14 @@ impl Builder<'_> {
                 cmds,
             )?;
         } else {
-            let wp = self.addr(*w);
-            let shape = GemmShape {
-                in_dtype: t,
-                out_dtype: od,
-                n: out.width as u64,
-                k: x.width as u64,
-                rows: shape_rows as u64,
-                ld_x: ld_x as i64,
-                ld_out: ld_o as i64,
-                align_w: gemm::alignment(wp),
-                align_x: gemm::alignment(xp),
-                align_out: gemm::alignment(op_),
-                tf32: false,
-            };
-            let g = self.blas.gemm(shape).map_err(|e| match e {
-                Error::Backend { msg, .. } => Error::Backend {
-                    op: format!("{label} `{}`", wb.name),
-                    msg,
-                },
-                e => e,
-            })?;
-            cmds.push(Cmd::Gemm(GemmCmd {
-                label: format!("{label} `{}`", wb.name),
-                gemm: g,
-                w: wp,
-                x: xp,
-                out: op_,
-                accumulate: *accumulate,
-            }));
+            cmds.push(self.gemm_cmd(
+                self.addr(*w),
+                (xp, ld_x),
+                (op_, ld_o, od),
+                (shape_rows, x.width, out.width),
+                *accumulate,
+                &format!("{label} `{}`", wb.name),
+            )?);
         }
         if let Some(b) = bias {
             self.expect_dtype(*b, DType::F32, label)?;
@@ -121,5 +100,120 @@ impl Builder<'_> {
             ));
         }
         Ok(())
+    }
+
+    /// One cuBLASLt matmul `out (+)= x · w^T` over 16-bit weights at `wp`: (rows, k, n).
+    fn gemm_cmd(
+        &self,
+        wp: u64,
+        (xp, ld_x): (u64, i32),
+        (op_, ld_o, od): (u64, i32, DType),
+        (rows, k, n): (usize, usize, usize),
+        accumulate: bool,
+        label: &str,
+    ) -> Result<Cmd> {
+        let shape = GemmShape {
+            in_dtype: self.target(),
+            out_dtype: od,
+            n: n as u64,
+            k: k as u64,
+            rows: rows as u64,
+            ld_x: ld_x as i64,
+            ld_out: ld_o as i64,
+            align_w: gemm::alignment(wp),
+            align_x: gemm::alignment(xp),
+            align_out: gemm::alignment(op_),
+            tf32: false,
+        };
+        let g = self.blas.gemm(shape).map_err(|e| match e {
+            Error::Backend { msg, .. } => Error::Backend {
+                op: label.to_string(),
+                msg,
+            },
+            e => e,
+        })?;
+        Ok(Cmd::Gemm(GemmCmd {
+            label: label.to_string(),
+            gemm: g,
+            w: wp,
+            x: xp,
+            out: op_,
+            accumulate,
+        }))
+    }
+
+    /// Two or more matmuls at `ops[0..]` as one GEMM (`CudaOptions::linear_group`): the same
+    /// input view, no bias, not accumulating, 16-bit weights of the target type stored end to
+    /// end in the arena, and outputs that are adjacent columns of one buffer, in order (what
+    /// flashrt-ir's `scratch_cols` lays out). Then `[w_1; w_2; ...]` is one `[n_1 + n_2 + ...,
+    /// k]` matrix and the outputs one view of that width. `None` where the ops do not qualify
+    /// (they then run one by one); else the number of ops taken.
+    pub(super) fn linear_group(
+        &self,
+        ops: &[Op],
+        rows: usize,
+        shared: Option<usize>,
+        label: &str,
+        cmds: &mut Vec<Cmd>,
+    ) -> Result<Option<usize>> {
+        if !self.linear_group {
+            return Ok(None);
+        }
+        let t = self.target();
+        // (weight, output view) of op j when it is a plain matmul of `t` weights over `x0`.
+        let plain = |op: &Op, x0: Option<&View>| match op {
+            Op::Linear {
+                x,
+                w,
+                bias: None,
+                out,
+                accumulate: false,
+            } if x0.is_none_or(|x0| x0 == x) => {
+                let b = self.buf(*w);
+                (b.dtype == t && b.shape == [out.width, x.width]).then_some((*w, *x, *out))
+            }
+            _ => None,
+        };
+        let Some((w0, x, out0)) = plain(&ops[0], None) else {
+            return Ok(None);
+        };
+        let (mut end_w, mut end_out, mut n) =
+            (self.addr(w0) + self.buf(w0).bytes as u64, out0, out0.width);
+        let mut names = vec![self.buf(w0).name.as_str()];
+        for op in &ops[1..] {
+            let Some((w, _, out)) = plain(op, Some(&x)) else {
+                break;
+            };
+            if self.addr(w) != end_w
+                || out.buf != out0.buf
+                || out.stride != out0.stride
+                || out.col != end_out.col + end_out.width
+            {
+                break;
+            }
+            end_w = self.addr(w) + self.buf(w).bytes as u64;
+            end_out = out;
+            n += out.width;
+            names.push(self.buf(w).name.as_str());
+        }
+        if names.len() < 2 {
+            return Ok(None);
+        }
+        let whole = View { width: n, ..out0 };
+        let shape_rows = shared.unwrap_or(rows);
+        let (xp, ld_x, xd) = self.view(&x, shape_rows, label, "x")?;
+        let (op_, ld_o, od) = self.view(&whole, shape_rows, label, "out")?;
+        if xd != t || od != t {
+            return Ok(None);
+        }
+        cmds.push(self.gemm_cmd(
+            self.addr(w0),
+            (xp, ld_x),
+            (op_, ld_o, od),
+            (shape_rows, x.width, n),
+            false,
+            &format!("{label} `{}`", names.join("` + `")),
+        )?);
+        Ok(Some(names.len()))
     }
 }

@@ -430,6 +430,8 @@ pub struct Builder<'a> {
     /// One-row CUDA-core `gemv` launches without a fused norm of at most this many bytes of
     /// weights ask for their first weights before their PDL wait (`CudaOptions::gemv_early`).
     pub gemv_early: usize,
+    /// Adjacent prefill matmuls over one input as one GEMM (`CudaOptions::linear_group`).
+    pub linear_group: bool,
     /// Blocks per value head of the fused Gated DeltaNet decode launch
     /// (`CudaOptions::gdn_col_blocks`: 1, 2 or 4).
     pub gdn_col_blocks: u32,
@@ -765,6 +767,12 @@ impl Builder<'_> {
             if matches!(op, Op::Linear { .. }) {
                 // A GEMM's algorithm depends on its row count: only gemv keeps rows apart.
                 self.not_batched(&label, "a matmul gemv does not take")?;
+                if let Some(used) =
+                    self.linear_group(&plan.ops[i..], rows, shared, &label, &mut cmds)?
+                {
+                    i += used;
+                    continue;
+                }
             }
             self.op(op, rows, shared, &label, &mut cmds)?;
             i += 1;
