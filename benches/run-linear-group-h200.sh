@@ -19,15 +19,17 @@ timeout 100 "$BIN/cuda_fp8" --test-threads=1 >"$OUT/cuda_fp8.log" 2>&1 || status
 timeout 60 "$BIN/cuda_sample" --test-threads=1 >"$OUT/cuda_sample.log" 2>&1 || status=1
 timeout 260 "$BIN/cuda_model" --test-threads=1 >"$OUT/cuda_model.log" 2>&1 || status=1
 grep -hE 'test result|panicked|FAILED' "$OUT"/cuda_*.log
-for v in base new; do
-  bin="$FLASHRT"
-  [ "$v" = base ] && bin="$ROOT/.gpu/flashrt-base"
-  [ -x "$bin" ] || continue
-  run_bench "s27-$v" "$bin" -- "$ROOT/models/qwen36-27b.toml" --iters 1 --lengths 16384 \
+bin_of() { if [ "$1" = base ]; then echo "$ROOT/.gpu/flashrt-base"; else echo "$FLASHRT"; fi; }
+variants=(new)
+[ -x "$ROOT/.gpu/flashrt-base" ] && variants=(base new)
+for v in "${variants[@]}"; do
+  run_bench "s27-$v" "$(bin_of "$v")" -- "$ROOT/models/qwen36-27b.toml" --iters 1 --lengths 16384 \
     --decode-steps 4 --profile-rows 32,64
   grep -E "cold TTFT|suffix at" "$OUT/s27-$v.log" | head -5
-  run_bench "c35-$v" "$bin" -- "$ROOT/models/qwen36-35b-a3b.toml" --iters 1 --lengths 2048,16384 \
-    --decode-steps 8
+done
+for v in "${variants[@]}"; do
+  run_bench "c35-$v" "$(bin_of "$v")" -- "$ROOT/models/qwen36-35b-a3b.toml" --iters 1 \
+    --lengths 2048,16384 --decode-steps 8
   grep -E "cold TTFT" "$OUT/c35-$v.log" | head -3
 done
 exit $status
