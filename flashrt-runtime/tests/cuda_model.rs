@@ -1445,6 +1445,72 @@ fn gemv_early_changes_nothing_computed() {
     }
 }
 
+/// `CudaOptions::linear_group`: a prefill chunk's matmuls that read one input and write
+/// adjacent columns (each Gated DeltaNet layer's four input projections, attention's q / k / v,
+/// every MLP's gate and up) run as one cuBLASLt matmul per group, and compute what the
+/// separate matmuls compute up to the GEMM's own rounding (its algorithm may change with the
+/// width, so not bit for bit): a 32-row chunk's profile holds the 3 + 1 + 4 groups of the
+/// model's layers with the option on and none with it off, and the logits of prefill chunks
+/// and decode steps after them agree within the bf16 bound.
+#[test]
+fn linear_groups_run_as_one_matmul_and_compute_what_separate_ones_compute() {
+    let name = "linear_groups_run_as_one_matmul_and_compute_what_separate_ones_compute";
+    let with = |linear_group: bool| CudaOptions {
+        linear_group,
+        ..CudaOptions::default()
+    };
+    let (Some(on), Some(off)) = (cuda_with(name, with(true)), cuda_with(name, with(false))) else {
+        return;
+    };
+    let ir = ir_of(QWEN_LIKE, DType::Bf16, &[8, 32], 256);
+    let models = [model_on(on, &ir, None), model_on(off, &ir, None)];
+    let vocab = models[0].vocab();
+    let tokens = prompt(32, vocab, 7);
+    let groups: Vec<Vec<String>> = models
+        .iter()
+        .map(|m| {
+            let mut s = m.session().unwrap();
+            s.profile_chunk(&tokens)
+                .unwrap()
+                .into_iter()
+                .map(|(label, _)| label)
+                .filter(|l| l.contains("(linear)") && l.contains("` + `"))
+                .collect()
+        })
+        .collect();
+    for w in [
+        "in_proj_qkv` + `layers.0.gdn.in_proj_z` + `layers.0.gdn.in_proj_b` + `layers.0.gdn.in_proj_a`",
+        "q_proj` + `layers.3.attn.k_proj` + `layers.3.attn.v_proj`",
+        "gate_proj` + `layers.3.mlp.up_proj`",
+    ] {
+        assert!(
+            groups[0].iter().any(|l| l.contains(w)),
+            "no grouped matmul `{w}` among {:?}",
+            groups[0]
+        );
+    }
+    assert_eq!(groups[0].len(), 8, "grouped matmuls: {:?}", groups[0]);
+    assert!(
+        groups[1].is_empty(),
+        "grouped with the option off: {:?}",
+        groups[1]
+    );
+    let mut s: Vec<Session> = models.iter().map(|m| m.session().unwrap()).collect();
+    for (i, n) in [40, 3, 1, 1, 32].into_iter().enumerate() {
+        let chunk = prompt(n, vocab, 90 + i as u64);
+        for x in s.iter_mut() {
+            x.append(&chunk).unwrap();
+        }
+        let err = rel_err_of(s[0].logits(), s[1].logits());
+        assert!(!s[0].logits().is_empty());
+        assert!(
+            err < bf16_bound("qwen-like"),
+            "chunk {i} ({n} rows): grouped and separate matmuls' logits differ by {err:.3e}"
+        );
+    }
+    println!("linear groups: 8 grouped matmuls in a 32-row chunk; logits within the bf16 bound");
+}
+
 /// The MoE configurations the small-phase kernels' bit-identity tests run: the
 /// Qwen3.5-MoE-like model (softmax, renormalised, gated shared expert) and, where the fixtures
 /// are, the LFM2-MoE and Nemotron-H MoE configurations (sigmoid scores, a selection bias, a
