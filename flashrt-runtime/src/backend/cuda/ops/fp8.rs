@@ -249,28 +249,14 @@ impl Builder<'_> {
             256,
             &p,
         ));
-        let shape = GemmShape {
-            in_dtype: t,
-            out_dtype: od,
-            n: n as u64,
-            k: k as u64,
-            rows: rows as u64,
-            ld_x: ld_x as i64,
-            ld_out: ld_o as i64,
-            align_w: gemm::alignment(s.dequant),
-            align_x: gemm::alignment(xp),
-            align_out: gemm::alignment(op_),
-            tf32: false,
-        };
-        let g = self.blas.gemm(shape)?;
-        cmds.push(Cmd::Gemm(GemmCmd {
-            label: format!("{label} `{name}` (dequantized)"),
-            gemm: g,
-            w: s.dequant,
-            x: xp,
-            out: op_,
+        cmds.push(self.gemm_cmd(
+            s.dequant,
+            (xp, ld_x),
+            (op_, ld_o, od),
+            (rows, k, n),
             accumulate,
-        }));
+            &format!("{label} `{name}` (dequantized)"),
+        )?);
         Ok(())
     }
 }

@@ -103,7 +103,7 @@ impl Builder<'_> {
     }
 
     /// One cuBLASLt matmul `out (+)= x · w^T` over 16-bit weights at `wp`: (rows, k, n).
-    fn gemm_cmd(
+    pub(super) fn gemm_cmd(
         &self,
         wp: u64,
         (xp, ld_x): (u64, i32),
