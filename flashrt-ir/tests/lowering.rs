@@ -275,3 +275,121 @@ fn capsule_bytes_grow_linearly_with_position() {
 fn padding(l: &Layout) -> usize {
     l.arena_bytes(Role::State) - l.state_buffers().map(|b| b.bytes).sum::<usize>()
 }
+
+/// In the fixture families (whose widths keep side-by-side rows aligned), matmuls that read one
+/// input one after another (a Gated DeltaNet layer's input projections, attention's q / k / v,
+/// a dense MLP's gate and up) write adjacent columns of one scratch from weights that lie end
+/// to end in the weight arena, in the same order — what the CUDA backend's prefill
+/// `linear_group` needs to run them as one matmul. Each family has its groups: the Qwen3.5
+/// shape's four input projections and gate / up, q / k / v in all three.
+#[test]
+fn projections_of_one_input_lie_side_by_side() {
+    for (ir, want) in [
+        (
+            fixture_ir("qwen35-public"),
+            &["gdn.in_proj_qkv", "attn.q_proj", "mlp.gate_proj"][..],
+        ),
+        (
+            fixture_ir("lfm2-public"),
+            &["attn.q_proj", "mlp.gate_proj"][..],
+        ),
+        (fixture_ir("nemotronh-public"), &["attn.q_proj"][..]),
+    ] {
+        let c = compile(&ir, Target { dtype: DType::Bf16 });
+        let l = &c.layout;
+        let mut found = std::collections::BTreeSet::new();
+        for plan in &c.plans {
+            for pair in plan.ops.windows(2) {
+                let (
+                    Op::Linear {
+                        x: x0,
+                        w: w0,
+                        out: o0,
+                        ..
+                    },
+                    Op::Linear {
+                        x: x1,
+                        w: w1,
+                        out: o1,
+                        ..
+                    },
+                ) = (&pair[0], &pair[1])
+                else {
+                    continue;
+                };
+                if x0 != x1 {
+                    continue;
+                }
+                let (b0, b1) = (l.buffer(*w0), l.buffer(*w1));
+                assert_eq!(
+                    o1.buf, o0.buf,
+                    "{} and {}: one output buffer",
+                    b0.name, b1.name
+                );
+                assert_eq!(
+                    o1.col,
+                    o0.col + o0.width,
+                    "{} then {}: adjacent columns",
+                    b0.name,
+                    b1.name
+                );
+                assert_eq!(
+                    b1.offset,
+                    b0.offset + b0.bytes,
+                    "{} then {}: adjacent weights",
+                    b0.name,
+                    b1.name
+                );
+                let kind = b0.name.split_once('.').map_or("", |(_, rest)| rest);
+                let kind = kind.split_once('.').map_or(kind, |(_, rest)| rest);
+                found.insert(kind.to_string());
+            }
+        }
+        for w in want {
+            assert!(
+                found.contains(*w),
+                "{}: no group starting at `{w}` (found {found:?})",
+                ir.name
+            );
+        }
+    }
+}
+
+/// Where side-by-side outputs would misalign a row (here the Gated DeltaNet projections' widths
+/// 136 + 72 + 6 + 6 = 220 columns, not a multiple of 8), each projection keeps a scratch of its
+/// own, and the plans stay valid.
+#[test]
+fn misaligned_projections_keep_their_own_scratches() {
+    let mut ir = fixture_ir("qwen35-public");
+    let mut changed = 0;
+    for l in &mut ir.layers {
+        if let Some(MixerIr::GatedDeltanet(g)) = &mut l.mixer {
+            g.value_heads = 6;
+            g.value_dim = 12;
+            changed += 1;
+        }
+    }
+    assert!(changed > 0, "the fixture has Gated DeltaNet layers");
+    let c = compile(&ir, Target { dtype: DType::Bf16 });
+    check_layout(&c);
+    let decode = c.plans.iter().find(|p| p.phase == Phase::Decode).unwrap();
+    let outs: Vec<View> = decode
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Linear { w, out, .. }
+                if c.layout.buffer(*w).name.starts_with("layers.0.gdn.in_proj") =>
+            {
+                Some(*out)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(outs.len(), 4);
+    for (i, o) in outs.iter().enumerate() {
+        assert_eq!(o.col, 0, "projection {i} at column 0 of its own scratch");
+        check_view(&c, o, decode.phase.rows());
+    }
+    let bufs: std::collections::BTreeSet<_> = outs.iter().map(|o| o.buf).collect();
+    assert_eq!(bufs.len(), 4, "four scratches");
+}
