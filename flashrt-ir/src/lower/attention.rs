@@ -22,11 +22,14 @@ impl Lower<'_> {
         // q_proj's output (`[query | gate]` per head where there is an output gate), k and v
         // side by side in one scratch where rows stay aligned (one prefill matmul for the three
         // on the CUDA backend).
-        let qo = if a.output_gate { 2 * qw } else { qw };
-        let (qo, k, v) = match self.scratch_cols("attn_in", &[qo, kvw, kvw]).as_deref() {
+        let qo_width = if a.output_gate { 2 * qw } else { qw };
+        let (qo, k, v) = match self
+            .scratch_cols("attn_in", &[qo_width, kvw, kvw])
+            .as_deref()
+        {
             Some(&[qo, k, v]) => (qo, k, v),
             _ => (
-                self.scratch(if a.output_gate { "q_gate" } else { "q" }, qo),
+                self.scratch(if a.output_gate { "q_gate" } else { "q" }, qo_width),
                 self.scratch("k", kvw),
                 self.scratch("v", kvw),
             ),
