@@ -1,5 +1,5 @@
 // flashrt kernels: causal GQA prefill attention on Hopper's warpgroup tensor cores (plan op
-// `Attention`, prefill buckets of >= 64 rows, head_dim 129..256, bf16/f16 targets, sm_90a).
+// `Attention`, prefill buckets of >= 32 rows, head_dim 129..256, bf16/f16 targets, sm_90a).
 //
 // Same semantics and launch shape as `attention_prefill_d256` (attention_prefill.cu), which it
 // replaces on compute capability 9.0: query row r < io.len of head h attends to cache
@@ -8,6 +8,13 @@
 //
 // grid  = (q_heads, ceil(bucket rows / 128), splits); the row tile of block y is tiles - 1 - y
 //         (the longest tiles start first). Blocks whose first row is >= io.len return at once.
+//         Packed (`pack` = G = q_heads / kv_heads > 1, a chunk of fewer than 128 rows): grid =
+//         (kv_heads, ceil(rows / prows), splits), and the block's 128 query rows are the G query
+//         heads of KV head x for `prows` chunk rows (G * prows <= 128): tile row i is chunk row
+//         r0 + i / G of query head G x + i % G. A 32-row chunk of the 27B shape (G = 6) used
+//         32 of each block's 128 rows and read every key 6 times (once per query head); packed,
+//         two blocks per KV head fill 96 of 128 and read each key once. Every row is computed
+//         as it is unpacked: the same keys in the same tiles, in the same order.
 //         With splits > 1 (a small grid: a short chunk after a long context) block z walks
 //         only its even share of the tile's key tiles and writes each row's softmax state
 //         (m in natural-log units, l, o not divided by l) to `partial` in attention.cu's
@@ -211,6 +218,8 @@ struct __align__(128) FaTmaMap {
 struct AttentionTmaParams {
     FaTmaMap q, k, v;
     AttentionParams a;
+    int pack;  // query heads per block row group (1: one head per block; see the header)
+    int prows; // chunk rows per block (128 when pack = 1); the q map's boxes are {64, pack, prows}
 };
 
 template <typename T>
@@ -223,12 +232,15 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     extern __shared__ __align__(1024) unsigned char wg_smem[];
 
     const int len = flashrt::load_len(p.len);
-    const int r0 = (gridDim.y - 1 - blockIdx.y) * BR;
+    // Tile row i is chunk row r0 + i / G of query head h0 + i % G (G = 1: row r0 + i of head h0).
+    const int G = tp.pack, PR = tp.prows;
+    const int r0 = (gridDim.y - 1 - blockIdx.y) * PR;
     if (r0 >= len) return;
     const int pos = flashrt::load_pos(p.pos);
-    const int h = blockIdx.x;
-    const int kvh = h / (p.q_heads / p.kv_heads);
-    const int rend = min(r0 + BR, len);          // valid rows [r0, rend)
+    const int h0 = G > 1 ? blockIdx.x * G : blockIdx.x;
+    const int kvh = G > 1 ? blockIdx.x : h0 / (p.q_heads / p.kv_heads);
+    const int rend = min(r0 + PR, len);          // valid chunk rows [r0, rend)
+    const int pend = (rend - r0) * G;            // valid tile rows [0, pend)
     const int kend = min(pos + rend, p.max_seq); // keys [0, kend)
     const int all_tiles = (kend + BC - 1) / BC;
     // Split z of p.splits (gridDim.z) takes key tiles [tb, tb + ntiles): an even share of the
@@ -250,22 +262,23 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     // expect_tx; the TMA bytes complete the phase).
     const uint32_t bar_q = sV + 2 * KV_STAGE, bar_k = bar_q + 8, bar_v = bar_q + 24;
 
-    // This warpgroup's rows [gr0, gr0 + 64) and the last key any of them may see; this warp's
-    // rows [wr0, wr0 + 16) and the causal limits of the thread's two rows.
-    const int gr0 = r0 + wg * 64;
-    const bool group_rows = gr0 < rend;
-    const int group_hi = min(pos + min(gr0 + 63, rend - 1), p.max_seq - 1);
+    // This warpgroup's tile rows [gr0, gr0 + 64) and the last key any of them may see; this
+    // warp's tile rows [wr0, wr0 + 16) and the causal limits of the thread's two rows.
+    const int gr0 = wg * 64;
+    const bool group_rows = gr0 < pend;
+    const int group_hi = min(pos + r0 + min(gr0 + 63, pend - 1) / G, p.max_seq - 1);
     const int wr0 = gr0 + wq * 16;
-    const int warp_lo = min(pos + wr0, p.max_seq - 1);
+    const int warp_lo = min(pos + r0 + wr0 / G, p.max_seq - 1);
     int lim[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) lim[i] = min(pos + wr0 + g + 8 * i, p.max_seq - 1);
+    for (int i = 0; i < 2; ++i) lim[i] = min(pos + r0 + (wr0 + g + 8 * i) / G, p.max_seq - 1);
     const float sl2 = p.scale * 1.4426950408889634f;
 
     // Thread 0 issues every copy: 4 slabs (boxes of 64 columns) per tile.
     const bool issuer = threadIdx.x == 0;
-    auto load = [&](uint32_t dst, const FaTmaMap* map, uint32_t slab, int head, int row0, uint32_t bar) {
-        mbar_arrive_expect_tx(bar, 4 * slab);
+    // A box is `bytes` long and lands at the start of its slab (`slab` bytes apart).
+    auto load = [&](uint32_t dst, const FaTmaMap* map, uint32_t slab, uint32_t bytes, int head, int row0, uint32_t bar) {
+        mbar_arrive_expect_tx(bar, 4 * bytes);
 #pragma unroll
         for (int c = 0; c < 4; ++c) tma_load_3d(dst + c * slab, map, 64 * c, head, row0, bar);
     };
@@ -276,8 +289,10 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     __syncthreads();
     // Prologue: Q and K of tile 0. Iteration t then loads K of tile t + 1 and V of tile t.
     if (issuer) {
-        load(sQ, &tp.q, Q_SLAB, h, r0, bar_q);
-        if (ntiles > 0) load(sK, &tp.k, KV_SLAB, kvh, tb * BC, bar_k);
+        // Tile rows past G * PR (packed) are never loaded: they belong to no row and are not
+        // stored.
+        load(sQ, &tp.q, Q_SLAB, (uint32_t)(G * PR) * 128u, h0, r0, bar_q);
+        if (ntiles > 0) load(sK, &tp.k, KV_SLAB, KV_SLAB, kvh, tb * BC, bar_k);
     }
 
     float o[128];
@@ -295,8 +310,8 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     // once P(t - 1) is packed), and rescales O only after P V has landed.
     for (int t = 0; t <= ntiles; ++t) {
         if (issuer) {
-            if (t + 1 < ntiles) load(sK + ((t + 1) & 1) * KV_STAGE, &tp.k, KV_SLAB, kvh, (tb + t + 1) * BC, bar_k + ((t + 1) & 1) * 8);
-            if (t < ntiles) load(sV + (t & 1) * KV_STAGE, &tp.v, KV_SLAB, kvh, (tb + t) * BC, bar_v + (t & 1) * 8);
+            if (t + 1 < ntiles) load(sK + ((t + 1) & 1) * KV_STAGE, &tp.k, KV_SLAB, KV_SLAB, kvh, (tb + t + 1) * BC, bar_k + ((t + 1) & 1) * 8);
+            if (t < ntiles) load(sV + (t & 1) * KV_STAGE, &tp.v, KV_SLAB, KV_SLAB, kvh, (tb + t) * BC, bar_v + (t & 1) * 8);
         }
         // K(t) and V(t - 1) (and Q) have landed: stage s holds tiles s, s + 2, ..., so tile u
         // completes phase u / 2 of its stage's barrier.
@@ -359,8 +374,28 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
 
     if (!group_rows) return;
     if (p.splits == 1) {
-        flashrt::flash_store<T, 32>(o, l, wr0 + g, rend, static_cast<T*>(p.out) + (size_t)h * p.head_dim, p.ld_out,
-                                    p.head_dim, t4);
+        if (G == 1) {
+            flashrt::flash_store<T, 32>(o, l, r0 + wr0 + g, rend, static_cast<T*>(p.out) + (size_t)h0 * p.head_dim,
+                                        p.ld_out, p.head_dim, t4);
+            return;
+        }
+        // Packed: each of the thread's two tile rows to its own chunk row and head (the same
+        // values flash_store writes).
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float sum = l[i];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int pi = wr0 + g + 8 * i;
+            if (pi >= pend) continue;
+            const float inv = 1.0f / sum;
+            T* orow = static_cast<T*>(p.out) + (size_t)(r0 + pi / G) * p.ld_out + (size_t)(h0 + pi % G) * p.head_dim;
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+                if (8 * j < p.head_dim)
+                    *reinterpret_cast<uint32_t*>(orow + 8 * j + 2 * t4) =
+                        Mma<T>::pack(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
+        }
         return;
     }
     // Several splits: each row's (m, l, o[]) to the partials (attention.cu's layout, m in
@@ -372,8 +407,9 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
         float sum = l[i];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int r = wr0 + g + 8 * i;
-        if (r >= rend) continue;
+        const int pi = wr0 + g + 8 * i;
+        if (pi >= pend) continue;
+        const int r = r0 + pi / G, h = h0 + pi % G;
         float* part = p.partial + (((size_t)r * p.q_heads + h) * p.splits + z) * (size_t)(p.head_dim + 2);
         if (t4 == 0) {
             part[0] = m[i] == -INFINITY ? -INFINITY : m[i] * 0.6931471805599453f;

@@ -700,7 +700,24 @@ fn attention_prefill_mma_sync() {
     attention_prefill_cases(&gpu, &[DType::Bf16, DType::F16]);
 }
 
-/// Prefill buckets of >= 64 rows: bf16/f16 targets run a tensor-core kernel (128-row tiles:
+/// The prefill cases with one query head a block of the warpgroup-MMA kernel at every chunk
+/// length (`CudaOptions::attn_pack` off; on, chunks of fewer than 128 rows pack a KV head's
+/// query heads into each block).
+#[test]
+fn attention_prefill_unpacked() {
+    let Some(gpu) = cuda_with(
+        "attention_prefill_unpacked",
+        CudaOptions {
+            attn_pack: false,
+            ..CudaOptions::default()
+        },
+    ) else {
+        return;
+    };
+    attention_prefill_cases(&gpu, &[DType::Bf16]);
+}
+
+/// Prefill buckets of >= 32 rows: bf16/f16 targets run a tensor-core kernel (128-row tiles:
 /// attention_prefill_wgmma.cu at head_dim 129..=256 on sm_90, else attention_prefill.cu), f32
 /// the split kernel. Partial tiles (130 = 128 + 2 rows), partial chunks, chunks that start far
 /// from 0 and at positions that are not multiples of a tile, head_dim below the instantiated
@@ -729,6 +746,17 @@ fn attention_prefill_cases(
                 256,
                 Some([vec![64; 16], vec![37, 64, 5]].concat()),
             ),
+            // 32-row chunks of the 27B shape's heads (24 / 4: packed 6 heads x 16 rows a
+            // block, 16 key splits) after ~1.3k positions, then partial chunks; 8 query heads a
+            // KV head at head_dim 200 (16 rows fill a block), a chunk ending inside a block.
+            (
+                32,
+                24,
+                4,
+                256,
+                Some([vec![32; 40], vec![20, 32, 1, 17]].concat()),
+            ),
+            (32, 16, 2, 200, Some(vec![32, 32, 25, 32, 9, 32])),
         ] {
             let mut case = attention_case(bucket, qh, kvh, hd);
             if let Some(steps) = steps {

@@ -154,6 +154,14 @@ pub struct CudaOptions {
     /// 256 key tiles alone) — and merge the splits' softmax states with `attention_combine`
     /// (default). Default from `FLASHRT_ATTN_SPLIT` (`0` = off).
     pub attn_split: bool,
+    /// Prefill chunks of fewer than 128 rows (the 32- and 64-row buckets that a stored prompt's
+    /// short suffix runs) lay the query heads of one KV head side by side in each block of the
+    /// warpgroup-MMA attention kernel (kernels/attention_prefill_wgmma.cu, `Packing` in
+    /// ops/attention.rs): a 32-row chunk of the 27B shape filled 32 of a block's 128 query
+    /// rows and read every key once per query head; packed, 96 of 128, each key once per KV
+    /// head, and the few blocks split the keys 8 to 16 ways. Each row attends to the same keys
+    /// in the same tiles. Default on; `FLASHRT_ATTN_PACK=0` keeps one query head a block.
+    pub attn_pack: bool,
     /// Run prefill MoE experts as warpgroup-MMA grouped GEMMs (kernels/moe_wgmma.cu) on
     /// compute capability 9.0 (default); `false`, or any other device, uses the wmma kernels
     /// of kernels/moe.cu. Default from `FLASHRT_MOE_WGMMA` (`0` = off).
@@ -374,6 +382,7 @@ impl Default for CudaOptions {
             attn_decode: on("FLASHRT_ATTN_DECODE"),
             attn_wgmma: on("FLASHRT_ATTN_WGMMA"),
             attn_split: on("FLASHRT_ATTN_SPLIT"),
+            attn_pack: on("FLASHRT_ATTN_PACK"),
             moe_wgmma: on("FLASHRT_MOE_WGMMA"),
             moe_wide: on("FLASHRT_MOE_WIDE"),
             moe_route_in_up: on("FLASHRT_MOE_ROUTE_IN_UP"),
@@ -871,6 +880,7 @@ fn builder<'a>(
         gemv: model.options.gemv,
         attn_decode: model.options.attn_decode,
         attn_split: model.options.attn_split,
+        attn_pack: model.options.attn_pack,
         wgmma: model.wgmma,
         moe_wgmma: model.moe_wgmma,
         moe_wide: model.options.moe_wide,

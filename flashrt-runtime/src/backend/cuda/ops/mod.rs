@@ -373,6 +373,9 @@ pub struct Builder<'a> {
     pub wgmma: bool,
     /// Split that kernel's keys over blocks when its grid is small (`CudaOptions::attn_split`).
     pub attn_split: bool,
+    /// Pack a KV head's query heads into that kernel's blocks for chunks of fewer than 128 rows
+    /// (`CudaOptions::attn_pack`).
+    pub attn_pack: bool,
     /// Prefill MoE grouped GEMMs through kernels/moe_wgmma.cu (sm_90a).
     pub moe_wgmma: bool,
     /// ... over 128 x 256 tiles with persistent blocks (`moe_*_w2`; `CudaOptions::moe_wide`).
