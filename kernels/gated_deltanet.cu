@@ -1,5 +1,5 @@
 // flashrt kernels: Gated DeltaNet recurrence (plan op `GatedDeltaNet`): a token-by-token kernel
-// (decode, verify, small prefill buckets), a chunked one (prefill buckets of >= 64 rows), and
+// (decode, verify, small prefill buckets), a chunked one (prefill buckets of >= 32 rows), and
 // for decode and verify on sm_90 the token kernel with the layer's causal conv before it and
 // gated RMSNorm after it fused in (`gdn_decode_r*`, below the token kernel).
 //

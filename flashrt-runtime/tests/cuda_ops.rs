@@ -747,14 +747,15 @@ fn attention_prefill_cases(
                 Some([vec![64; 16], vec![37, 64, 5]].concat()),
             ),
             // 32-row chunks of the 27B shape's heads (24 / 4: packed 6 heads x 16 rows a
-            // block, 16 key splits) after ~1.3k positions, then partial chunks; 8 query heads a
+            // block, 16 key splits, most empty at these lengths) after 384 positions, then
+            // partial chunks; 8 query heads a
             // KV head at head_dim 200 (16 rows fill a block), a chunk ending inside a block.
             (
                 32,
                 24,
                 4,
                 256,
-                Some([vec![32; 40], vec![20, 32, 1, 17]].concat()),
+                Some([vec![32; 12], vec![20, 32, 1, 17]].concat()),
             ),
             (32, 16, 2, 200, Some(vec![32, 32, 25, 32, 9, 32])),
         ] {
@@ -912,18 +913,18 @@ fn gated_deltanet() {
     let Some(gpu) = cuda("gated_deltanet") else {
         return;
     };
-    // Buckets below 64 rows: the token-by-token kernel (every phase).
+    // Buckets below 32 rows: the token-by-token kernel (every phase).
     for dtype in DTYPES {
         for (bucket, hk, hv, dk, dv) in [
             (3, 1, 1, 3, 50),
-            (50, 2, 4, 50, 50),
-            (50, 2, 6, 128, 128),
+            (20, 2, 4, 50, 50),
+            (20, 2, 6, 128, 128),
             (3, 1, 2, 256, 64),
         ] {
             check_gated_deltanet(&gpu, dtype, bucket, hk, hv, dk, dv, None, false);
         }
     }
-    // Prefill buckets of >= 64 rows: the chunked kernel (64-row chunks) for prefill steps,
+    // Prefill buckets of >= 32 rows: the chunked kernel (64-row chunks) for prefill steps,
     // the token kernel for the decode steps in between, each continuing from the state the
     // other left. Lengths that are and are not multiples of 64, below 64 (2 rows), chunks
     // after decode steps; dk below the instantiated bound (100 -> 128, 50 -> 64), dv below
@@ -931,9 +932,12 @@ fn gated_deltanet() {
     // value heads per key head). Even heads decay slowly (tens of tokens or more), so the
     // state carried across chunks and calls matters. The last two have rows whose q, k, v
     // segments are 16-byte aligned (input width a multiple of 8), which the kernel loads with
-    // cp.async; the others go element by element; dv 40 ends in a partial column block.
+    // cp.async; the others go element by element; dv 40 ends in a partial column block. The
+    // 32-row bucket runs one padded chunk a call (a stored prompt's short suffix).
     for dtype in DTYPES {
         for (bucket, hk, hv, dk, dv, steps) in [
+            (32, 2, 6, 128, 128, Some(vec![32, 20, 1, 32, 5, 32])),
+            (50, 2, 4, 50, 50, None),
             (200, 2, 6, 128, 128, None),
             (130, 1, 2, 64, 50, None),
             (130, 1, 2, 50, 70, Some(vec![130, 64, 1, 100])),

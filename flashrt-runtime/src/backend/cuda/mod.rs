@@ -322,6 +322,16 @@ pub struct CudaOptions {
     /// heads x chunks x 20 KiB for bf16 ([`ops::gdn_prep_bytes`]: 60 MiB at the 27B shape's
     /// 4096-row bucket). Default from `FLASHRT_GDN_PREP`.
     pub gdn_prep: u32,
+    /// Prefill buckets of at least this many rows run the chunked Gated DeltaNet kernel (one
+    /// padded 64-row chunk for a 32-row bucket); smaller ones the token-by-token kernel. 32: a
+    /// stored prompt's 32-token suffix spent 2.5 ms of 22.7 in the token kernel's 48 launches
+    /// at the 27B shape (52 us each, H100, benches/RESULTS.md 2026-12-07 22:20 UTC), where the
+    /// chunk kernel and its records took 1.2 ms for a 64-row chunk. The chunk kernel's bf16
+    /// operands drift further from the f32 reference than the token kernel's f32 state (both
+    /// within the reference implementation's own bf16 drift: the GPU tests
+    /// `bf16_tracks_cpu_reference`, `bf16_chunked_prefill_tracks_cpu_reference`). Default from
+    /// `FLASHRT_GDN_CHUNK_ROWS` (64: the kernel choice before 2026-12-07).
+    pub gdn_chunk_rows: usize,
     /// Keep device memory freed by stream-ordered frees in the device's memory pool for the
     /// next allocation (release threshold: unlimited) instead of the driver's default of
     /// handing it back to the system at every synchronisation. A server allocates and frees
@@ -411,6 +421,7 @@ impl Default for CudaOptions {
             linear_group: num("FLASHRT_LINEAR_GROUP", 1) != 0,
             gdn_col_blocks: num("FLASHRT_GDN_COL_BLOCKS", 2),
             gdn_prep: num("FLASHRT_GDN_PREP", 2),
+            gdn_chunk_rows: num("FLASHRT_GDN_CHUNK_ROWS", 32) as usize,
             pool_keep: std::env::var("FLASHRT_POOL_KEEP").is_ok_and(|v| v == "1"),
             prefetch_next: (num("FLASHRT_PREFETCH_NEXT_MB", 16) as usize) << 20,
             moe_prefetch: (num("FLASHRT_MOE_PREFETCH_MB", 32) as usize) << 20,
@@ -767,7 +778,7 @@ impl ModelInner {
     /// The chunked Gated DeltaNet kernel's chunk records (0 when off).
     fn gdn_prep_bytes(&self) -> usize {
         if self.options.gdn_prep > 0 {
-            ops::gdn_prep_bytes(&self.compiled)
+            ops::gdn_prep_bytes(&self.compiled, self.options.gdn_chunk_rows)
         } else {
             0
         }
@@ -881,6 +892,7 @@ fn builder<'a>(
         attn_decode: model.options.attn_decode,
         attn_split: model.options.attn_split,
         attn_pack: model.options.attn_pack,
+        gdn_chunk_rows: model.options.gdn_chunk_rows,
         wgmma: model.wgmma,
         moe_wgmma: model.moe_wgmma,
         moe_wide: model.options.moe_wide,

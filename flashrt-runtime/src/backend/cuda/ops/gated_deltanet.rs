@@ -27,15 +27,15 @@ struct GdnParams {
 }
 
 /// kernels/gated_deltanet.cu `GDNC_ROWS`, `GDNC_COLS`: the chunked kernel's rows a chunk and
-/// value columns a block, and the least rows a plan runs it for.
+/// value columns a block (the least rows a plan runs it for is `CudaOptions::gdn_chunk_rows`).
 const GDN_CHUNK_ROWS: usize = 64;
 const GDN_CHUNK_COLS: usize = 16;
-const GDN_CHUNK_MIN_ROWS: usize = 64;
 
-/// The chunked kernel's key_dim bound (64 or 128) where a plan of `rows` runs it.
-fn chunk_dk(rows: usize, key_dim: usize) -> Option<usize> {
+/// The chunked kernel's key_dim bound (64 or 128) where a plan of `rows` runs it (buckets of
+/// `min_rows` rows or more).
+fn chunk_dk(rows: usize, key_dim: usize, min_rows: usize) -> Option<usize> {
     match key_dim {
-        _ if rows < GDN_CHUNK_MIN_ROWS => None,
+        _ if rows < min_rows => None,
         1..=64 => Some(64),
         65..=128 => Some(128),
         _ => None,
@@ -51,7 +51,7 @@ fn chunk_record_bytes(t: DType) -> usize {
 
 /// Bytes of the chunk records the chunked Gated DeltaNet kernel's split-off phases need at
 /// most over `compiled`'s plans (`CudaOptions::gdn_prep`): value heads x chunks x record.
-pub fn gdn_prep_bytes(compiled: &Compiled) -> usize {
+pub fn gdn_prep_bytes(compiled: &Compiled, min_rows: usize) -> usize {
     let t = compiled.layout.target.dtype;
     let mut most = 0;
     for plan in &compiled.plans {
@@ -62,7 +62,7 @@ pub fn gdn_prep_bytes(compiled: &Compiled) -> usize {
                 value_heads,
                 ..
             } = op
-                && chunk_dk(rows, *key_dim).is_some()
+                && chunk_dk(rows, *key_dim, min_rows).is_some()
             {
                 most =
                     most.max(value_heads * rows.div_ceil(GDN_CHUNK_ROWS) * chunk_record_bytes(t));
@@ -351,7 +351,7 @@ impl Builder<'_> {
         let p = self.gdn_params(op, rows, label)?;
         // Two kernels (kernels/gated_deltanet.cu), both continuing from the state
         // left by earlier calls:
-        // * buckets of >= 64 rows with key_dim <= 128: the chunked kernel (64-row
+        // * buckets of >= `gdn_chunk_rows` (32) rows with key_dim <= 128: the chunked kernel (64-row
         //   chunks in WY form on tensor cores: bf16/f16 mma for 16-bit targets,
         //   3xTF32 for f32). One block per value head and 16 value columns, 128
         //   threads, its shared memory (`GDN_CHUNK_*` below, mirroring `GdncLayout`)
@@ -363,7 +363,7 @@ impl Builder<'_> {
         // Which one runs depends only on the plan, so a phase always computes a row
         // the same way.
         // The chunked kernel's key_dim bound, if it runs.
-        let chunk_dk = chunk_dk(rows, *key_dim);
+        let chunk_dk = chunk_dk(rows, *key_dim, self.gdn_chunk_rows);
         let variant = match (chunk_dk, key_dim) {
             (_, 0) => return Err(Error::Config(format!("{label}: key_dim 0"))),
             (Some(64), _) => "gated_deltanet_chunk_k64",

@@ -376,6 +376,9 @@ pub struct Builder<'a> {
     /// Pack a KV head's query heads into that kernel's blocks for chunks of fewer than 128 rows
     /// (`CudaOptions::attn_pack`).
     pub attn_pack: bool,
+    /// Prefill buckets of at least this many rows run the chunked Gated DeltaNet kernel
+    /// (`CudaOptions::gdn_chunk_rows`).
+    pub gdn_chunk_rows: usize,
     /// Prefill MoE grouped GEMMs through kernels/moe_wgmma.cu (sm_90a).
     pub moe_wgmma: bool,
     /// ... over 128 x 256 tiles with persistent blocks (`moe_*_w2`; `CudaOptions::moe_wide`).
