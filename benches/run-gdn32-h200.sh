@@ -5,7 +5,8 @@
 #      of the token kernel at [8, 16] buckets and of the chunk kernel at 32 and 64 rows);
 #   2. `flashrt bench` on the 27B shape, a stored prompt of 16384 and of 2048 tokens with
 #      `--profile-rows 32,64`, with FLASHRT_GDN_CHUNK_ROWS=64 (`old`: the token kernel for the
-#      32-row bucket) and as it ships (`new`, 32).
+#      32-row bucket) and as it ships (`new`, 32); at 16384 also FLASHRT_GDN_PREP=0 (`p0`: a
+#      one-chunk call without the separate records launch).
 # Usage (repository root on the GPU machine, carry .gpupack/p.tar.xz):
 #   OUT=DIR bash benches/run-gdn32-h200.sh
 set -uo pipefail
@@ -18,9 +19,14 @@ timeout 150 "$BIN/cuda_ops" gated_deltanet attention --test-threads=1 >"$OUT/cud
 timeout 220 "$BIN/cuda_model" --test-threads=1 >"$OUT/cuda_model.log" 2>&1 || status=1
 grep -hE 'test result|panicked|FAILED|bf16 logits rel err|prompt logits' "$OUT"/cuda_*.log | head -40
 for len in 16384 2048; do
-  for v in old new; do
-    e=FLASHRT_GDN_CHUNK_ROWS=32
-    [ "$v" = old ] && e=FLASHRT_GDN_CHUNK_ROWS=64
+  vs="old new"
+  [ "$len" = 16384 ] && vs="old new p0"
+  for v in $vs; do
+    case "$v" in
+      old) e=FLASHRT_GDN_CHUNK_ROWS=64 ;;
+      p0) e=FLASHRT_GDN_PREP=0 ;;
+      *) e=FLASHRT_GDN_CHUNK_ROWS=32 ;;
+    esac
     BENCH_TIMEOUT=150 run_bench "s$len-$v" "$FLASHRT" "$e" -- "$ROOT/models/qwen36-27b.toml" --iters 1 \
       --lengths "$len" --decode-steps 4 --profile-rows 32,64
     grep -E "cold TTFT|suffix at" "$OUT/s$len-$v.log" | head -5
