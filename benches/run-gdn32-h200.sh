@@ -25,12 +25,15 @@ for len in 16384 2048; do
       *) e=FLASHRT_GDN_CHUNK_ROWS=32 ;;
     esac
     BENCH_TIMEOUT=150 run_bench "s$len-$v" "$FLASHRT" "$e" -- "$ROOT/models/qwen36-27b.toml" --iters 1 \
-      --lengths "$len" --decode-steps 4 --profile-rows 32,64
+      --lengths "$len" --decode-steps 4 --profile-rows "${ROWS:-32,64}"
     grep -E "cold TTFT|suffix at" "$OUT/s$len-$v.log" | head -5
   done
 done
 # The tests after the figures (a call cut short keeps the figures).
-timeout 220 "$BIN/cuda_model" --test-threads=1 >"$OUT/cuda_model.log" 2>&1 || status=1
-timeout 150 "$BIN/cuda_ops" gated_deltanet attention --test-threads=1 >"$OUT/cuda_ops.log" 2>&1 || status=1
+# MODEL_TESTS / OPS_TESTS: test name filters (default: all of cuda_model; the two op tests).
+# shellcheck disable=SC2086
+timeout 220 "$BIN/cuda_model" ${MODEL_TESTS:-} --test-threads=1 >"$OUT/cuda_model.log" 2>&1 || status=1
+# shellcheck disable=SC2086
+timeout 150 "$BIN/cuda_ops" ${OPS_TESTS:-gated_deltanet attention} --test-threads=1 >"$OUT/cuda_ops.log" 2>&1 || status=1
 grep -hE 'test result|panicked|FAILED|bf16 logits rel err|prompt logits' "$OUT"/cuda_*.log | head -40
 exit $status
