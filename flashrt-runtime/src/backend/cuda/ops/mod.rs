@@ -15,7 +15,8 @@
 //!
 //! The builders are split by kernel family, as `kernels/*.cu` is: `linear.rs` (a bucket's
 //! matmuls: cuBLASLt, the FP8 path in `fp8.rs`), `gemv.rs` (small phases' matmuls,
-//! kernels/gemv.cu and gemv_mma.cu), `attention.rs` (kernels/attention*.cu), `conv.rs`
+//! kernels/gemv.cu and gemv_mma.cu), `attention.rs` (kernels/attention.cu, attention_decode.cu) and
+//! `attention_prefill.rs` (kernels/attention_prefill*.cu), `conv.rs`
 //! (kernels/conv.cu), `gated_deltanet.rs` (the recurrence, and a small phase's conv +
 //! recurrence + gated norm as one launch), `mamba2.rs`, `moe.rs` (kernels/moe.cu,
 //! moe_small.cu and moe_wgmma.cu), `norm.rs` (kernels/norm.cu), `qk_prep.rs` (an attention
@@ -34,6 +35,7 @@ use flashrt_ir::{
 };
 
 mod attention;
+mod attention_prefill;
 mod conv;
 mod elementwise;
 mod embed;
