@@ -87,8 +87,9 @@ impl ChunkCosts {
                     // The shape the H200 measured for the 27B model (2026-12-03, in decode
                     // steps): a verify pass 1.20 / 1.66 / 1.88 / 2.13 for k = 1..4, a prefill
                     // chunk 1.28 / 1.83 / 3.02 / 5.78 / 10.9 / 20.8 for 64 .. 4096 rows.
-                    // Below 64 rows nothing was measured (the recurrences there run token by
-                    // token): such a bucket is assumed no cheaper than 64 rows until timed.
+                    // Below 64 rows nothing was measured (a 32-row bucket's Gated DeltaNet
+                    // runs one padded 64-row chunk, as 64 rows do): such a bucket is assumed
+                    // no cheaper than 64 rows until timed.
                     let fixed = match phase {
                         Phase::Decode => 1.0,
                         Phase::Verify { k } => 1.0 + 0.3 * k as f64,
