@@ -373,35 +373,11 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     }
 
     if (!group_rows) return;
-    if (p.splits == 1) {
-        if (G == 1) {
-            flashrt::flash_store<T, 32>(o, l, r0 + wr0 + g, rend, static_cast<T*>(p.out) + (size_t)h0 * p.head_dim,
-                                        p.ld_out, p.head_dim, t4);
-            return;
-        }
-        // Packed: each of the thread's two tile rows to its own chunk row and head (the same
-        // values flash_store writes).
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            float sum = l[i];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const int pi = wr0 + g + 8 * i;
-            if (pi >= pend) continue;
-            const float inv = 1.0f / sum;
-            T* orow = static_cast<T*>(p.out) + (size_t)(r0 + pi / G) * p.ld_out + (size_t)(h0 + pi % G) * p.head_dim;
-#pragma unroll
-            for (int j = 0; j < 32; ++j)
-                if (8 * j < p.head_dim)
-                    *reinterpret_cast<uint32_t*>(orow + 8 * j + 2 * t4) =
-                        Mma<T>::pack(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
-        }
-        return;
-    }
-    // Several splits: each row's (m, l, o[]) to the partials (attention.cu's layout, m in
-    // natural-log units of the scaled scores, o not yet divided by l), merged by
-    // `attention_combine`; a row that saw no key of this split writes m = -inf, which the
-    // combine skips.
+    // Each of the thread's two tile rows to its chunk row and head: with one split the output
+    // (flash_store's values: o / l, packed to T); with several, the row's (m, l, o[]) to the
+    // partials (attention.cu's layout, m in natural-log units of the scaled scores, o not yet
+    // divided by l), merged by `attention_combine` (a row that saw no key of this split writes
+    // m = -inf, which the combine skips).
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         float sum = l[i];
@@ -410,6 +386,16 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
         const int pi = wr0 + g + 8 * i;
         if (pi >= pend) continue;
         const int r = r0 + pi / G, h = h0 + pi % G;
+        if (p.splits == 1) {
+            const float inv = 1.0f / sum;
+            T* orow = static_cast<T*>(p.out) + (size_t)r * p.ld_out + (size_t)h * p.head_dim;
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+                if (8 * j < p.head_dim)
+                    *reinterpret_cast<uint32_t*>(orow + 8 * j + 2 * t4) =
+                        Mma<T>::pack(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
+            continue;
+        }
         float* part = p.partial + (((size_t)r * p.q_heads + h) * p.splits + z) * (size_t)(p.head_dim + 2);
         if (t4 == 0) {
             part[0] = m[i] == -INFINITY ? -INFINITY : m[i] * 0.6931471805599453f;
