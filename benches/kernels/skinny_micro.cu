@@ -15,7 +15,8 @@
 // work on the same step, so the step's R x 128 inputs are staged once per block (R x 256 B
 // against 32 KiB of weights: the inputs cost 25 % extra L2 reads at R = 32, where a per-warp
 // stream-K as gemv_mma.cu's would read them per warp: 2x the weight bytes). Weights and inputs
-// travel by cp.async (16 B, L1 bypassed) into a ring of STAGES steps in shared memory, rows of
+// travel by cp.async (16 B, L1 bypassed; kernels/common.cuh's helpers, as the product's
+// tensor-core kernels use them) into a ring of STAGES steps in shared memory, rows of
 // 256 B with their 16-byte chunks swizzled (chunk c of row r at c ^ (r & 7)) so the ldmatrix
 // reads are conflict-free. A group whose steps all fall to one block is stored by it; a group
 // split between blocks leaves each block's share as f32 partial sums (at most 2 per block: the
@@ -31,6 +32,7 @@
 // streaming read of the same bytes (micro_readall), and the largest difference from a naive
 // f32 reference relative to its largest output.
 #include "micro.cuh"
+#include "common.cuh"
 #include <cuda_bf16.h>
 #include <cmath>
 #include <cstdint>
@@ -55,33 +57,6 @@ struct SkinnyParams {
     int n, k;
 };
 
-static __device__ __forceinline__ uint32_t sk_smem(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-// 16 bytes global -> shared, zeros where `ok` is false.
-static __device__ __forceinline__ void sk_cp16(uint32_t dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
-                 : "memory");
-}
-static __device__ __forceinline__ void sk_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> static __device__ __forceinline__ void sk_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-static __device__ __forceinline__ void sk_ldm4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-static __device__ __forceinline__ void sk_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Byte offset of 16-byte chunk c of row r in a swizzled tile of 256-byte rows.
 static __device__ __forceinline__ uint32_t sk_off(int r, int c) {
     return (uint32_t)(r * 256 + ((c ^ (r & 7)) << 4));
@@ -102,7 +77,7 @@ __global__ void __launch_bounds__(SK_WARPS * 32, 1) skinny(const SkinnyParams p)
     const long long S = (long long)groups * ks, B = gridDim.x;
     const int s0 = (int)(blockIdx.x * S / B), s1 = (int)((blockIdx.x + 1) * S / B);
     if (s0 >= s1) return;
-    const uint32_t base = sk_smem(sk_buf);
+    const uint32_t base = flashrt::smem_u32(sk_buf);
 
     // Issue step s into stage `st`: 128 weight rows x 16 chunks and R input rows x 16 chunks.
     auto issue = [&](int s, int st) {
@@ -113,14 +88,14 @@ __global__ void __launch_bounds__(SK_WARPS * 32, 1) skinny(const SkinnyParams p)
             const int c = tid + i * SK_WARPS * 32, row = c >> 4, ch = c & 15;
             const int n = g * SK_BN + row;
             const bool ok = n < p.n;
-            sk_cp16(ws + sk_off(row, ch), p.w + (size_t)(ok ? n : 0) * p.k + (size_t)kc * SK_BK + ch * 8, ok);
+            flashrt::cp_async16(ws + sk_off(row, ch), p.w + (size_t)(ok ? n : 0) * p.k + (size_t)kc * SK_BK + ch * 8, ok);
         }
 #pragma unroll
         for (int i = 0; i < (R * 16 + SK_WARPS * 32 - 1) / (SK_WARPS * 32); ++i) {
             const int c = tid + i * SK_WARPS * 32;
             if (c < R * 16) {
                 const int row = c >> 4, ch = c & 15;
-                sk_cp16(xs + sk_off(row, ch), p.x + (size_t)row * p.k + (size_t)kc * SK_BK + ch * 8, true);
+                flashrt::cp_async16(xs + sk_off(row, ch), p.x + (size_t)row * p.k + (size_t)kc * SK_BK + ch * 8, true);
             }
         }
     };
@@ -134,29 +109,29 @@ __global__ void __launch_bounds__(SK_WARPS * 32, 1) skinny(const SkinnyParams p)
 #pragma unroll
     for (int i = 0; i < SK_STAGES - 1; ++i) {
         if (s0 + i < s1) issue(s0 + i, i);
-        sk_commit();
+        flashrt::cp_async_commit();
     }
     for (int s = s0; s < s1; ++s) {
         const int i = s - s0;
-        sk_wait<SK_STAGES - 2>();
+        flashrt::cp_async_wait<SK_STAGES - 2>();
         __syncthreads();
         // The stage step i - 1 used is free: refill it with step i + STAGES - 1.
         if (s + SK_STAGES - 1 < s1) issue(s + SK_STAGES - 1, (i + SK_STAGES - 1) % SK_STAGES);
-        sk_commit();
+        flashrt::cp_async_commit();
         const uint32_t ws = base + (i % SK_STAGES) * Sh::STAGE, xs = ws + Sh::W_BYTES;
 #pragma unroll
         for (int kk = 0; kk < SK_BK / 16; ++kk) {
             uint32_t a[4];
             // A (16 weight rows x 16 columns): matrices rows 0-7 / 8-15 x chunks 2kk / 2kk + 1.
-            sk_ldm4(a, ws + sk_off(warp * 16 + (mi & 1) * 8 + mr, 2 * kk + (mi >> 1)));
+            flashrt::ldsm_x4(a, ws + sk_off(warp * 16 + (mi & 1) * 8 + mr, 2 * kk + (mi >> 1)));
 #pragma unroll
             for (int nb = 0; nb < R / 8; nb += 2) {
                 // B of two 8-row column tiles: matrices (rows nb, chunk 2kk), (nb, 2kk + 1),
                 // (nb + 1, 2kk), (nb + 1, 2kk + 1).
                 uint32_t b[4];
-                sk_ldm4(b, xs + sk_off((nb + (mi >> 1)) * 8 + mr, 2 * kk + (mi & 1)));
-                sk_mma(acc[nb], a, b[0], b[1]);
-                sk_mma(acc[nb + 1], a, b[2], b[3]);
+                flashrt::ldsm_x4(b, xs + sk_off((nb + (mi >> 1)) * 8 + mr, 2 * kk + (mi & 1)));
+                flashrt::Mma<__nv_bfloat16>::run(acc[nb], a, b[0], b[1]);
+                flashrt::Mma<__nv_bfloat16>::run(acc[nb + 1], a, b[2], b[3]);
             }
         }
         // The end of a group's segment: store it whole, or leave this block's share.
@@ -179,7 +154,7 @@ __global__ void __launch_bounds__(SK_WARPS * 32, 1) skinny(const SkinnyParams p)
                 }
         }
     }
-    sk_wait<0>();
+    flashrt::cp_async_wait<0>();
 }
 
 // The groups split between blocks: their shares summed in block order.
