@@ -237,7 +237,7 @@ static __device__ __forceinline__ void attention_prefill_wg_impl(const Attention
     const int r0 = (gridDim.y - 1 - blockIdx.y) * PR;
     if (r0 >= len) return;
     const int pos = flashrt::load_pos(p.pos);
-    const int h0 = G > 1 ? blockIdx.x * G : blockIdx.x;
+    const int h0 = blockIdx.x * G; // unpacked (G = 1): the query head
     const int kvh = G > 1 ? blockIdx.x : h0 / (p.q_heads / p.kv_heads);
     const int rend = min(r0 + PR, len);          // valid chunk rows [r0, rend)
     const int pend = (rend - r0) * G;            // valid tile rows [0, pend)
