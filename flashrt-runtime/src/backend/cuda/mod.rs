@@ -324,8 +324,9 @@ pub struct CudaOptions {
     pub gdn_prep: u32,
     /// Prefill buckets of at least this many rows run the chunked Gated DeltaNet kernel (one
     /// padded 64-row chunk for a 32-row bucket); smaller ones the token-by-token kernel. 32: a
-    /// stored prompt's 32-token suffix spent 2.5 ms of 22.7 in the token kernel's 48 launches
-    /// at the 27B shape (52 us each, H100, benches/RESULTS.md 2026-12-07 22:20 UTC), where the
+    /// stored prompt's 32-token suffix spent 2.5 ms of its 25.5 ms profile (22.7 unprofiled) in
+    /// the token kernel's 48 launches at the 27B shape (52 us each, H100, benches/RESULTS.md
+    /// 2026-12-07 22:14 UTC), where the
     /// chunk kernel and its records took 1.2 ms for a 64-row chunk. The chunk kernel's bf16
     /// operands drift further from the f32 reference than the token kernel's f32 state (both
     /// within the reference implementation's own bf16 drift: the GPU tests
